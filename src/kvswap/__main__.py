@@ -1,0 +1,3 @@
+from kvswap.cli import main
+
+raise SystemExit(main())

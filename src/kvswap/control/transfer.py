@@ -1,0 +1,132 @@
+"""Transfers as the control plane sees them: ids, slots, directions, priorities.
+
+The control plane never touches bytes. It hands a `TransferChunk` to a
+`CopyEngine` (the real one in `kvswap.data.copy_engine`, a modelled one in the
+simulator) and later learns, by polling, that the chunk finished.
+
+Lifecycle, for every chunk:
+
+    swapper --submit(chunk)--> copy engine      (slots pinned by the swapper)
+    swapper <--poll()-------- [TransferResult]  (slots released by the swapper)
+
+Nothing is "probably done": a slot that a chunk reads or writes stays reserved
+until its `TransferResult` has been polled.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class Tier(enum.Enum):
+    """Where a copy of a block can live, fastest first."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Direction(enum.Enum):
+    """Which way a chunk moves; the value is the metric label."""
+
+    GPU_TO_CPU = "gpu_to_cpu"
+    CPU_TO_GPU = "cpu_to_gpu"
+    CPU_TO_NVME = "cpu_to_nvme"
+    NVME_TO_CPU = "nvme_to_cpu"
+
+    @property
+    def src_tier(self) -> Tier:
+        return _DIRECTION_TIERS[self][0]
+
+    @property
+    def dst_tier(self) -> Tier:
+        return _DIRECTION_TIERS[self][1]
+
+
+_DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
+    Direction.GPU_TO_CPU: (Tier.GPU, Tier.CPU),
+    Direction.CPU_TO_GPU: (Tier.CPU, Tier.GPU),
+    Direction.CPU_TO_NVME: (Tier.CPU, Tier.NVME),
+    Direction.NVME_TO_CPU: (Tier.NVME, Tier.CPU),
+}
+
+
+class Priority(enum.IntEnum):
+    """Queue a chunk runs on. HIGH (swap-in, prefetch) always goes first."""
+
+    HIGH = 0
+    LOW = 1
+
+
+@dataclass(frozen=True)
+class TransferChunk:
+    """A batch of whole-block copies: src_slots[i] -> dst_slots[i].
+
+    Invariant: len(src_slots) == len(dst_slots) >= 1 and every slot appears
+    once per side. `num_bytes` = len(src_slots) * block bytes.
+    """
+
+    transfer_id: int
+    direction: Direction
+    priority: Priority
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+    num_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_slots)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What the copy engine reports for one finished chunk.
+
+    Times are seconds on the engine's clock (wall clock for the real engine,
+    virtual for the simulator). `failed_dst_slots` lists destination slots
+    whose bytes must not be trusted (e.g. an NVMe write hit ENOSPC); the
+    control plane treats those block copies as lost.
+    """
+
+    transfer_id: int
+    success: bool
+    num_bytes: int
+    start_s: float
+    end_s: float
+    error: str | None = None
+    failed_dst_slots: tuple[int, ...] = ()
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class CopyEngine(ABC):
+    """Executes transfer chunks on two priority queues.
+
+    Called by the swapper only, from one thread:
+      1. `submit(chunk)` any number of times; returns at once.
+      2. `poll()` each step: results of chunks finished since the last poll.
+      3. `wait(transfer_id)` when a step cannot go on without that chunk
+         (a swap-in stall); returns its result, which a later poll will not
+         report again.
+      4. `close()` once at shutdown, after `wait_all()`.
+    A HIGH chunk never waits behind more than one LOW chunk.
+    """
+
+    @abstractmethod
+    def submit(self, chunk: TransferChunk) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]: ...
+
+    @abstractmethod
+    def wait(self, transfer_id: int) -> TransferResult: ...
+
+    @abstractmethod
+    def wait_all(self) -> list[TransferResult]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
