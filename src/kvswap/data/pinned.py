@@ -9,6 +9,7 @@ is present. Without CUDA the buffer is plain (pageable) host memory and says so.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -59,7 +60,7 @@ class PinnedBuffer:
             self.tensor[::_PAGE_BYTES].zero_()
         self.is_pinned = False
         if torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
             code = cudart.cudaHostRegister(self.tensor.data_ptr(), num_bytes, 0)
             if int(code) != 0:
                 self._release_mmap()
@@ -79,18 +80,17 @@ class PinnedBuffer:
         if self._mmap is None:
             return
         if self.is_pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.tensor.data_ptr())
             self.is_pinned = False
         self._release_mmap()
 
     def _release_mmap(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
-            try:
+            # A view may still be exported; the mapping then goes with the last view.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                # A view is still exported; the mapping goes when the last view does.
-                pass
             self._mmap = None
 
     def __enter__(self) -> PinnedBuffer:

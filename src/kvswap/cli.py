@@ -1,0 +1,50 @@
+"""The `kvswap` command line: argparse wiring only; each command lives in kvswap.commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from kvswap import __version__
+from kvswap.commands import bench as bench_command
+from kvswap.commands import plan as plan_command
+from kvswap.errors import KvSwapError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line and exits with 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvswap",
+        description="Tiered KV cache for LLM inference: plan the memory bill, measure the link, "
+        "run and simulate KV offload.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvswap {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    plan_command.register(commands)
+    bench_command.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.handler(args)
+    except KvSwapError as error:
+        print(f"kvswap: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("kvswap: interrupted", file=sys.stderr)
+        return 130
+    return result

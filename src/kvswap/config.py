@@ -1,0 +1,321 @@
+"""The one validated configuration of kvswap.
+
+Sections group the fields, and every field name is unique across sections,
+so a value can be written three ways and mean the same thing:
+
+    [swap]                           # sectioned TOML
+    swap_out_high_watermark = 0.85
+    swap_out_high_watermark = 0.85   # flat TOML, as in the article's template
+    KVSWAP_SWAP_OUT_HIGH_WATERMARK=0.85   # environment
+
+Precedence, lowest first: defaults, the TOML file, `KVSWAP_*` variables, CLI
+flags. The result is validated once (`load_config`) and frozen afterwards.
+Capacities given in bytes ("6GiB") become blocks only once the model's block
+size is known: `KvSwapConfig.tier_capacities(block_bytes)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from kvswap.config_sources import read_toml, source_values
+from kvswap.errors import ConfigError
+from kvswap.units import parse_size_bytes
+
+ENV_PREFIX = "KVSWAP_"
+SizeValue = int | str
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSection(_Section):
+    """Which model's KV is being stored."""
+
+    preset: str | None = "article-8b"
+    hf_config: str | None = None
+    dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp16"
+
+
+class CacheSection(_Section):
+    """Block size and how many blocks each tier holds (blocks or bytes, not both)."""
+
+    kv_block_tokens: int = Field(default=16, ge=1, le=4096)
+    gpu_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    gpu_kv_capacity_bytes: SizeValue | None = None
+    cpu_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    cpu_kv_capacity_bytes: SizeValue | None = None
+    nvme_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    nvme_kv_capacity_bytes: SizeValue | None = None
+
+    @field_validator("kv_block_tokens")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two (1, 2, 4, ..., 4096), got {value}")
+        return value
+
+    @field_validator("gpu_kv_capacity_bytes", "cpu_kv_capacity_bytes", "nvme_kv_capacity_bytes")
+    @classmethod
+    def _size(cls, value: SizeValue | None) -> int | None:
+        return None if value is None else _size_or_value_error(value)
+
+
+class SwapSection(_Section):
+    """The residency policy and the swapper's knobs (the article's names)."""
+
+    swap_out_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
+    swap_in_low_watermark: float = Field(default=0.65, ge=0.0, lt=1.0)
+    evict_protected_blocks: int = Field(default=8, ge=0)
+    min_residency_steps: int = Field(default=64, ge=0)
+    swap_out_chunk_blocks: int = Field(default=8, ge=1)
+    swap_in_chunk_blocks: int = Field(default=4, ge=1)
+    prefetch_stream_count: int = Field(default=2, ge=1, le=16)
+    cpu_demote_high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
+    cpu_demote_low_watermark: float = Field(default=0.80, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _low_below_high(self) -> SwapSection:
+        pairs = (
+            ("swap_in_low_watermark", "swap_out_high_watermark"),
+            ("cpu_demote_low_watermark", "cpu_demote_high_watermark"),
+        )
+        for low_name, high_name in pairs:
+            low, high = getattr(self, low_name), getattr(self, high_name)
+            if not low < high:
+                raise ValueError(
+                    f"{low_name} = {low} must be below {high_name} = {high}; "
+                    "allowed: 0 <= low < high <= 1.0"
+                )
+        return self
+
+
+class TiersSection(_Section):
+    """Where the lower tiers live."""
+
+    nvme_dir: str | None = None
+    nvme_persist: bool = False
+    remote_url: str | None = None
+
+    @field_validator("remote_url")
+    @classmethod
+    def _no_remote_yet(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("the remote tier is not available in this version; leave it unset")
+        return value
+
+
+class EngineSection(_Section):
+    """The reference engine."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    preemption: Literal["swap", "recompute"] = "swap"
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+
+
+class SimulatorSection(_Section):
+    """The simulator's hardware model and randomness."""
+
+    hardware: str = "article-40gb"
+    seed: int = 0
+
+
+class KvSwapConfig(_Section):
+    """All of kvswap's settings, validated and frozen."""
+
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    swap: SwapSection = SwapSection()
+    tiers: TiersSection = TiersSection()
+    engine: EngineSection = EngineSection()
+    simulator: SimulatorSection = SimulatorSection()
+
+    def warnings(self) -> list[str]:
+        """Legal but risky settings, worded for the user."""
+        found: list[str] = []
+        if self.swap.swap_out_high_watermark >= 1.0:
+            found.append(
+                "swap_out_high_watermark = 1.0: swap-out starts only when the GPU pool is full, "
+                "so new work waits for a synchronous swap-out on the decode path "
+                "(the classic stall); 0.85 leaves headroom"
+            )
+        return found
+
+    def tier_capacities(self, block_bytes: int) -> TierCapacities:
+        """Blocks per tier for a model whose KV block is `block_bytes` long.
+
+        Tiers given in bytes hold floor(bytes / block_bytes) blocks. A tier left
+        unset holds 0 blocks here; `kvswap plan` fills the GPU tier from the GPU
+        size instead. Raises ConfigError for a chunk larger than the tier it
+        moves from or a GPU tier smaller than the protected blocks.
+        """
+        if block_bytes <= 0:
+            raise ConfigError(f"block size must be > 0 bytes, got {block_bytes}")
+        cache = self.cache
+        gpu = _blocks("gpu", cache.gpu_kv_capacity_blocks, cache.gpu_kv_capacity_bytes, block_bytes)
+        cpu = _blocks("cpu", cache.cpu_kv_capacity_blocks, cache.cpu_kv_capacity_bytes, block_bytes)
+        nvme = _blocks(
+            "nvme", cache.nvme_kv_capacity_blocks, cache.nvme_kv_capacity_bytes, block_bytes
+        )
+        capacities = TierCapacities(gpu or 0, cpu or 0, nvme or 0, gpu is not None)
+        validate_capacities(self, capacities)
+        return capacities
+
+
+@dataclass(frozen=True)
+class TierCapacities:
+    """Blocks per tier; `gpu_is_configured` is False when the GPU tier was left unset."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    num_nvme_blocks: int
+    gpu_is_configured: bool
+
+
+def validate_capacities(config: KvSwapConfig, capacities: TierCapacities) -> None:
+    """Rules that need block counts: chunk vs tier sizes, protected blocks vs GPU tier."""
+    swap = config.swap
+    if capacities.num_gpu_blocks and swap.evict_protected_blocks > capacities.num_gpu_blocks:
+        raise ConfigError(
+            f"evict_protected_blocks = {swap.evict_protected_blocks}: the GPU tier holds only "
+            f"{capacities.num_gpu_blocks} blocks; allowed: 0..{capacities.num_gpu_blocks}"
+        )
+    if capacities.num_gpu_blocks and swap.swap_out_chunk_blocks > capacities.num_gpu_blocks:
+        raise ConfigError(
+            f"swap_out_chunk_blocks = {swap.swap_out_chunk_blocks}: larger than the GPU tier it "
+            f"moves from ({capacities.num_gpu_blocks} blocks); allowed: "
+            f"1..{capacities.num_gpu_blocks}"
+        )
+    if capacities.num_cpu_blocks and swap.swap_in_chunk_blocks > capacities.num_cpu_blocks:
+        raise ConfigError(
+            f"swap_in_chunk_blocks = {swap.swap_in_chunk_blocks}: larger than the CPU tier it "
+            f"moves from ({capacities.num_cpu_blocks} blocks); allowed: "
+            f"1..{capacities.num_cpu_blocks}"
+        )
+    if capacities.num_nvme_blocks and config.tiers.nvme_dir is None:
+        raise ConfigError(
+            f"nvme_kv_capacity_blocks = {capacities.num_nvme_blocks} needs nvme_dir, the directory "
+            "that holds the NVMe slab; set nvme_dir or make the NVMe tier 0"
+        )
+
+
+def _blocks(
+    tier: str, num_blocks: int | None, size: SizeValue | None, block_bytes: int
+) -> int | None:
+    if num_blocks is not None and size is not None:
+        raise ConfigError(
+            f"{tier}_kv_capacity_blocks and {tier}_kv_capacity_bytes are both set; give one"
+        )
+    if size is not None:
+        return int(size) // block_bytes
+    return num_blocks
+
+
+def _size_or_value_error(value: SizeValue) -> int:
+    try:
+        return parse_size_bytes(value, "size")
+    except ConfigError as error:
+        raise ValueError(str(error).removeprefix("size: ")) from None
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in KvSwapConfig.model_fields.items()
+}
+#: field name -> section name, for every settable field.
+FIELD_SECTIONS: dict[str, str] = {
+    field: section for section, model in _SECTIONS.items() for field in model.model_fields
+}
+
+
+def suggest(name: str, choices: list[str] | tuple[str, ...]) -> str:
+    """' (did you mean X?)' for the closest valid name, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    unset: tuple[str, ...] = (),
+) -> KvSwapConfig:
+    """Defaults <- TOML file <- KVSWAP_* environment <- `overrides` (CLI flags), validated once.
+
+    `overrides` maps field names to values; None values are ignored so that
+    unset CLI flags do not clobber the file. Fields named in `unset` return to
+    their defaults after the file and environment were read (a CLI size in bytes
+    replaces a file's count in blocks).
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        layers.append((str(path), read_toml(Path(path))))
+    env_values = source_values(
+        environ if environ is not None else os.environ, ENV_PREFIX, FIELD_SECTIONS
+    )
+    if env_values:
+        layers.append(("environment", env_values))
+    if overrides:
+        layers.append(("command line", {k: v for k, v in overrides.items() if v is not None}))
+    merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    origin: dict[str, str] = {}
+    for source, values in layers:
+        for key, value in _flatten(values, source).items():
+            merged[FIELD_SECTIONS[key]][key] = value
+            origin[key] = source
+    for key in unset:
+        merged[FIELD_SECTIONS[key]].pop(key, None)
+    try:
+        return KvSwapConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(_one_line(error, origin)) from None
+
+
+def _flatten(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Accept both `[section] key = v` and top-level `key = v`; reject unknown names."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            valid = list(_SECTIONS[key].model_fields)
+            for inner_key, inner_value in value.items():
+                if inner_key not in valid:
+                    raise ConfigError(
+                        f"{source}: unknown key {key}.{inner_key!r}{suggest(inner_key, valid)}; "
+                        f"[{key}] allows: {', '.join(valid)}"
+                    )
+                flat[inner_key] = inner_value
+        elif key in FIELD_SECTIONS:
+            flat[key] = value
+        else:
+            known = list(FIELD_SECTIONS) + list(_SECTIONS)
+            raise ConfigError(f"{source}: unknown key {key!r}{suggest(key, known)}")
+    return flat
+
+
+def _one_line(error: ValidationError, origin: Mapping[str, str]) -> str:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    field = next((part for part in reversed(loc) if part in FIELD_SECTIONS), ".".join(loc))
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if field not in FIELD_SECTIONS:
+        return message
+    where = f" (from {origin[field]})" if field in origin else ""
+    value = first.get("input")
+    return f"{field} = {value!r}{where}: {message}"

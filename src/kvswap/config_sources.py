@@ -1,0 +1,57 @@
+"""Reading raw settings: a TOML file and `KVSWAP_*` environment variables.
+
+Values come back unvalidated; `kvswap.config.load_config` merges and checks them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvswap.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The file's table, or a one-line ConfigError naming the file and the problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(path)!r} is a directory, not a TOML file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+
+
+def source_values(
+    environ: Mapping[str, str], prefix: str, field_sections: Mapping[str, str]
+) -> dict[str, Any]:
+    """Settings from `PREFIX<FIELD>` variables, e.g. KVSWAP_SWAP_OUT_CHUNK_BLOCKS=16.
+
+    An unknown `PREFIX*` variable is an error, not silently ignored: a typo in
+    a variable name would otherwise leave the default in force unnoticed.
+    """
+    values: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(prefix):
+            continue
+        field = name[len(prefix) :].lower()
+        if field not in field_sections:
+            valid = [prefix + known.upper() for known in field_sections]
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"environment variable {name} is not a kvswap setting{hint}")
+        values[field] = None if raw.strip().lower() in ("", "none") else raw
+    return values

@@ -1,0 +1,124 @@
+"""Every validation rule of the configuration, and where values come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvswap.config import load_config
+from kvswap.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTICLE = ROOT / "configs" / "article-8b-40gb.toml"
+
+
+def test_the_article_template_loads_unchanged() -> None:
+    config = load_config(ARTICLE)
+    assert config.cache.kv_block_tokens == 16
+    assert config.cache.gpu_kv_capacity_blocks == 3000
+    assert config.cache.cpu_kv_capacity_blocks == 12000
+    assert config.cache.nvme_kv_capacity_blocks == 40000
+    assert config.swap.swap_out_high_watermark == 0.85
+    assert config.swap.swap_in_low_watermark == 0.65
+    assert config.swap.evict_protected_blocks == 8
+    assert config.swap.swap_out_chunk_blocks == 8
+    assert config.swap.swap_in_chunk_blocks == 4
+    assert config.swap.prefetch_stream_count == 2
+    assert config.warnings() == []
+
+
+def test_sectioned_and_flat_keys_mean_the_same(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.toml"
+    flat.write_text("swap_out_chunk_blocks = 16\n")
+    sectioned = tmp_path / "sectioned.toml"
+    sectioned.write_text("[swap]\nswap_out_chunk_blocks = 16\n")
+    assert load_config(flat) == load_config(sectioned)
+
+
+def test_precedence_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("swap_out_chunk_blocks = 16\nswap_in_chunk_blocks = 2\n")
+    env = {"KVSWAP_SWAP_OUT_CHUNK_BLOCKS": "12", "KVSWAP_SWAP_IN_CHUNK_BLOCKS": "3"}
+    config = load_config(path, environ=env, overrides={"swap_in_chunk_blocks": 5})
+    assert config.swap.swap_out_chunk_blocks == 12
+    assert config.swap.swap_in_chunk_blocks == 5
+
+
+def test_capacity_in_bytes_becomes_blocks() -> None:
+    config = load_config(environ={}, overrides={"cpu_kv_capacity_bytes": "24GiB"})
+    assert config.tier_capacities(2 * 1024**2).num_cpu_blocks == 12288
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"swap_in_low_watermark": 0.9}, "must be below swap_out_high_watermark"),
+        ({"swap_out_high_watermark": 1.5}, "swap_out_high_watermark = 1.5"),
+        ({"cpu_demote_low_watermark": 0.95}, "must be below cpu_demote_high_watermark"),
+        ({"kv_block_tokens": 12}, "power of two"),
+        ({"swap_out_chunk_blocks": 0}, "swap_out_chunk_blocks = 0"),
+        ({"swap_in_chunk_blocks": -1}, "swap_in_chunk_blocks = -1"),
+        ({"gpu_kv_capacity_bytes": "6 gigs"}, "is not a size"),
+        ({"dtype": "int4"}, "dtype = 'int4'"),
+        ({"remote_url": "redis://x"}, "remote tier is not available"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_allowed(
+    overrides: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(environ={}, overrides=overrides)
+    assert needle in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_high_watermark_of_one_is_allowed_but_warned() -> None:
+    config = load_config(environ={}, overrides={"swap_out_high_watermark": 1.0})
+    assert any("synchronous" in warning for warning in config.warnings())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            {"gpu_kv_capacity_blocks": 4, "swap_out_chunk_blocks": 8, "evict_protected_blocks": 2},
+            "larger than the GPU tier",
+        ),
+        ({"cpu_kv_capacity_blocks": 2, "swap_in_chunk_blocks": 4}, "larger than the CPU tier"),
+        ({"gpu_kv_capacity_blocks": 4}, "evict_protected_blocks = 8"),
+        ({"nvme_kv_capacity_blocks": 4}, "needs nvme_dir"),
+        ({"cpu_kv_capacity_blocks": 4, "cpu_kv_capacity_bytes": "1GiB"}, "both set"),
+    ],
+)
+def test_rules_that_need_block_counts(overrides: dict[str, object], needle: str) -> None:
+    config = load_config(environ={}, overrides=overrides)
+    with pytest.raises(ConfigError, match=needle):
+        config.tier_capacities(1024)
+
+
+def test_unknown_keys_suggest_the_closest_name(tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("swap_out_high_watermak = 0.9\n")
+    with pytest.raises(ConfigError, match="did you mean 'swap_out_high_watermark'"):
+        load_config(path, environ={})
+    path.write_text("[swap]\nswap_out_chunk_block = 9\n")
+    with pytest.raises(ConfigError, match="did you mean 'swap_out_chunk_blocks'"):
+        load_config(path, environ={})
+    with pytest.raises(ConfigError, match="did you mean KVSWAP_EVICT_PROTECTED_BLOCKS"):
+        load_config(environ={"KVSWAP_EVICT_PROTECTED_BLOCK": "4"})
+
+
+def test_file_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", environ={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("swap_out_chunk_blocks = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, environ={})
+
+
+def test_config_is_frozen() -> None:
+    config = load_config(environ={})
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError
+        config.swap.swap_out_chunk_blocks = 99  # type: ignore[misc]
