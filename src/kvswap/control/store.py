@@ -1,0 +1,308 @@
+"""The block store: sequences' block tables, block copies on each tier, prefix sharing.
+
+Bookkeeping only: the store never plans a transfer (the swapper does) and
+never touches bytes (the data plane does). It owns every `Block`, the slot
+accounting of each tier, the prefix index and the two residency policies,
+and keeps them consistent: every change to a block's references or copies
+goes through here and re-ranks the block in O(1).
+
+    sequence 3: [b0 b1 b2 b3]      b0, b1 shared with sequence 5 (same prefix)
+                  |  |  |  '-- partial, GPU only
+                  |  |  '----- GPU + CPU copies (dropping the GPU copy is free)
+                  '--'-------- protected sinks: never leave the GPU while referenced
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvswap.control.blocks import ROOT_HASH, Block, Copy, chain_hash
+from kvswap.control.policy import CpuResidencyPolicy, PolicyOptions, ResidencyPolicy
+from kvswap.control.prefix_index import PrefixIndex
+from kvswap.control.tiers import TierSlots
+from kvswap.control.transfer import Tier
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Sizes the store is built with."""
+
+    block_tokens: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    num_nvme_blocks: int
+    protected_blocks: int
+
+
+@dataclass
+class SequenceState:
+    block_ids: list[int]
+    num_tokens: int
+    running: bool = False
+
+
+class BlockStore:
+    def __init__(self, layout: StoreLayout, options: PolicyOptions):
+        self.layout = layout
+        self.block_tokens = layout.block_tokens
+        self.tiers = {
+            Tier.GPU: TierSlots(Tier.GPU, layout.num_gpu_blocks),
+            Tier.CPU: TierSlots(Tier.CPU, layout.num_cpu_blocks),
+            Tier.NVME: TierSlots(Tier.NVME, layout.num_nvme_blocks),
+        }
+        self.blocks: dict[int, Block] = {}
+        self.sequences: dict[int, SequenceState] = {}
+        self.index = PrefixIndex(layout.block_tokens)
+        self.gpu_policy = ResidencyPolicy(options)
+        self.cpu_policy = CpuResidencyPolicy()
+        self._next_block_id = 0
+
+    # ----------------------------------------------------------------- sequences
+
+    def open_sequence(self, seq_id: int, prompt_ids: Sequence[int]) -> list[Block]:
+        """Start a sequence; share the longest indexed prefix of `prompt_ids`.
+
+        Returns the shared blocks (their KV exists somewhere and need not be
+        computed). The rest of the prompt is added with `append_tokens`. At
+        least one token is always left to compute, so the step that admits the
+        sequence produces its logits.
+        """
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence {seq_id} is already open")
+        hits = self.index.match(prompt_ids[: max(0, len(prompt_ids) - 1)])
+        state = SequenceState(block_ids=[], num_tokens=0)
+        self.sequences[seq_id] = state
+        for block in hits:
+            self._attach(state, block)
+            state.num_tokens += self.block_tokens
+        return hits
+
+    def num_new_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        state = self.sequences[seq_id]
+        used = len(state.block_ids) * self.block_tokens
+        return max(0, -(-(state.num_tokens + num_new_tokens - used) // self.block_tokens))
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int]) -> list[Block]:
+        """Add tokens; returns the blocks created for them (each needs a GPU slot).
+
+        Writing into the partial last block invalidates its lower-tier copies:
+        they hold the block as it was.
+        """
+        state = self.sequences[seq_id]
+        created: list[Block] = []
+        position = 0
+        while position < len(token_ids):
+            block: Block
+            if state.num_tokens % self.block_tokens == 0:
+                block = self._new_block(self._tail_hash(state))
+                self._attach(state, block)
+                created.append(block)
+            else:
+                block = self.blocks[state.block_ids[-1]]
+                self.invalidate_lower_copies(block)
+            room = self.block_tokens - len(block.token_ids)
+            taken = list(token_ids[position : position + room])
+            block.token_ids.extend(taken)
+            position += len(taken)
+            state.num_tokens += len(taken)
+            if block.is_full(self.block_tokens):
+                block.prefix_hash = chain_hash(block.parent_hash, tuple(block.token_ids))
+                self.index.insert(block)
+        return created
+
+    def set_running(self, seq_id: int, running: bool) -> None:
+        """Mark a sequence as running (its blocks must stay on the GPU) or paused."""
+        state = self.sequences[seq_id]
+        if state.running == running:
+            return
+        state.running = running
+        delta = 1 if running else -1
+        for block_id in state.block_ids:
+            block = self.blocks[block_id]
+            block.num_running_refs += delta
+            self.gpu_policy.update(block)
+
+    def close_sequence(self, seq_id: int) -> list[Block]:
+        """End a sequence. Returns the full blocks nobody references any more
+        (kept for prefix reuse; the caller offloads them). Partial blocks go."""
+        self.set_running(seq_id, False)
+        state = self.sequences.pop(seq_id)
+        released: list[Block] = []
+        for position, block_id in enumerate(state.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if position < self.layout.protected_blocks:
+                block.num_protected_refs -= 1
+            if block.ref_count > 0:
+                self.gpu_policy.update(block)
+                continue
+            if block.prefix_hash is None or block.lost:
+                self.delete_block(block)
+            else:
+                self._rerank(block)
+                released.append(block)
+        return released
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Drop a sequence's tokens from `num_tokens` on (to recompute lost blocks)."""
+        state = self.sequences[seq_id]
+        keep_blocks = num_tokens // self.block_tokens
+        running = state.running
+        self.set_running(seq_id, False)
+        for position in range(len(state.block_ids) - 1, keep_blocks - 1, -1):
+            block = self.blocks[state.block_ids.pop()]
+            block.ref_count -= 1
+            if position < self.layout.protected_blocks:
+                block.num_protected_refs -= 1
+            if block.ref_count == 0 and (block.prefix_hash is None or block.lost):
+                self.delete_block(block)
+            else:
+                self._rerank(block)
+        state.num_tokens = keep_blocks * self.block_tokens
+        self.set_running(seq_id, running)
+
+    def first_lost_token(self, seq_id: int) -> int | None:
+        """Token index where the sequence's first lost block starts, if any."""
+        for position, block_id in enumerate(self.sequences[seq_id].block_ids):
+            if self.blocks[block_id].lost:
+                return position * self.block_tokens
+        return None
+
+    def sequence_blocks(self, seq_id: int) -> list[Block]:
+        return [self.blocks[block_id] for block_id in self.sequences[seq_id].block_ids]
+
+    def gpu_block_table(self, seq_id: int) -> list[int]:
+        """GPU slots of the sequence's blocks, in order; all must be ready."""
+        table = []
+        for block in self.sequence_blocks(seq_id):
+            copy = block.ready_copy(Tier.GPU)
+            if copy is None:
+                raise AssertionError(f"block {block.block_id} of sequence {seq_id} is not on GPU")
+            table.append(copy.slot)
+        return table
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            self.gpu_policy.touch(block)
+
+    # -------------------------------------------------------------------- copies
+
+    def place(self, block: Block, tier: Tier, *, ready: bool) -> Copy | None:
+        """Give `block` a slot on `tier` (None when the tier is full)."""
+        assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
+        slot = self.tiers[tier].allocate(block.block_id)
+        if slot is None:
+            return None
+        copy = Copy(slot=slot, ready=ready)
+        block.copies[tier] = copy
+        self._rerank(block)
+        return copy
+
+    def drop_copy(self, block: Block, tier: Tier) -> None:
+        """Free `block`'s copy on `tier`. A block left with no copy is deleted if
+        nobody references it, else marked lost (its owners recompute it)."""
+        copy = block.copies.pop(tier)
+        assert copy.num_readers == 0, f"dropping a {tier.value} copy that a transfer still reads"
+        self.tiers[tier].release(copy.slot, block.block_id)
+        if block.copies:
+            self._rerank(block)
+        elif block.ref_count == 0:
+            self.delete_block(block)
+        else:
+            block.lost = True
+            self.index.remove(block)
+            self._rerank(block)
+
+    def invalidate_lower_copies(self, block: Block) -> None:
+        """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
+        Idle copies go now; busy ones are marked stale and go when their transfer ends."""
+        for tier in (Tier.CPU, Tier.NVME):
+            copy = block.copies.get(tier)
+            if copy is None:
+                continue
+            if copy.is_busy:
+                copy.stale = True
+            else:
+                self.drop_copy(block, tier)
+
+    def delete_block(self, block: Block) -> None:
+        """Forget a block nobody references. Copies a transfer still uses are marked
+        stale and released when that transfer ends; until then the block stays,
+        marked lost so that no lookup or policy picks it."""
+        self.index.remove(block)
+        for tier, copy in list(block.copies.items()):
+            if copy.is_busy:
+                copy.stale = True
+            else:
+                del block.copies[tier]
+                self.tiers[tier].release(copy.slot, block.block_id)
+        self.gpu_policy.forget(block)
+        self.cpu_policy.forget(block)
+        if block.copies:
+            block.lost = True
+            return
+        del self.blocks[block.block_id]
+
+    def rerank(self, block: Block) -> None:
+        """Tell both policies that `block` changed (copies became ready, readers done)."""
+        self._rerank(block)
+
+    # ------------------------------------------------------------------ internal
+
+    def _rerank(self, block: Block) -> None:
+        if block.block_id not in self.blocks:
+            return
+        self.gpu_policy.update(block)
+        self.cpu_policy.update(block)
+
+    def _new_block(self, parent_hash: int) -> Block:
+        block = Block(block_id=self._next_block_id, parent_hash=parent_hash)
+        self._next_block_id += 1
+        self.blocks[block.block_id] = block
+        return block
+
+    def _attach(self, state: SequenceState, block: Block) -> None:
+        position = len(state.block_ids)
+        state.block_ids.append(block.block_id)
+        block.ref_count += 1
+        if position < self.layout.protected_blocks:
+            block.num_protected_refs += 1
+        if state.running:
+            block.num_running_refs += 1
+        self._rerank(block)
+
+    def _tail_hash(self, state: SequenceState) -> int:
+        if not state.block_ids:
+            return ROOT_HASH
+        tail = self.blocks[state.block_ids[-1]]
+        assert tail.prefix_hash is not None, "a new block follows only a full block"
+        return tail.prefix_hash
+
+    def check_integrity(self) -> None:
+        """Every slot has one owner, each tier's occupancy equals the copies on it,
+        references equal the tables that hold each block."""
+        for tier_slots in self.tiers.values():
+            tier_slots.check_integrity()
+        counted = {tier: 0 for tier in self.tiers}
+        for block in self.blocks.values():
+            for tier, copy in block.copies.items():
+                owner = self.tiers[tier].owner(copy.slot)
+                assert owner == block.block_id, (
+                    f"{tier.value} slot {copy.slot}: owner {owner}, copy of {block.block_id}"
+                )
+                counted[tier] += 1
+        for tier, tier_slots in self.tiers.items():
+            assert counted[tier] == tier_slots.num_used_slots, (
+                f"{tier.value}: {counted[tier]} copies but {tier_slots.num_used_slots} used slots"
+            )
+        refs: dict[int, int] = {}
+        for state in self.sequences.values():
+            for block_id in state.block_ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self.blocks.values():
+            assert block.ref_count == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"tables {refs.get(block.block_id, 0)}"
+            )
+        self.gpu_policy.check_integrity()

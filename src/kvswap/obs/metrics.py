@@ -1,0 +1,63 @@
+"""One registry of what the KV store did: bytes, seconds, waits, stalls, evictions.
+
+Torch-free and clock-free: the swapper records into it from transfer results
+and its own decisions, so the engine and the simulator fill it the same way.
+Exporters (Prometheus, reports) read `snapshot()`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvswap.control.transfer import Direction, Tier
+
+
+@dataclass
+class KVMetrics:
+    bytes_by_direction: Counter[Direction] = field(default_factory=Counter)
+    seconds_by_direction: dict[Direction, float] = field(
+        default_factory=lambda: dict.fromkeys(Direction, 0.0)
+    )
+    transfers_by_direction: Counter[Direction] = field(default_factory=Counter)
+    failed_transfers: int = 0
+    swap_wait_s: float = 0.0
+    sync_stalls: int = 0
+    evictions_by_reason: Counter[str] = field(default_factory=Counter)
+    protected_block_saves: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    lost_blocks: int = 0
+    prefix_hit_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
+    peak_used_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
+
+    def record_transfer(self, direction: Direction, num_bytes: int, seconds: float) -> None:
+        self.bytes_by_direction[direction] += num_bytes
+        self.seconds_by_direction[direction] += seconds
+        self.transfers_by_direction[direction] += 1
+
+    def gbps(self, direction: Direction) -> float:
+        """Mean throughput while transfers in `direction` were running (GB/s, 1e9 B/s)."""
+        seconds = self.seconds_by_direction[direction]
+        return self.bytes_by_direction[direction] / seconds / 1e9 if seconds > 0 else 0.0
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain values keyed by metric name, for JSON and exporters."""
+        out: dict[str, object] = {}
+        for direction in Direction:
+            out[f"bytes_{direction.value}"] = self.bytes_by_direction[direction]
+            out[f"seconds_{direction.value}"] = round(self.seconds_by_direction[direction], 9)
+            out[f"transfers_{direction.value}"] = self.transfers_by_direction[direction]
+        out.update(
+            failed_transfers=self.failed_transfers,
+            swap_wait_s=round(self.swap_wait_s, 9),
+            sync_stalls=self.sync_stalls,
+            evictions_by_reason=dict(sorted(self.evictions_by_reason.items())),
+            protected_block_saves=self.protected_block_saves,
+            prefetch_hits=self.prefetch_hits,
+            prefetch_misses=self.prefetch_misses,
+            lost_blocks=self.lost_blocks,
+            prefix_hit_blocks_by_tier={t.value: self.prefix_hit_blocks_by_tier[t] for t in Tier},
+            peak_used_blocks_by_tier={t.value: self.peak_used_blocks_by_tier[t] for t in Tier},
+        )
+        return out

@@ -1,0 +1,207 @@
+"""Narrated scenarios on tiny pools: what the swapper does, step by step."""
+
+from __future__ import annotations
+
+from kvswap.control.policy import PolicyOptions
+from kvswap.control.store import StoreLayout
+from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.transfer import Direction, Priority, Tier
+from tests.manual_engine import ManualCopyEngine
+
+BT = 4  # tokens per block: tiny, so a few tokens fill a block
+
+
+def make(
+    gpu: int = 8,
+    cpu: int = 8,
+    nvme: int = 0,
+    protected: int = 0,
+    min_residency: int = 0,
+    high: float = 0.75,
+    low: float = 0.5,
+    out_chunk: int = 2,
+    in_chunk: int = 2,
+    cost_aware: bool = True,
+) -> tuple[Swapper, ManualCopyEngine]:
+    engine = ManualCopyEngine()
+    swapper = Swapper(
+        StoreLayout(BT, gpu, cpu, nvme, protected),
+        PolicyOptions(
+            sink_protection=protected > 0, min_residency_steps=min_residency, cost_aware=cost_aware
+        ),
+        SwapSettings(
+            block_bytes=100,
+            high_watermark=high,
+            low_watermark=low,
+            swap_out_chunk_blocks=out_chunk,
+            swap_in_chunk_blocks=in_chunk,
+            cpu_demote_high_watermark=0.75,
+            cpu_demote_low_watermark=0.5,
+        ),
+        engine,
+        clock_s=lambda: 0.0,
+    )
+    return swapper, engine
+
+
+def add_paused(swapper: Swapper, seq_id: int, num_blocks: int, first_token: int = 0) -> None:
+    """A sequence of `num_blocks` full blocks that ran once and is now paused."""
+    tokens = list(range(first_token, first_token + num_blocks * BT))
+    swapper.open_sequence(seq_id, tokens)
+    assert swapper.allocate(seq_id, tokens)
+    swapper.set_running(seq_id, False)
+
+
+def gpu_used(swapper: Swapper) -> int:
+    return swapper.store.tiers[Tier.GPU].num_used_slots
+
+
+def test_watermark_crossing_swaps_out_down_to_the_low_watermark_in_chunks() -> None:
+    # 8 GPU slots, high 0.75 (6 slots), low 0.5 (4 slots), chunks of 2 blocks.
+    swapper, engine = make()
+    add_paused(swapper, 1, 3)
+    add_paused(swapper, 2, 2, first_token=100)
+    swapper.end_step()
+    # 5 of 8 used: below the high watermark, nothing moves.
+    assert engine.submitted == []
+    add_paused(swapper, 3, 2, first_token=200)
+    swapper.end_step()
+    # 7 of 8 used (>= 6): 3 blocks go, as chunks of 2 + 1, on the low-priority queue.
+    assert [c.num_blocks for c in engine.submitted] == [2, 1]
+    assert all(c.direction is Direction.GPU_TO_CPU for c in engine.submitted)
+    assert all(c.priority is Priority.LOW for c in engine.submitted)
+    # The GPU slots stay taken until the copies are done: no slot reused mid-transfer.
+    assert gpu_used(swapper) == 7
+    engine.finish()
+    swapper.begin_step(1)
+    assert gpu_used(swapper) == 4
+    swapper.check_integrity()
+
+
+def test_sink_blocks_of_a_paused_sequence_stay_on_the_gpu() -> None:
+    # Protect the first 2 blocks of each sequence; force everything evictable out.
+    swapper, engine = make(gpu=8, protected=2, high=0.5, low=0.0)
+    add_paused(swapper, 1, 4)
+    add_paused(swapper, 2, 4, first_token=100)
+    swapper.end_step()
+    engine.finish()
+    swapper.begin_step(1)
+    for seq_id in (1, 2):
+        blocks = swapper.store.sequence_blocks(seq_id)
+        assert [Tier.GPU in b.copies for b in blocks] == [True, True, False, False]
+    assert swapper.metrics.protected_block_saves == 4
+    swapper.check_integrity()
+
+
+def test_without_sink_protection_plain_lru_evicts_the_oldest_blocks_first() -> None:
+    swapper, engine = make(gpu=8, protected=0, high=0.5, low=0.25, cost_aware=False)
+    add_paused(swapper, 1, 4)
+    add_paused(swapper, 2, 4, first_token=100)
+    swapper.end_step()
+    engine.finish()
+    swapper.begin_step(1)
+    # Sequence 1's blocks (least recently used) leave first, its head included.
+    assert [Tier.GPU in b.copies for b in swapper.store.sequence_blocks(1)] == [False] * 4
+    assert swapper.metrics.protected_block_saves == 0
+
+
+def test_min_residency_keeps_a_swapped_in_block_for_the_window() -> None:
+    swapper, engine = make(gpu=4, cpu=8, min_residency=3, high=0.5, low=0.0)
+    add_paused(swapper, 1, 2)
+    swapper.end_step()  # 2 of 4 used: at the watermark, both swapped out
+    engine.finish()
+    swapper.begin_step(1)
+    assert gpu_used(swapper) == 0
+    # Bring them back (resume), then pause again at once.
+    swapper.prefetch([1])
+    engine.finish()
+    swapper.begin_step(2)
+    assert gpu_used(swapper) == 2
+    for step in (2, 3, 4):
+        swapper.begin_step(step)
+        swapper.end_step()
+        engine.finish()
+        assert gpu_used(swapper) == 2, f"evicted inside the residency window at step {step}"
+    swapper.begin_step(5)  # window over: 2 + 3 = 5
+    swapper.end_step()
+    # They had a ready CPU copy, so leaving is a drop, not a second transfer.
+    assert gpu_used(swapper) == 0
+    assert swapper.metrics.evictions_by_reason["watermark_drop"] == 2
+
+
+def test_cold_cpu_copies_are_demoted_to_nvme_past_the_cpu_watermark() -> None:
+    swapper, engine = make(gpu=8, cpu=4, nvme=8, high=0.25, low=0.0)
+    add_paused(swapper, 1, 4)
+    swapper.end_step()  # 4 blocks GPU -> CPU
+    engine.finish()
+    swapper.begin_step(1)
+    assert swapper.store.tiers[Tier.CPU].num_used_slots == 4
+    swapper.end_step()  # CPU 4/4 >= 0.75: demote down to 0.5
+    demotions = [c for c in engine.submitted if c.direction is Direction.CPU_TO_NVME]
+    assert sum(c.num_blocks for c in demotions) == 2
+    engine.finish()
+    swapper.begin_step(2)
+    assert swapper.store.tiers[Tier.CPU].num_used_slots == 2
+    assert swapper.store.tiers[Tier.NVME].num_used_slots == 2
+    # Resuming brings NVMe blocks up through the CPU.
+    swapper.set_running(1, True)
+    swapper.wait_ready([1])
+    assert all(b.ready_copy(Tier.GPU) for b in swapper.store.sequence_blocks(1))
+    swapper.check_integrity()
+
+
+def test_identical_prefixes_share_blocks_and_a_later_turn_finds_them_on_cpu() -> None:
+    swapper, engine = make(gpu=8, cpu=8)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    swapper.open_sequence(1, prompt)
+    assert swapper.allocate(1, prompt)
+    assert swapper.open_sequence(2, prompt) == 2 * BT
+    assert swapper.allocate(2, prompt[2 * BT :])
+    shared = swapper.store.sequence_blocks(1)[:2]
+    assert shared == swapper.store.sequence_blocks(2)[:2]
+    assert [b.ref_count for b in shared] == [2, 2]
+    swapper.finish(1)
+    swapper.finish(2)  # finished: offloaded at once, low priority
+    assert sum(c.num_blocks for c in engine.submitted) == 2
+    engine.finish()
+    swapper.begin_step(1)
+    # Push them off the GPU, then a later turn with the same prefix finds them on the CPU.
+    swapper.ensure_gpu_slots(8)
+    turn2 = [*prompt, 50, 51, 52]
+    assert swapper.open_sequence(3, turn2) == 2 * BT
+    assert swapper.metrics.prefix_hit_blocks_by_tier[Tier.CPU] == 2
+    swapper.check_integrity()
+
+
+def test_full_gpu_with_only_dirty_victims_is_a_counted_sync_stall_not_a_crash() -> None:
+    swapper, _ = make(gpu=4, cpu=8, high=1.0, low=0.9)
+    add_paused(swapper, 1, 4)
+    swapper.open_sequence(2, [900])
+    swapper.set_running(2, True)
+    assert swapper.allocate(2, [900])  # needs a slot: waits for one swap-out
+    assert swapper.metrics.sync_stalls == 1
+    swapper.check_integrity()
+
+
+def test_when_nothing_can_leave_allocation_says_no_and_changes_nothing() -> None:
+    swapper, _ = make(gpu=2, cpu=0)
+    swapper.open_sequence(1, list(range(8)))
+    swapper.set_running(1, True)
+    assert swapper.allocate(1, list(range(8)))
+    assert not swapper.allocate(1, [99])
+    assert swapper.store.sequences[1].num_tokens == 8
+    swapper.check_integrity()
+
+
+def test_a_failed_swap_out_keeps_the_gpu_copy() -> None:
+    swapper, engine = make(gpu=4, cpu=8, high=0.5, low=0.0, out_chunk=4)
+    add_paused(swapper, 1, 2)
+    swapper.end_step()
+    engine.fail_ids.add(engine.submitted[0].transfer_id)
+    engine.finish()
+    swapper.begin_step(1)
+    blocks = swapper.store.sequence_blocks(1)
+    assert all(b.ready_copy(Tier.GPU) for b in blocks)
+    assert all(Tier.CPU not in b.copies for b in blocks)
+    assert swapper.metrics.failed_transfers == 1
+    swapper.check_integrity()
