@@ -1,0 +1,137 @@
+"""Reference generation: one sequence, a private KV pool, prefill then decode.
+
+The engine batches many sequences over the tiered store; this helper is the
+plain baseline its output is compared with (and what `kvswap generate` runs).
+Sampling happens on CPU with a seeded generator, so a seed gives the same
+tokens on every device as long as the logits agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvswap.errors import KvSwapError
+from kvswap.model.llama import LlamaForCausal
+from kvswap.model.paged_attention import AttentionBatch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Seeded sampling; pass `sampling=None` to `generate_reference` for greedy decoding."""
+
+    temperature: float
+    seed: int
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise KvSwapError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise KvSwapError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise KvSwapError(f"top_k must be >= 1, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: tuple[int, ...]  # generated tokens only, stop token included if hit
+    logits: Tensor  # [len(token_ids), vocab] float32 on CPU: the logits each token came from
+
+
+def sample_token(
+    logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None
+) -> int:
+    """logits [vocab] float32 on CPU -> a token id (argmax, first index on ties, when greedy)."""
+    if sampling is None:
+        return int(torch.argmax(logits).item())
+    scaled = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        # keep the smallest prefix whose mass reaches top_p (always the first token)
+        mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def generate_reference(
+    model: LlamaForCausal,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams | None = None,
+    block_tokens: int = 16,
+    prefill_chunk_tokens: int | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
+    block_table: Sequence[int] | None = None,
+    num_pool_blocks: int | None = None,
+) -> GenerationResult:
+    """Prefill `prompt_ids` (in chunks of `prefill_chunk_tokens` if given), then decode.
+
+    The pool is private to the call; `block_table` (default 0, 1, 2, ...) and
+    `num_pool_blocks` choose where the blocks physically live, which must not
+    change the output.
+    """
+    if not prompt_ids:
+        raise KvSwapError("prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise KvSwapError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+        raise KvSwapError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+    vocab_size = model.config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise KvSwapError(f"prompt token ids must be in [0, {vocab_size})")
+    total_tokens = len(prompt_ids) + max_new_tokens - 1  # the last token is never fed back
+    needed_blocks = -(-total_tokens // block_tokens)
+    table = tuple(block_table) if block_table is not None else tuple(range(needed_blocks))
+    if len(table) < needed_blocks:
+        raise KvSwapError(f"block_table has {len(table)} blocks, {needed_blocks} are needed")
+    pool_blocks = num_pool_blocks if num_pool_blocks is not None else max(table) + 1
+    kv = model.allocate_kv(pool_blocks, block_tokens)
+    generator = None
+    if sampling is not None:
+        generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+
+    chunk_tokens = prefill_chunk_tokens if prefill_chunk_tokens is not None else len(prompt_ids)
+    context_len = 0
+    step_logits: Tensor | None = None
+    while context_len < len(prompt_ids):
+        chunk = prompt_ids[context_len : context_len + chunk_tokens]
+        context_len += len(chunk)
+        step_logits = _step(model, kv, chunk, context_len, table)
+    assert step_logits is not None
+
+    token_ids: list[int] = []
+    all_logits: list[Tensor] = []
+    while True:
+        logits = step_logits[0].cpu()
+        token = sample_token(logits, sampling, generator)
+        token_ids.append(token)
+        all_logits.append(logits)
+        if len(token_ids) == max_new_tokens or token in stop_token_ids:
+            break
+        context_len += 1
+        step_logits = _step(model, kv, [token], context_len, table)
+    return GenerationResult(token_ids=tuple(token_ids), logits=torch.stack(all_logits))
+
+
+def _step(
+    model: LlamaForCausal,
+    kv: Tensor,
+    new_ids: Sequence[int],
+    context_len: int,
+    table: tuple[int, ...],
+) -> Tensor:
+    batch = AttentionBatch((len(new_ids),), (context_len,), (table,))
+    input_ids = torch.tensor(list(new_ids), dtype=torch.int64, device=model.device)
+    logits: Tensor = model(input_ids, batch, kv)
+    return logits

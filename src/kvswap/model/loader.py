@@ -1,0 +1,184 @@
+"""Build a LlamaForCausal from a built-in preset or a local safetensors checkpoint.
+
+The model is first built on the `meta` device (no memory, no random init),
+then given uninitialised storage in the target dtype on the target device, and
+every parameter is filled exactly once: from the checkpoint, one tensor at a
+time (safetensors memory-maps the file, so a tensor is read when asked for and
+dropped after its copy: there is never a second full copy of the weights), or,
+for a preset, from a seeded CPU generator (identical weights on every device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvswap.errors import KvSwapError
+from kvswap.model.hf_config import DTYPE_NAMES, ModelArchConfig, parse_hf_config
+from kvswap.model.llama import LlamaForCausal
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRESET_SEED = 0
+_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _preset(**fields: object) -> ModelArchConfig:
+    base: dict[str, object] = {
+        "model_type": "llama",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "qkv_bias": False,
+        "o_bias": False,
+        "mlp_bias": False,
+        "max_position_tokens": 8192,
+        "sliding_window_tokens": None,
+        "dtype_name": "fp32",
+    }
+    base.update(fields)
+    return ModelArchConfig(**base)  # type: ignore[arg-type]
+
+
+PRESETS: dict[str, ModelArchConfig] = {
+    "tiny": _preset(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+    ),
+    "small": _preset(  # ~100M parameters
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+        num_kv_heads=4, head_dim=64, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'fp32' | 'fp16' | 'bf16' (or the checkpoint spelling 'float32', ...) -> torch dtype."""
+    short = DTYPE_NAMES.get(name, name)
+    if short not in TORCH_DTYPES:
+        raise KvSwapError(f"unknown dtype {name!r}; choose one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[short]
+
+
+def load_model(
+    source: str, dtype: str | None, device: torch.device
+) -> tuple[LlamaForCausal, ModelArchConfig]:
+    """A preset name (`tiny`, `small`) or a directory with config.json + *.safetensors.
+
+    `dtype` overrides the checkpoint's own dtype (presets default to fp32). The
+    returned config's `dtype_name` is the dtype the weights were loaded in.
+    """
+    if source in PRESETS:
+        config = PRESETS[source]
+        directory: Path | None = None
+    else:
+        directory = Path(source).expanduser()
+        if not directory.is_dir():
+            raise KvSwapError(
+                f"model {source!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                "directory with config.json and *.safetensors"
+            )
+        config = read_checkpoint_config(directory)
+    dtype_name = dtype if dtype is not None else (config.dtype_name or "fp32")
+    torch_dtype = parse_dtype(dtype_name)
+    config = replace(config, dtype_name=DTYPE_NAMES.get(dtype_name, dtype_name))
+    model = _empty_model(config, torch_dtype, device)
+    if directory is None:
+        _fill_random(model, PRESET_SEED)
+    else:
+        _fill_from_checkpoint(model, directory)
+    return model.eval(), config
+
+
+def read_checkpoint_config(directory: Path) -> ModelArchConfig:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise KvSwapError(f"no config.json in model directory {directory}")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KvSwapError(f"cannot read {config_path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise KvSwapError(f"{config_path} must hold a JSON object")
+    return parse_hf_config(raw)
+
+
+def _empty_model(
+    config: ModelArchConfig, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausal:
+    with torch.device("meta"):
+        model = LlamaForCausal(config).to(dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each parameter fresh storage: share again
+    return model
+
+
+@torch.no_grad()
+def _fill_random(model: LlamaForCausal, seed: int) -> None:
+    """Seeded weights with O(1) activations: embeddings N(0, 1), linears N(0, 1/fan_in).
+
+    Larger than the usual 0.02 init on purpose: logits spread widely, so greedy
+    argmax is far from ties and tests comparing argmax are not flaky.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.dim() == 2 and "embed_tokens" not in name:
+                values.mul_(1.0 / math.sqrt(param.shape[1]))
+            param.copy_(values)
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    index_path = directory / _INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KvSwapError(f"cannot read weight_map from {index_path}: {exc}") from exc
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise KvSwapError(f"shard {path.name} listed in {_INDEX_NAME} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise KvSwapError(f"no *.safetensors files in model directory {directory}")
+    return files
+
+
+@torch.no_grad()
+def _fill_from_checkpoint(model: LlamaForCausal, directory: Path) -> None:
+    # named_parameters drops the tied lm_head (it is the embedding), so a tied
+    # checkpoint's lack of lm_head.weight is fine and a stray one is ignored.
+    expected = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in _checkpoint_files(directory):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    param = expected.get(name)
+                    if param is None or name in loaded:
+                        continue  # e.g. rotary inv_freq buffers some exports carry
+                    shape = tuple(shard.get_slice(name).get_shape())
+                    if shape != tuple(param.shape):
+                        raise KvSwapError(
+                            f"tensor {name} in {path.name} has shape {shape}, "
+                            f"expected {tuple(param.shape)}"
+                        )
+                    param.copy_(shard.get_tensor(name))
+                    loaded.add(name)
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            raise KvSwapError(f"cannot read safetensors file {path}: {exc}") from exc
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KvSwapError(f"checkpoint {directory} is missing tensor {missing[0]}{more}")
