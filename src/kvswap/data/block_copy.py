@@ -1,0 +1,91 @@
+"""What the copy workers share: the pools, a submitted job, one block copy.
+
+`copy_block` is the unit every transfer is made of. It lives apart from the
+workers so that a test can replace it (fault injection, ordering hooks) and
+every worker path picks the replacement up: callers look it up as
+`block_copy.copy_block` at call time.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvswap.control.transfer import Direction, TransferChunk, TransferResult
+from kvswap.data.device_pool import DevicePool
+from kvswap.data.disk_pool import DiskPool
+from kvswap.data.host_pool import HostPool
+
+# Directions with a device-pool end: on CUDA they run on copy streams.
+GPU_DIRECTIONS = frozenset({Direction.GPU_TO_CPU, Direction.CPU_TO_GPU})
+
+
+@dataclass(frozen=True)
+class Pools:
+    device: DevicePool
+    host: HostPool | None
+    disk: DiskPool | None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A submitted chunk, its completion, and (CUDA) the event it must wait for."""
+
+    chunk: TransferChunk
+    future: Future[TransferResult]
+    ready_event: torch.cuda.Event | None
+
+
+def copy_block(
+    pools: Pools, direction: Direction, src_slot: int, dst_slot: int, *, non_blocking: bool = False
+) -> None:
+    """Copy one block (block_bytes) from `src_slot` to `dst_slot`.
+
+    GPU legs are tensor copies ([block_bytes] uint8 views); with `non_blocking`
+    on CUDA they are queued on the current stream. NVMe legs are synchronous
+    file I/O and raise `DiskSlotError` for a slot that failed."""
+    host = _host(pools)
+    if direction is Direction.GPU_TO_CPU:
+        src = pools.device.byte_view(src_slot)
+        host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+    elif direction is Direction.CPU_TO_GPU:
+        src = host.byte_view(src_slot)
+        pools.device.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+    elif direction is Direction.CPU_TO_NVME:
+        _disk(pools).write_slot(dst_slot, host.byte_view(src_slot))
+    elif direction is Direction.NVME_TO_CPU:
+        _disk(pools).read_slot(src_slot, host.byte_view(dst_slot))
+    else:  # pragma: no cover - Direction is closed
+        raise ValueError(f"unknown direction {direction!r}")
+
+
+def _host(pools: Pools) -> HostPool:
+    if pools.host is None:
+        raise ValueError("this copy engine has no host pool")
+    return pools.host
+
+
+def _disk(pools: Pools) -> DiskPool:
+    if pools.disk is None:
+        raise ValueError("this copy engine has no NVMe pool")
+    return pools.disk
+
+
+def failed_result(chunk: TransferChunk, start_s: float, error: str) -> TransferResult:
+    """A result that marks every destination slot of `chunk` as untrustworthy."""
+    return TransferResult(
+        transfer_id=chunk.transfer_id,
+        success=False,
+        num_bytes=chunk.num_bytes,
+        start_s=start_s,
+        end_s=max(start_s, time.perf_counter()),
+        error=error,
+        failed_dst_slots=chunk.dst_slots,
+    )
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

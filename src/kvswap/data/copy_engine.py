@@ -1,0 +1,220 @@
+"""The real copy engine: executes the control plane's chunks between the pools.
+
+`LocalCopyEngine` implements `kvswap.control.transfer.CopyEngine` over a
+device pool, a pinned host pool and (optionally) an NVMe slab. It decides
+nothing: the swapper picks slots, directions and priorities; this engine moves
+the bytes and reports, for every chunk, its id, bytes, start/end times (wall
+clock, `time.perf_counter` seconds), success and the destination slots that
+must not be trusted.
+
+Two queues (see `copy_workers` for how they run):
+  HIGH  swap-in CPU_TO_GPU, NVME_TO_CPU restore, prefetch  - always goes first
+  LOW   swap-out GPU_TO_CPU, CPU_TO_NVME demotion           - yields to HIGH
+
+A result's start_s is when its worker began the chunk (CPU path) or when the
+GPU began its first copy (CUDA path); a LOW chunk's duration includes the time
+it yielded to HIGH chunks. Byte accounting per direction is left to the caller
+(the control plane knows each chunk's direction and gets every result).
+
+All public methods are called from one control thread. Wrong arguments
+(slots out of range, a reused id, submit after close) are programming errors
+and raise ValueError; copy failures are never raised, they are reported.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+import torch
+
+from kvswap.control.transfer import (
+    CopyEngine,
+    Direction,
+    Priority,
+    Tier,
+    TransferChunk,
+    TransferResult,
+)
+from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, failed_result
+from kvswap.data.copy_workers import LinkArbiter, QueueWorker
+from kvswap.data.device_pool import DevicePool
+from kvswap.data.disk_pool import DiskPool
+from kvswap.data.host_pool import HostPool
+
+# How often a waiter checks that the worker it waits on is still alive.
+_LIVENESS_CHECK_S = 0.5
+
+
+class LocalCopyEngine(CopyEngine):
+    """Two prioritised copy queues over real pools: CUDA streams + events when the
+    device pool is on a GPU, worker threads otherwise (and for every NVMe leg)."""
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool | None,
+        disk_pool: DiskPool | None = None,
+        *,
+        max_in_flight_high_chunks: int = 4,
+        max_in_flight_low_chunks: int = 1,
+    ) -> None:
+        """`host_pool` None: a GPU-only store (no CPU tier); every chunk is refused.
+        `max_in_flight_*_chunks`: CUDA path only, chunks queued on a stream at
+        once. LOW stays at 1 so a HIGH chunk never waits behind more than one."""
+        block_bytes = device_pool.layout.block_bytes
+        if host_pool is not None and host_pool.layout.block_bytes != block_bytes:
+            raise ValueError(
+                f"host pool blocks are {host_pool.layout.block_bytes} bytes, "
+                f"device pool blocks {block_bytes} bytes; they must match"
+            )
+        if disk_pool is not None and disk_pool.block_bytes != block_bytes:
+            raise ValueError(
+                f"NVMe pool blocks are {disk_pool.block_bytes} bytes, "
+                f"device pool blocks {block_bytes} bytes; they must match"
+            )
+        self.block_bytes = block_bytes
+        self._pools = Pools(device=device_pool, host=host_pool, disk=disk_pool)
+        self._use_cuda = device_pool.is_cuda
+        self._arbiter = LinkArbiter()
+        streams = _make_streams(device_pool.device) if self._use_cuda else {}
+        max_in_flight = {
+            Priority.HIGH: max_in_flight_high_chunks,
+            Priority.LOW: max_in_flight_low_chunks,
+        }
+        self._workers = {
+            priority: QueueWorker(
+                priority, self._pools, self._arbiter, streams.get(priority), depth
+            )
+            for priority, depth in max_in_flight.items()
+        }
+        # Submitted and not yet reported, in submit order.
+        self._pending: dict[int, tuple[TransferChunk, Future[TransferResult]]] = {}
+        self._closed = False
+
+    @property
+    def uses_cuda(self) -> bool:
+        return self._use_cuda
+
+    @property
+    def num_pending(self) -> int:
+        """Chunks submitted whose results have not been reported yet."""
+        return len(self._pending)
+
+    def submit(self, chunk: TransferChunk) -> None:
+        self._validate(chunk)
+        ready_event: torch.cuda.Event | None = None
+        if self._use_cuda and chunk.direction in GPU_DIRECTIONS:
+            # Mark "now" on the caller's stream: the copy starts after the kernels
+            # that produced (or still read) the device blocks it touches.
+            ready_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready_event.record()
+        future: Future[TransferResult] = Future()
+        self._pending[chunk.transfer_id] = (chunk, future)
+        if chunk.priority is Priority.HIGH:
+            self._arbiter.high_submitted()  # before the LOW worker's next block check
+        self._workers[chunk.priority].put(Job(chunk, future, ready_event))
+
+    def poll(self) -> list[TransferResult]:
+        """Results finished since the last poll/wait, in order of end time; never blocks."""
+        done = [tid for tid, (_chunk, future) in self._pending.items() if future.done()]
+        results = [self._pending.pop(tid)[1].result() for tid in done]
+        return sorted(results, key=lambda result: result.end_s)
+
+    def wait(self, transfer_id: int) -> TransferResult:
+        """Block until chunk `transfer_id` finishes; its result is not polled again."""
+        entry = self._pending.pop(transfer_id, None)
+        if entry is None:
+            raise ValueError(
+                f"transfer {transfer_id} is not pending: never submitted or already reported"
+            )
+        return self._await(*entry)
+
+    def wait_all(self) -> list[TransferResult]:
+        """Block until every submitted chunk finishes; return the unreported results."""
+        entries = list(self._pending.values())
+        self._pending.clear()
+        results = [self._await(chunk, future) for chunk, future in entries]
+        return sorted(results, key=lambda result: result.end_s)
+
+    def close(self) -> None:
+        """Stop accepting chunks, let the queued ones finish, join the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers.values():
+            worker.stop()
+        for worker in self._workers.values():
+            worker.join()
+
+    def __enter__(self) -> LocalCopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _await(self, chunk: TransferChunk, future: Future[TransferResult]) -> TransferResult:
+        worker = self._workers[chunk.priority]
+        while True:
+            try:
+                return future.result(timeout=_LIVENESS_CHECK_S)
+            except FutureTimeoutError:
+                if not worker.is_alive() and not future.done():
+                    return failed_result(chunk, time.perf_counter(), "copy worker exited")
+
+    def _validate(self, chunk: TransferChunk) -> None:
+        tid = chunk.transfer_id
+        if self._closed:
+            raise ValueError(f"transfer {tid}: the copy engine is closed")
+        if tid in self._pending:
+            raise ValueError(f"transfer {tid}: id already in use by a pending chunk")
+        if not isinstance(chunk.priority, Priority) or not isinstance(chunk.direction, Direction):
+            raise ValueError(f"transfer {tid}: bad priority or direction")
+        if chunk.num_blocks < 1 or len(chunk.dst_slots) != chunk.num_blocks:
+            raise ValueError(
+                f"transfer {tid}: needs >= 1 block and as many destination as source slots, got "
+                f"{len(chunk.src_slots)} -> {len(chunk.dst_slots)}"
+            )
+        expected_bytes = chunk.num_blocks * self.block_bytes
+        if chunk.num_bytes != expected_bytes:
+            raise ValueError(
+                f"transfer {tid}: num_bytes {chunk.num_bytes} != {chunk.num_blocks} blocks x "
+                f"{self.block_bytes} bytes"
+            )
+        for side, tier, slots in (
+            ("source", chunk.direction.src_tier, chunk.src_slots),
+            ("destination", chunk.direction.dst_tier, chunk.dst_slots),
+        ):
+            num_slots = self._num_slots(tier, tid)
+            if len(set(slots)) != len(slots):
+                raise ValueError(f"transfer {tid}: a {side} slot appears twice in {slots}")
+            bad = [slot for slot in slots if not 0 <= slot < num_slots]
+            if bad:
+                raise ValueError(
+                    f"transfer {tid}: {side} {tier.value} slots {bad} out of range [0, {num_slots})"
+                )
+
+    def _num_slots(self, tier: Tier, tid: int) -> int:
+        if tier is Tier.GPU:
+            return self._pools.device.num_blocks
+        if tier is Tier.CPU:
+            if self._pools.host is None:
+                raise ValueError(f"transfer {tid}: CPU direction but the engine has no host pool")
+            return self._pools.host.num_slots
+        if self._pools.disk is None:
+            raise ValueError(f"transfer {tid}: NVMe direction but the engine has no NVMe pool")
+        return self._pools.disk.num_slots
+
+
+def _make_streams(device: torch.device) -> dict[Priority, torch.cuda.Stream]:
+    """One stream per queue; HIGH gets the device's highest stream priority
+    (CUDA priorities: numerically lower = scheduled first)."""
+    priority_range = getattr(torch.cuda.Stream, "priority_range", None)
+    # Without the query, out-of-range priorities are clamped to the device's range.
+    range_ends = priority_range() if priority_range is not None else (0, -1)
+    highest, lowest = min(range_ends), max(range_ends)
+    return {
+        Priority.HIGH: torch.cuda.Stream(device=device, priority=highest),  # type: ignore[no-untyped-call]
+        Priority.LOW: torch.cuda.Stream(device=device, priority=lowest),  # type: ignore[no-untyped-call]
+    }
