@@ -9,7 +9,9 @@ from typing import NoReturn
 
 from kvswap import __version__
 from kvswap.commands import bench as bench_command
+from kvswap.commands import generate as generate_command
 from kvswap.commands import plan as plan_command
+from kvswap.commands import run as run_command
 from kvswap.errors import KvSwapError
 
 EXIT_USAGE = 2
@@ -33,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     plan_command.register(commands)
     bench_command.register(commands)
+    run_command.register(commands)
+    generate_command.register(commands)
     return parser
 
 

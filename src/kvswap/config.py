@@ -244,6 +244,12 @@ FIELD_SECTIONS: dict[str, str] = {
 }
 
 
+_CAPACITY_TWINS: dict[str, str] = {}
+for _tier in ("gpu", "cpu", "nvme"):
+    _CAPACITY_TWINS[f"{_tier}_kv_capacity_blocks"] = f"{_tier}_kv_capacity_bytes"
+    _CAPACITY_TWINS[f"{_tier}_kv_capacity_bytes"] = f"{_tier}_kv_capacity_blocks"
+
+
 def suggest(name: str, choices: list[str] | tuple[str, ...]) -> str:
     """' (did you mean X?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -255,16 +261,18 @@ def load_config(
     *,
     overrides: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
-    unset: tuple[str, ...] = (),
+    defaults: Mapping[str, object] | None = None,
 ) -> KvSwapConfig:
     """Defaults <- TOML file <- KVSWAP_* environment <- `overrides` (CLI flags), validated once.
 
     `overrides` maps field names to values; None values are ignored so that
-    unset CLI flags do not clobber the file. Fields named in `unset` return to
-    their defaults after the file and environment were read (a CLI size in bytes
-    replaces a file's count in blocks).
+    unset CLI flags do not clobber the file. A tier capacity set in one unit
+    (blocks or bytes) replaces the same tier's capacity from a lower layer in the
+    other unit. `defaults` are a command's own defaults, below the file.
     """
     layers: list[tuple[str, dict[str, Any]]] = []
+    if defaults:
+        layers.append(("command defaults", dict(defaults)))
     if path is not None:
         layers.append((str(path), read_toml(Path(path))))
     env_values = source_values(
@@ -277,11 +285,13 @@ def load_config(
     merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     origin: dict[str, str] = {}
     for source, values in layers:
-        for key, value in _flatten(values, source).items():
+        flat = _flatten(values, source)
+        for key, value in flat.items():
+            twin = _CAPACITY_TWINS.get(key)
+            if twin is not None and twin not in flat:
+                merged["cache"].pop(twin, None)
             merged[FIELD_SECTIONS[key]][key] = value
             origin[key] = source
-    for key in unset:
-        merged[FIELD_SECTIONS[key]].pop(key, None)
     try:
         return KvSwapConfig.model_validate(merged)
     except ValidationError as error:

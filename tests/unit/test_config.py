@@ -122,3 +122,13 @@ def test_config_is_frozen() -> None:
     config = load_config(environ={})
     with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError
         config.swap.swap_out_chunk_blocks = 99  # type: ignore[misc]
+
+
+def test_a_capacity_in_one_unit_replaces_a_lower_layers_other_unit(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("cpu_kv_capacity_blocks = 100\n")
+    config = load_config(path, environ={}, overrides={"cpu_kv_capacity_bytes": "1MiB"})
+    assert config.cache.cpu_kv_capacity_blocks is None
+    assert config.tier_capacities(1024).num_cpu_blocks == 1024
+    config = load_config(path, environ={}, defaults={"cpu_kv_capacity_bytes": "1MiB"})
+    assert config.cache.cpu_kv_capacity_bytes is None

@@ -145,7 +145,7 @@ def test_cold_cpu_copies_are_demoted_to_nvme_past_the_cpu_watermark() -> None:
     assert swapper.store.tiers[Tier.NVME].num_used_slots == 2
     # Resuming brings NVMe blocks up through the CPU.
     swapper.set_running(1, True)
-    swapper.wait_ready([1])
+    assert swapper.wait_ready([1]) == []
     assert all(b.ready_copy(Tier.GPU) for b in swapper.store.sequence_blocks(1))
     swapper.check_integrity()
 
@@ -155,6 +155,7 @@ def test_identical_prefixes_share_blocks_and_a_later_turn_finds_them_on_cpu() ->
     prompt = list(range(10))  # 2 full blocks + 2 tokens
     swapper.open_sequence(1, prompt)
     assert swapper.allocate(1, prompt)
+    swapper.end_step()  # the step computed sequence 1's blocks: now they can be shared
     assert swapper.open_sequence(2, prompt) == 2 * BT
     assert swapper.allocate(2, prompt[2 * BT :])
     shared = swapper.store.sequence_blocks(1)[:2]

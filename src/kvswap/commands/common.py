@@ -10,10 +10,6 @@ from kvswap.model.shapes import ModelShape, preset_shape, shape_from_hf_config
 
 #: Flags whose names differ from the config field they set.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"kv_block_tokens": ("--block-tokens",)}
-#: Fields given in bytes on the command line replace the same tier's count in blocks.
-_BYTES_REPLACE_BLOCKS = {
-    f"{tier}_kv_capacity_bytes": f"{tier}_kv_capacity_blocks" for tier in ("gpu", "cpu", "nvme")
-}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, sections: Iterable[str]) -> None:
@@ -28,17 +24,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Iterable[str
         group.add_argument(*flags, dest=f"cfg_{field}", metavar="VALUE", default=None)
 
 
-def config_from_args(args: argparse.Namespace) -> KvSwapConfig:
+def config_from_args(
+    args: argparse.Namespace, defaults: dict[str, object] | None = None
+) -> KvSwapConfig:
     overrides = {
         name.removeprefix("cfg_"): value
         for name, value in vars(args).items()
         if name.startswith("cfg_") and value is not None
     }
-    unset: list[str] = []
-    for size, blocks in _BYTES_REPLACE_BLOCKS.items():
-        if (size in overrides) != (blocks in overrides):
-            unset.append(blocks if size in overrides else size)
-    return load_config(args.config, overrides=overrides, unset=tuple(unset))
+    return load_config(args.config, overrides=overrides, defaults=defaults)
 
 
 def shape_from_config(config: KvSwapConfig) -> ModelShape:

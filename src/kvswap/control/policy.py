@@ -119,8 +119,8 @@ class ResidencyPolicy:
             return None
         if block.num_protected_refs > 0 and self.options.sink_protection:
             return None
-        if block.resident_until_step > self._step:
-            return None
+        if block.resident_until_step > self._step and block.ref_count > 0:
+            return None  # the window protects blocks someone brought back to use
         if not self.options.cost_aware:
             return 0
         clean = block.has_ready_copy_below(Tier.GPU)

@@ -57,6 +57,7 @@ class BlockStore:
         self.gpu_policy = ResidencyPolicy(options)
         self.cpu_policy = CpuResidencyPolicy()
         self._next_block_id = 0
+        self._unpublished: list[Block] = []
 
     # ----------------------------------------------------------------- sequences
 
@@ -108,8 +109,16 @@ class BlockStore:
             state.num_tokens += len(taken)
             if block.is_full(self.block_tokens):
                 block.prefix_hash = chain_hash(block.parent_hash, tuple(block.token_ids))
-                self.index.insert(block)
+                self._unpublished.append(block)
         return created
+
+    def publish_computed(self) -> None:
+        """Index the blocks filled this step. Called after the step computed their KV,
+        so a sequence admitted in the same step never shares a block not yet written."""
+        for block in self._unpublished:
+            if block.block_id in self.blocks and not block.lost:
+                self.index.insert(block)
+        self._unpublished.clear()
 
     def set_running(self, seq_id: int, running: bool) -> None:
         """Mark a sequence as running (its blocks must stay on the GPU) or paused."""

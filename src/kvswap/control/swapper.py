@@ -73,6 +73,7 @@ class Swapper:
         self._clock_s = clock_s
         self._wanted_on_gpu: set[int] = set()  # block ids to bring up when they reach the CPU
         self._prefetched: set[int] = set()  # block ids swapped in ahead of a wait
+        self.last_wait_s = 0.0  # swap wait of the latest wait_ready call
 
     # ------------------------------------------------------------ step bracket
 
@@ -81,6 +82,8 @@ class Swapper:
         self.mover.poll()
 
     def end_step(self) -> None:
+        """The step's KV is computed: publish its full blocks, then swap out and demote."""
+        self.store.publish_computed()
         self.mover.poll()
         self._swap_out_past_watermark()
         self._demote_past_watermark()
@@ -114,6 +117,11 @@ class Swapper:
             self.metrics.protected_block_saves += sum(Tier.GPU in b.copies for b in protected)
         self.store.set_running(seq_id, running)
 
+    def release(self, seq_id: int) -> None:
+        """End a sequence without offloading (recompute preemption): its full blocks
+        stay only as prefix cache, wherever they are."""
+        self.store.close_sequence(seq_id)
+
     def finish(self, seq_id: int) -> None:
         """End a sequence and offload its reusable blocks at once (LOW queue)."""
         released = self.store.close_sequence(seq_id)
@@ -141,8 +149,10 @@ class Swapper:
         """Start bringing these sequences' blocks to the GPU (HIGH queue), without waiting."""
         self._fetch(seq_ids, sync=False)
 
-    def wait_ready(self, seq_ids: Sequence[int]) -> float:
-        """Block until every block of `seq_ids` is on the GPU; returns seconds waited."""
+    def wait_ready(self, seq_ids: Sequence[int]) -> list[int]:
+        """Block until the blocks of `seq_ids` are on the GPU (the time counts as
+        swap wait). Returns the sequences that could not be made resident (no GPU
+        room even after synchronous eviction); the caller pauses them again."""
         start_s = self._clock_s()
         for _ in range(3 * len(seq_ids) + 8):
             self.mover.poll()
@@ -152,20 +162,29 @@ class Swapper:
             if not missing:
                 break
             self._fetch(seq_ids, sync=True)
+            waited = False
             for block in missing:
                 for tier in (Tier.GPU, Tier.CPU):
                     transfer_id = self.mover.writing.get((block.block_id, tier))
                     if transfer_id is not None:
                         self.mover.wait(transfer_id)
+                        waited = True
+            if not waited and not self.mover.inflight:
+                break  # nothing is moving: the rest cannot come up now
+        not_ready: list[int] = []
         for seq_id in seq_ids:
-            for block in self.store.sequence_blocks(seq_id):
+            blocks = self.store.sequence_blocks(seq_id)
+            if any(self._missing(block) for block in blocks):
+                not_ready.append(seq_id)
+                continue
+            for block in blocks:
                 if block.block_id in self._prefetched:
                     self._prefetched.discard(block.block_id)
                     self.metrics.prefetch_hits += 1
-            self.store.touch(self.store.sequence_blocks(seq_id))
-        waited_s = self._clock_s() - start_s
-        self.metrics.swap_wait_s += waited_s
-        return waited_s
+            self.store.touch(blocks)
+        self.last_wait_s = self._clock_s() - start_s
+        self.metrics.swap_wait_s += self.last_wait_s
+        return not_ready
 
     def _missing(self, block: Block) -> bool:
         return not block.lost and block.ready_copy(Tier.GPU) is None
@@ -351,6 +370,13 @@ class Swapper:
             else self.settings.swap_out_chunk_blocks
         )
         self.mover.submit(direction, priority, pairs, evict=evict, chunk_blocks=chunk_blocks)
+
+    def wait_any(self) -> bool:
+        """Wait for the oldest transfer in flight; False when none is."""
+        if not self.mover.inflight:
+            return False
+        self.mover.wait(next(iter(self.mover.inflight)))
+        return True
 
     def drain(self) -> None:
         """Wait for every transfer (shutdown, tests)."""

@@ -1,0 +1,153 @@
+"""`kvswap run`: serve a workload on the reference engine over the tiered store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from kvswap.commands.common import add_config_arguments, config_from_args
+from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.model.generate import SamplingParams
+from kvswap.obs.progress import ProgressBar
+from kvswap.units import format_bytes
+from kvswap.workload.mooncake import load_mooncake_trace
+from kvswap.workload.request import Workload
+from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
+
+#: The demo: 12 two-turn sessions sharing a system prompt, whose KV at its peak
+#: is 4x the 30-block device pool; the pinned CPU pool absorbs the rest.
+RUN_DEFAULTS: dict[str, object] = {
+    "gpu_kv_capacity_blocks": 30,
+    "cpu_kv_capacity_blocks": 256,
+    "evict_protected_blocks": 2,
+    "max_num_seqs": 8,
+}
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "run",
+        help="serve a synthetic or trace workload on the reference engine",
+        description="Run a Llama-family model over the tiered KV store and report throughput, "
+        "latency percentiles, swap traffic and stalls. Default: the built-in `small` model on a "
+        "multi-turn workload whose KV demand is 4x the device pool.",
+    )
+    parser.add_argument("--model", default="small", help="preset (tiny, small) or checkpoint dir")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None)
+    add_workload_arguments(parser)
+    parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
+    parser.set_defaults(handler=run)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (synthetic unless --trace)")
+    group.add_argument("--num-sessions", type=int, default=12)
+    group.add_argument("--turns", type=int, default=2)
+    group.add_argument("--prompt-tokens", type=int, default=160)
+    group.add_argument("--output-tokens", type=int, default=32)
+    group.add_argument("--user-tokens", type=int, default=32, help="new tokens per later turn")
+    group.add_argument("--system-prompt-tokens", type=int, default=32)
+    group.add_argument("--arrival-rate", type=float, default=math.inf, help="sessions per second")
+    group.add_argument("--think-time-s", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
+    group.add_argument("--time-scale", type=float, default=1.0, help="trace timestamps x this")
+    group.add_argument("--length-scale", type=float, default=1.0, help="trace lengths x this")
+    group.add_argument("--max-requests", type=int, default=None)
+
+
+def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
+    if args.trace is not None:
+        return load_mooncake_trace(
+            args.trace,
+            vocab_size=vocab_size,
+            time_scale=args.time_scale,
+            length_scale=args.length_scale,
+            max_requests=args.max_requests,
+        )
+    return generate_synthetic(
+        SyntheticSpec(
+            num_sessions=args.num_sessions,
+            turns_per_session=args.turns,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            user_tokens_per_turn=args.user_tokens,
+            system_prompt_tokens=args.system_prompt_tokens,
+            arrival_rate_per_s=args.arrival_rate,
+            think_time_s=args.think_time_s,
+            vocab_size=vocab_size,
+            seed=args.seed,
+        )
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args, RUN_DEFAULTS)
+    sampling = None
+    if args.temperature is not None:
+        sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    with Engine(config, EngineOptions(args.model, args.dtype, sampling)) as engine:
+        workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
+        if not args.json and not args.quiet:
+            print(describe(engine, workload))
+        bar = ProgressBar("requests", enabled=not (args.json or args.quiet))
+        summary = engine.run(workload, lambda done, total: bar.update(done, total))
+    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    return 0
+
+
+def describe(engine: Engine, workload: Workload) -> str:
+    caps = engine.capacities
+    block = engine.layout.block_bytes
+    demand_tokens = max(
+        (workload.resolved_prompt_tokens(r.request_id) + r.max_new_tokens for r in workload),
+        default=0,
+    )
+    return (
+        f"model {engine.model_name} on {engine.device.type}; blocks of "
+        f"{engine.layout.block_tokens} tokens = {format_bytes(block)}\n"
+        f"tiers: GPU {caps.num_gpu_blocks} blocks, CPU {caps.num_cpu_blocks} (pinned pool "
+        f"{format_bytes(caps.num_cpu_blocks * block)}), NVMe {caps.num_nvme_blocks}\n"
+        f"workload {workload.name}: {len(workload)} requests, "
+        f"longest context {demand_tokens} tokens"
+    )
+
+
+def render(summary: dict[str, Any]) -> str:
+    def pct(name: str) -> str:
+        values = summary[name]
+        return f"p50 {values['p50']:.1f}  p95 {values['p95']:.1f}  p99 {values['p99']:.1f}"
+
+    rows = [
+        ("requests completed", f"{summary['requests_completed']}"
+         f" ({summary['requests_rejected']} rejected)"),
+        ("tokens generated", str(summary["tokens_generated"])),
+        ("duration", f"{summary['duration_s']:.2f} s"),
+        ("throughput", f"{summary['throughput_tok_s']:.1f} tok/s"),
+        ("TTFT ms", pct("ttft_ms")),
+        ("TPOT ms", pct("tpot_ms")),
+        ("token latency ms", pct("itl_ms")),
+        ("swap-wait share", f"{100 * summary['swap_wait_share']:.2f} % of step time"),
+        ("GPU -> CPU", f"{format_bytes(summary['bytes_gpu_to_cpu'])} "
+         f"at {summary['gpu_to_cpu_gbps']:.2f} GB/s"),
+        ("CPU -> GPU", f"{format_bytes(summary['bytes_cpu_to_gpu'])} "
+         f"at {summary['cpu_to_gpu_gbps']:.2f} GB/s"),
+        ("CPU -> NVMe / back", f"{format_bytes(summary['bytes_cpu_to_nvme'])} / "
+         f"{format_bytes(summary['bytes_nvme_to_cpu'])}"),
+        ("pinned pool peak", f"{100 * summary['pinned_pool_utilization_peak']:.1f} %"),
+        ("sync stalls", str(summary["sync_stalls"])),
+        ("preemptions", str(summary["preemptions"])),
+        ("prefix hits (tokens)",
+         ", ".join(f"{k} {v}" for k, v in summary["prefix_hit_tokens"].items())),
+        ("recomputed tokens", str(summary["recomputed_tokens"])),
+        ("outputs digest", str(summary["outputs_digest"])[:16]),
+    ]  # fmt: skip
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    lines += [f"rejected request {r['request_id']}: {r['reason']}" for r in summary["rejections"]]
+    return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""Continuous batching over the tiered store: admit, preempt, resume, finish.
+
+Torch-free and clock-agnostic: the engine drives it with a model and a wall
+clock, the simulator with a cost model and a virtual clock. One step:
+
+    plan = scheduler.schedule(now_s)    admit / resume / preempt; slots allocated;
+                                        swap-ins started and waited for
+    ... runner computes plan.seqs, samples one token per sampling sequence ...
+    scheduler.complete(plan, sampled, now_s)   outputs appended, finished
+                                        sequences offloaded, swap-out past the
+                                        watermark started
+
+Every running sequence has all its blocks on the GPU during the step (paged
+attention reads them all). When the GPU cannot grow the batch, the newest
+running sequence is preempted: by swapping its blocks out (default) or by
+dropping them to be recomputed (vLLM V1's only mode, kept for comparison).
+Preempted sequences resume first, their blocks prefetched on the HIGH queue.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvswap.control.swapper import Swapper
+from kvswap.control.transfer import Tier
+
+
+class Preemption(enum.Enum):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption: Preemption = Preemption.SWAP
+
+
+@dataclass
+class SequenceRun:
+    """One request's life in the scheduler."""
+
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    arrival_s: float
+    output_ids: list[int] = field(default_factory=list)
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    tokens_to_recompute: int = 0  # computed before a recompute preemption dropped them
+    rejected_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.output_ids]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """KV to compute for one sequence this step: `token_ids` at positions
+    `start_position ...`; `samples` when the chunk reaches the sequence's end."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_position: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    seqs: tuple[ScheduledSeq, ...]
+    swap_wait_s: float
+
+
+class Scheduler:
+    def __init__(self, swapper: Swapper, settings: SchedulerSettings, clock_s: Callable[[], float]):
+        self.swapper = swapper
+        self.store = swapper.store
+        self.settings = settings
+        self._clock_s = clock_s
+        self.block_tokens = swapper.store.block_tokens
+        self.runs: dict[int, SequenceRun] = {}
+        self.waiting: deque[int] = deque()
+        self.preempted: deque[int] = deque()
+        self.running: list[int] = []
+        self.finished: list[int] = []
+        self.step = 0
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake
+
+    def add_request(
+        self, seq_id: int, prompt_ids: Sequence[int], max_new_tokens: int, arrival_s: float
+    ) -> None:
+        """Queue a request. One that can never fit the GPU tier is rejected with a
+        reason (the others keep running)."""
+        run = SequenceRun(seq_id, tuple(prompt_ids), max_new_tokens, arrival_s)
+        self.runs[seq_id] = run
+        needed = -(-(len(prompt_ids) + max_new_tokens) // self.block_tokens)
+        capacity = self.store.tiers[Tier.GPU].num_slots - self.store.layout.protected_blocks
+        if not prompt_ids:
+            run.rejected_reason = "empty prompt"
+        elif needed > capacity:
+            run.rejected_reason = (
+                f"needs {needed} blocks of {self.block_tokens} tokens but a running sequence "
+                f"must fit the GPU tier ({capacity} usable blocks)"
+            )
+        if run.rejected_reason is not None:
+            run.finish_s = arrival_s
+            self.finished.append(seq_id)
+            return
+        self.waiting.append(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.preempted or self.running)
+
+    # --------------------------------------------------------------- schedule
+
+    def schedule(self, now_s: float) -> StepPlan:
+        self.step += 1
+        self.swapper.begin_step(self.step)
+        self._repair_lost()
+        self._resume_preempted()
+        self._admit(now_s)
+        # Bring every running sequence's blocks up before growing any: running
+        # blocks are never eviction candidates, so allocation cannot undo this.
+        for seq_id in reversed(self.swapper.wait_ready(self.running)):
+            self.running.remove(seq_id)
+            self.swapper.set_running(seq_id, False)
+            self.preempted.appendleft(seq_id)
+        seqs = self._allocate_running()
+        return StepPlan(self.step, tuple(seqs), self.swapper.last_wait_s)
+
+    def complete(self, plan: StepPlan, sampled: Mapping[int, int], now_s: float) -> list[int]:
+        """Apply a step's sampled tokens; returns the sequences that finished."""
+        done: list[int] = []
+        for item in plan.seqs:
+            if not item.samples:
+                continue
+            run = self.runs[item.seq_id]
+            run.output_ids.append(sampled[item.seq_id])
+            run.token_times_s.append(now_s)
+            if run.first_token_s is None:
+                run.first_token_s = now_s
+            if len(run.output_ids) >= run.max_new_tokens:
+                done.append(item.seq_id)
+        for seq_id in done:
+            self.running.remove(seq_id)
+            self.swapper.finish(seq_id)
+            self.runs[seq_id].finish_s = now_s
+            self.finished.append(seq_id)
+        self.swapper.end_step()
+        self._prefetch_next_resume()
+        return done
+
+    def _missing_blocks(self, seq_id: int) -> int:
+        return sum(Tier.GPU not in b.copies for b in self.store.sequence_blocks(seq_id))
+
+    def _prefetch_next_resume(self) -> None:
+        """Bring the next preempted sequence's blocks up ahead of its resume, but only
+        into free slots it will be allowed to keep: a prefetched block that has to
+        leave again before use is a wasted transfer (and, inside its residency
+        window, a block nobody can evict)."""
+        if not self.preempted or self.preempted[0] not in self.store.sequences:
+            return
+        seq_id = self.preempted[0]
+        gpu = self.store.tiers[Tier.GPU]
+        headroom = math.ceil((1.0 - self.swapper.settings.high_watermark) * gpu.num_slots)
+        if self._missing_blocks(seq_id) + headroom <= gpu.num_free_slots:
+            self.swapper.prefetch([seq_id])
+
+    # ---------------------------------------------------------------- internal
+
+    def _fits(self, num_blocks: int) -> bool:
+        """May a sequence needing `num_blocks` more GPU blocks (re)join the running set?
+
+        Only if the blocks nobody can evict (running, protected, young) stay at or
+        below the low watermark after it joins: the running sequences keep room
+        to grow, so a resumed sequence is not preempted again a few tokens later.
+        The first sequence may always run if it fits at all (no idle deadlock).
+        """
+        gpu = self.store.tiers[Tier.GPU]
+        room = gpu.num_free_slots + self.store.gpu_policy.num_candidates()
+        if not self.running:
+            return num_blocks <= room
+        pinned_blocks = gpu.num_slots - room
+        return pinned_blocks + num_blocks <= self.swapper.settings.low_watermark * gpu.num_slots
+
+    def _admit(self, now_s: float) -> None:
+        while self.waiting and len(self.running) < self.settings.max_num_seqs:
+            seq_id = self.waiting[0]
+            run = self.runs[seq_id]
+            if run.arrival_s > now_s or self.preempted:
+                return
+            ids = run.all_ids
+            needed = -(-len(ids) // self.block_tokens) + 1
+            if not self._fits(needed):
+                return
+            self.waiting.popleft()
+            hit_tokens = self.swapper.open_sequence(seq_id, ids)
+            run.prefix_hit_tokens += hit_tokens
+            run.recomputed_tokens += max(0, run.tokens_to_recompute - hit_tokens)
+            run.tokens_to_recompute = 0
+            self.swapper.set_running(seq_id, True)
+            self.running.append(seq_id)
+            self.swapper.prefetch([seq_id])
+
+    def _resume_preempted(self) -> None:
+        while self.preempted and len(self.running) < self.settings.max_num_seqs:
+            seq_id = self.preempted[0]
+            if seq_id not in self.store.sequences:  # recompute mode: start over
+                self.preempted.popleft()
+                self.waiting.appendleft(seq_id)
+                return
+            if not self._fits(self._missing_blocks(seq_id) + 1):
+                return
+            self.preempted.popleft()
+            self.swapper.set_running(seq_id, True)
+            self.running.append(seq_id)
+            self.swapper.prefetch([seq_id])
+
+    def _allocate_running(self) -> list[ScheduledSeq]:
+        budget = self.settings.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        for seq_id in list(self.running):
+            if seq_id not in self.running:
+                continue  # preempted below to make room for an older sequence
+            run = self.runs[seq_id]
+            ids = run.all_ids
+            done = self.store.sequences[seq_id].num_tokens
+            count = min(len(ids) - done, max(1, budget))
+            chunk = ids[done : done + count]
+            while not self.swapper.allocate(seq_id, chunk):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim == seq_id:
+                    break
+            if seq_id not in self.running:
+                continue
+            budget -= len(chunk)
+            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == len(ids)))
+            if budget <= 0:
+                break
+        scheduled = {item.seq_id for item in seqs}
+        return [item for item in seqs if item.seq_id in scheduled and item.seq_id in self.running]
+
+    def _preempt(self, seq_id: int) -> None:
+        run = self.runs[seq_id]
+        run.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq_id)
+        if self.settings.preemption is Preemption.SWAP:
+            self.swapper.swap_out_sequence(seq_id)
+        else:
+            run.tokens_to_recompute = self.store.sequences[seq_id].num_tokens
+            self.swapper.release(seq_id)
+        self.preempted.append(seq_id)
+
+    def _repair_lost(self) -> None:
+        """Blocks whose every copy failed are recomputed from the first lost one."""
+        for seq_id in [*self.running, *self.preempted]:
+            if seq_id not in self.store.sequences:
+                continue
+            first_lost = self.store.first_lost_token(seq_id)
+            if first_lost is not None:
+                run = self.runs[seq_id]
+                run.recomputed_tokens += self.store.sequences[seq_id].num_tokens - first_lost
+                self.store.truncate(seq_id, first_lost)

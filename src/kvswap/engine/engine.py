@@ -1,0 +1,217 @@
+"""The reference engine: a model, the tiered store, the scheduler, a wall clock.
+
+    workload --> arrivals --> Scheduler.schedule --> ModelRunner.run --> Scheduler.complete
+                                  |   (swapper: swap-in, waits)     (swapper: offload, swap-out)
+                                  '-- LocalCopyEngine: device pool <-> pinned pool <-> NVMe slab
+
+Everything is allocated once in `__init__` at exactly the configured sizes,
+checked before anything is allocated: the device pool, the pinned host pool,
+the NVMe slab. `close()` releases them (the slab file is removed unless
+`nvme_persist`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvswap.config import KvSwapConfig
+from kvswap.control.policy import PolicyOptions
+from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
+from kvswap.control.store import StoreLayout
+from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.data.copy_engine import LocalCopyEngine
+from kvswap.data.device_pool import DevicePool
+from kvswap.data.disk_pool import DiskPool
+from kvswap.data.host_pool import HostPool
+from kvswap.data.layout import KVLayout
+from kvswap.engine.runner import ModelRunner
+from kvswap.engine.summary import StepTotals, build_summary
+from kvswap.errors import KvSwapError
+from kvswap.model.generate import SamplingParams
+from kvswap.model.loader import load_model
+from kvswap.workload.request import Request, Workload, resolve_prompt
+
+#: Called after every step with (requests finished, requests in the workload).
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str = "small"
+    dtype: str | None = None
+    sampling: SamplingParams | None = None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KvSwapError("device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, config: KvSwapConfig, options: EngineOptions):
+        self.config = config
+        self.device = pick_device(config.engine.device)
+        model, arch = load_model(options.model, options.dtype, self.device)
+        self.model, self.arch = model, arch
+        self.model_name = options.model
+        self.layout = KVLayout(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.kv_block_tokens,
+            model.dtype,
+        )  # fmt: skip
+        capacities = config.tier_capacities(self.layout.block_bytes)
+        if capacities.num_gpu_blocks < 1:
+            raise KvSwapError(
+                "gpu_kv_capacity_blocks (or gpu_kv_capacity_bytes) must give the engine at least "
+                f"one GPU block of {self.layout.block_bytes} bytes"
+            )
+        self.capacities = capacities
+        disk: DiskPool | None = None
+        if capacities.num_nvme_blocks:
+            assert config.tiers.nvme_dir is not None  # validated with the capacities
+            disk = DiskPool(
+                config.tiers.nvme_dir, self.layout.block_bytes, capacities.num_nvme_blocks,
+                persist=config.tiers.nvme_persist,
+            )  # fmt: skip
+        host = (
+            HostPool(self.layout, capacities.num_cpu_blocks) if capacities.num_cpu_blocks else None
+        )
+        self.device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
+        self.host_pool, self.disk_pool = host, disk
+        self.copy_engine = LocalCopyEngine(self.device_pool, host, disk)
+        swap = config.swap
+        self.swapper = Swapper(
+            StoreLayout(
+                config.cache.kv_block_tokens, capacities.num_gpu_blocks, capacities.num_cpu_blocks,
+                capacities.num_nvme_blocks, swap.evict_protected_blocks,
+            ),
+            PolicyOptions(
+                sink_protection=swap.evict_protected_blocks > 0,
+                min_residency_steps=swap.min_residency_steps,
+            ),
+            SwapSettings.from_config(config, self.layout.block_bytes),
+            self.copy_engine,
+            clock_s=time.perf_counter,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.swapper,
+            SchedulerSettings(
+                max_num_seqs=config.engine.max_num_seqs,
+                max_num_batched_tokens=config.engine.max_num_batched_tokens,
+                preemption=Preemption(config.engine.preemption),
+            ),
+            clock_s=time.perf_counter,
+        )
+        self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)
+
+    def run(self, workload: Workload, progress: Progress | None = None) -> dict[str, object]:
+        """Serve every request of `workload`; returns the run summary."""
+        if workload.vocab_size > self.arch.vocab_size:
+            raise KvSwapError(
+                f"workload {workload.name!r} uses token ids up to {workload.vocab_size - 1} but "
+                f"the model's vocabulary has {self.arch.vocab_size} tokens"
+            )
+        scheduler = self.scheduler
+        arrivals: list[tuple[float, int]] = [
+            (r.arrival_s, r.request_id) for r in workload.first_arrivals()
+        ]
+        heapq.heapify(arrivals)
+        prompts: dict[int, tuple[int, ...]] = {}
+        outputs: dict[int, tuple[int, ...]] = {}
+        start_s = time.perf_counter()
+        step_s = swap_wait_s = 0.0
+        num_steps = 0
+        while arrivals or scheduler.has_work():
+            now_s = time.perf_counter() - start_s
+            while arrivals and arrivals[0][0] <= now_s:
+                arrival_s, request_id = heapq.heappop(arrivals)
+                if not self._admit(workload[request_id], prompts, outputs, arrival_s):
+                    for follow_up in workload.follow_ups_of(request_id):
+                        heapq.heappush(arrivals, (now_s, follow_up.request_id))
+            if not scheduler.has_work():
+                time.sleep(max(0.0, min(arrivals[0][0] - now_s, 0.05)))
+                continue
+            step_start_s = time.perf_counter()
+            plan = scheduler.schedule(now_s)
+            if not plan.seqs:
+                if self.swapper.wait_any():
+                    continue  # a transfer finished: room may have appeared
+                if arrivals and arrivals[0][0] > now_s:
+                    time.sleep(min(arrivals[0][0] - now_s, 0.05))
+                    continue
+                raise KvSwapError(
+                    "the engine cannot make progress: the GPU tier is held by paused sequences "
+                    "and nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
+                )
+            tables = {
+                item.seq_id: self.swapper.store.gpu_block_table(item.seq_id) for item in plan.seqs
+            }
+            sampled = self.runner.run(plan, tables)
+            done_s = time.perf_counter()
+            finished = scheduler.complete(plan, sampled, done_s - start_s)
+            step_s += time.perf_counter() - step_start_s
+            swap_wait_s += plan.swap_wait_s
+            num_steps += 1
+            for seq_id in finished:
+                outputs[seq_id] = tuple(scheduler.runs[seq_id].output_ids)
+                for follow_up in workload.follow_ups_of(seq_id):
+                    assert follow_up.follow_up is not None
+                    arrival = done_s - start_s + follow_up.follow_up.think_time_s
+                    heapq.heappush(arrivals, (arrival, follow_up.request_id))
+            if progress is not None:
+                progress(len(scheduler.finished), len(workload))
+        self.swapper.drain()
+        duration_s = time.perf_counter() - start_s
+        return build_summary(
+            scheduler,
+            duration_s,
+            StepTotals(num_steps, step_s, swap_wait_s),
+            {
+                "device": self.device.type,
+                "model": self.model_name,
+                "preemption": self.config.engine.preemption,
+                "block_bytes": self.layout.block_bytes,
+                "pinned_pool_configured_bytes": self.host_pool.configured_bytes
+                if self.host_pool
+                else 0,
+                "pinned_pool_resident_bytes": (
+                    self.host_pool.resident_bytes() if self.host_pool else 0
+                ),
+            },
+        )
+
+    def _admit(
+        self,
+        request: Request,
+        prompts: dict[int, tuple[int, ...]],
+        outputs: dict[int, tuple[int, ...]],
+        arrival_s: float,
+    ) -> bool:
+        """Queue a request; False when it was rejected (its output is then empty)."""
+        prompt = tuple(resolve_prompt(request, outputs, prompts))
+        prompts[request.request_id] = prompt
+        self.scheduler.add_request(request.request_id, prompt, request.max_new_tokens, arrival_s)
+        if self.scheduler.runs[request.request_id].rejected_reason is not None:
+            outputs[request.request_id] = ()
+            return False
+        return True
+
+    def close(self) -> None:
+        self.copy_engine.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
+        if self.disk_pool is not None:
+            self.disk_pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,47 @@
+"""One model step over the device pool: build the batch, run the model, sample."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvswap.control.scheduler import StepPlan
+from kvswap.model.generate import SamplingParams, sample_token
+from kvswap.model.llama import LlamaForCausal
+from kvswap.model.paged_attention import AttentionBatch
+
+
+class ModelRunner:
+    """Runs a `StepPlan` against the device pool tensor `kv`.
+
+    Sampling is greedy, or seeded per (seed, sequence, position) so a token is
+    the same whatever step or batch it is sampled in.
+    """
+
+    def __init__(self, model: LlamaForCausal, kv: torch.Tensor, sampling: SamplingParams | None):
+        self.model = model
+        self.kv = kv  # [num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]
+        self.sampling = sampling
+
+    def run(self, plan: StepPlan, tables: Mapping[int, Sequence[int]]) -> dict[int, int]:
+        """Compute the plan's KV; returns the sampled token of each sampling sequence."""
+        ids = [token for item in plan.seqs for token in item.token_ids]
+        batch = AttentionBatch(
+            query_lens=tuple(len(item.token_ids) for item in plan.seqs),
+            context_lens=tuple(item.start_position + len(item.token_ids) for item in plan.seqs),
+            block_tables=tuple(tuple(tables[item.seq_id]) for item in plan.seqs),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        logits = self.model(input_ids, batch, self.kv).cpu()  # [num_seqs, vocab] float32
+        sampled: dict[int, int] = {}
+        for row, item in enumerate(plan.seqs):
+            if not item.samples:
+                continue
+            generator = None
+            if self.sampling is not None:
+                position = item.start_position + len(item.token_ids)
+                seed = hash((self.sampling.seed, item.seq_id, position)) & 0x7FFF_FFFF_FFFF_FFFF
+                generator = torch.Generator().manual_seed(seed)
+            sampled[item.seq_id] = sample_token(logits[row], self.sampling, generator)
+        return sampled
