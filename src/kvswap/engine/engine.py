@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ from kvswap.engine.summary import StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import load_model
+from kvswap.obs.observer import StepObserver, sample_step
 from kvswap.workload.request import Request, Workload, resolve_prompt
 
 #: Called after every step with (requests finished, requests in the workload).
@@ -111,8 +112,14 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)
 
-    def run(self, workload: Workload, progress: Progress | None = None) -> dict[str, object]:
-        """Serve every request of `workload`; returns the run summary."""
+    def run(
+        self,
+        workload: Workload,
+        progress: Progress | None = None,
+        observers: Sequence[StepObserver] = (),
+    ) -> dict[str, object]:
+        """Serve every request of `workload`; returns the run summary. Each observer
+        sees every step's sample, then the summary."""
         if workload.vocab_size > self.arch.vocab_size:
             raise KvSwapError(
                 f"workload {workload.name!r} uses token ids up to {workload.vocab_size - 1} but "
@@ -156,9 +163,17 @@ class Engine:
             sampled = self.runner.run(plan, tables)
             done_s = time.perf_counter()
             finished = scheduler.complete(plan, sampled, done_s - start_s)
-            step_s += time.perf_counter() - step_start_s
+            this_step_s = time.perf_counter() - step_start_s
+            step_s += this_step_s
             swap_wait_s += plan.swap_wait_s
             num_steps += 1
+            if observers:
+                sample = sample_step(
+                    scheduler, plan, finished, t_s=done_s - start_s, step_s=this_step_s,
+                    step_total_s=step_s, swap_wait_total_s=swap_wait_s,
+                )  # fmt: skip
+                for observer in observers:
+                    observer.on_step(sample)
             for seq_id in finished:
                 outputs[seq_id] = tuple(scheduler.runs[seq_id].output_ids)
                 for follow_up in workload.follow_ups_of(seq_id):
@@ -169,7 +184,7 @@ class Engine:
                 progress(len(scheduler.finished), len(workload))
         self.swapper.drain()
         duration_s = time.perf_counter() - start_s
-        return build_summary(
+        summary = build_summary(
             scheduler,
             duration_s,
             StepTotals(num_steps, step_s, swap_wait_s),
@@ -178,14 +193,20 @@ class Engine:
                 "model": self.model_name,
                 "preemption": self.config.engine.preemption,
                 "block_bytes": self.layout.block_bytes,
-                "pinned_pool_configured_bytes": self.host_pool.configured_bytes
-                if self.host_pool
-                else 0,
-                "pinned_pool_resident_bytes": (
-                    self.host_pool.resident_bytes() if self.host_pool else 0
-                ),
+                **self._pool_sizes(),
             },
         )
+        for observer in observers:
+            observer.on_finish(summary)
+        return summary
+
+    def _pool_sizes(self) -> dict[str, object]:
+        """Configured vs resident bytes of the pinned pool: they must be equal."""
+        host = self.host_pool
+        return {
+            "pinned_pool_configured_bytes": host.configured_bytes if host else 0,
+            "pinned_pool_resident_bytes": host.resident_bytes() if host else 0,
+        }
 
     def _admit(
         self,
