@@ -138,7 +138,10 @@ class BlockStore:
         self.set_running(seq_id, False)
         state = self.sequences.pop(seq_id)
         released: list[Block] = []
-        for position, block_id in enumerate(state.block_ids):
+        # Tail first, so the head ends up most recently used: eviction then takes a
+        # prefix chain from its end, and what stays cached is still a usable prefix.
+        for position in range(len(state.block_ids) - 1, -1, -1):
+            block_id = state.block_ids[position]
             block = self.blocks[block_id]
             block.ref_count -= 1
             if position < self.layout.protected_blocks:
@@ -151,6 +154,7 @@ class BlockStore:
             else:
                 self._rerank(block)
                 released.append(block)
+        released.reverse()
         return released
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:

@@ -302,14 +302,19 @@ class Swapper:
     # -------------------------------------------------------------- CPU tier
 
     def _cpu_slot(self, block: Block) -> Copy | None:
-        """A CPU copy for `block`, dropping a cold CPU copy that costs nothing to drop
-        if the pinned pool is full (full is normal; the allocator never grows)."""
+        """A CPU copy for `block`. When the pinned pool is full (its normal state)
+        a cold CPU copy that costs nothing to drop makes room; an unreferenced
+        cache entry is discarded only to save a referenced block, never to make
+        room for another cache entry."""
         copy = self.store.place(block, Tier.CPU, ready=False)
         while copy is None:
             victim = self.store.cpu_policy.pop_victim(max_rank=2)
             if victim is None:
                 return None
             if victim.ready_copy(Tier.NVME) is None and victim.ref_count == 0:
+                if block.ref_count == 0:
+                    self.store.rerank(victim)  # stays: one cache entry for another is no gain
+                    return None
                 self.store.delete_block(victim)
                 self.metrics.evictions_by_reason["cpu_discard"] += 1
             else:

@@ -143,7 +143,8 @@ class Engine:
                     for follow_up in workload.follow_ups_of(request_id):
                         heapq.heappush(arrivals, (now_s, follow_up.request_id))
             if not scheduler.has_work():
-                time.sleep(max(0.0, min(arrivals[0][0] - now_s, 0.05)))
+                if arrivals:
+                    time.sleep(max(0.0, min(arrivals[0][0] - now_s, 0.05)))
                 continue
             step_start_s = time.perf_counter()
             plan = scheduler.schedule(now_s)

@@ -1,0 +1,136 @@
+"""Offload must not change a single output token: the same digest under every tiering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvswap.config import load_config
+from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.workload.request import FollowUp, Request, Workload
+from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
+
+# Four two-turn sessions over a shared system prompt; tiny model, 8-token blocks.
+SPEC = SyntheticSpec(
+    num_sessions=4,
+    turns_per_session=2,
+    prompt_tokens=40,
+    output_tokens=12,
+    user_tokens_per_turn=8,
+    system_prompt_tokens=16,
+    vocab_size=256,
+    seed=3,
+)
+BASE: dict[str, object] = {
+    "kv_block_tokens": 8,
+    "evict_protected_blocks": 1,
+    "min_residency_steps": 4,
+    "swap_out_chunk_blocks": 2,
+    "swap_in_chunk_blocks": 2,
+    "max_num_seqs": 4,
+    "device": "cpu",
+}
+
+
+def run(workload: Workload, **settings: object) -> dict[str, Any]:
+    config = load_config(environ={}, overrides={**BASE, **settings})
+    with Engine(config, EngineOptions(model="tiny")) as engine:
+        return engine.run(workload)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """Everything fits on the GPU: nothing is ever swapped."""
+    summary = run(generate_synthetic(SPEC), gpu_kv_capacity_blocks=200, cpu_kv_capacity_blocks=0)
+    assert summary["preemptions"] == 0
+    assert summary["bytes_gpu_to_cpu"] == 0
+    return summary
+
+
+def test_a_gpu_pool_four_times_too_small_gives_the_same_outputs(reference: dict[str, Any]) -> None:
+    # Peak demand is 4 sessions x 9 blocks; the GPU holds 10.
+    summary = run(generate_synthetic(SPEC), gpu_kv_capacity_blocks=10, cpu_kv_capacity_blocks=64)
+    assert summary["preemptions"] > 0
+    assert summary["bytes_gpu_to_cpu"] > 0 and summary["bytes_cpu_to_gpu"] > 0
+    assert summary["outputs_digest"] == reference["outputs_digest"]
+    assert summary["requests_completed"] == reference["requests_completed"] == 8
+
+
+def test_recompute_preemption_gives_the_same_outputs(reference: dict[str, Any]) -> None:
+    summary = run(
+        generate_synthetic(SPEC),
+        gpu_kv_capacity_blocks=10,
+        cpu_kv_capacity_blocks=0,
+        preemption="recompute",
+    )
+    assert summary["preemptions"] > 0
+    assert summary["recomputed_tokens"] > 0
+    assert summary["outputs_digest"] == reference["outputs_digest"]
+
+
+def test_with_an_nvme_tier_the_outputs_are_the_same(
+    reference: dict[str, Any], tmp_path: Path
+) -> None:
+    summary = run(
+        generate_synthetic(SPEC),
+        gpu_kv_capacity_blocks=10,
+        cpu_kv_capacity_blocks=6,
+        nvme_kv_capacity_blocks=64,
+        nvme_dir=str(tmp_path),
+        cpu_demote_high_watermark=0.5,
+        cpu_demote_low_watermark=0.2,
+    )
+    assert summary["bytes_cpu_to_nvme"] > 0
+    assert summary["outputs_digest"] == reference["outputs_digest"]
+    assert list(tmp_path.iterdir()) == []  # the slab is removed on close
+
+
+def later_turn_workload() -> Workload:
+    """Turn 1 of one session, then (one sequence at a time) a long unrelated request
+    that pushes turn 1's blocks off the GPU, then turn 2 of the session."""
+    first = tuple(range(1, 41))
+    filler = tuple((7 * i) % 251 + 1 for i in range(80))
+    return Workload(
+        requests=(
+            Request(0, 0.0, first, 6, session_id=0, turn=0),
+            Request(1, 0.0, filler, 6, session_id=1, turn=0),
+        ),
+        name="later-turn",
+        vocab_size=256,
+    )
+
+
+def test_a_later_turn_restored_from_cpu_or_nvme_matches_recomputing_it(tmp_path: Path) -> None:
+    base = later_turn_workload()
+    turn2 = Request(2, 0.0, (), 6, session_id=0, turn=1, follow_up=FollowUp(0, (9, 8, 7, 6), 0.0))
+    workload = Workload((*base.requests, turn2), "restore", 256)
+    one_at_a_time: dict[str, Any] = {"max_num_seqs": 1, "gpu_kv_capacity_blocks": 14}
+    recomputed = run(workload, cpu_kv_capacity_blocks=0, **one_at_a_time)
+    from_cpu = run(workload, cpu_kv_capacity_blocks=64, **one_at_a_time)
+    from_nvme = run(
+        workload,
+        **one_at_a_time,
+        cpu_kv_capacity_blocks=4,
+        nvme_kv_capacity_blocks=64,
+        nvme_dir=str(tmp_path),
+        cpu_demote_high_watermark=0.25,
+        cpu_demote_low_watermark=0.0,
+    )
+    assert recomputed["prefix_hit_tokens"] == {"gpu": 0, "cpu": 0, "nvme": 0}
+    assert from_cpu["prefix_hit_tokens"]["cpu"] == 40
+    assert from_nvme["prefix_hit_tokens"]["nvme"] > 0
+    assert from_cpu["outputs_digest"] == recomputed["outputs_digest"]
+    assert from_nvme["outputs_digest"] == recomputed["outputs_digest"]
+
+
+def test_a_request_too_long_for_the_gpu_tier_is_rejected_and_the_rest_served() -> None:
+    huge = Request(0, 0.0, tuple(range(1, 200)), 4)
+    small = Request(1, 0.0, (1, 2, 3, 4, 5), 4)
+    summary = run(
+        Workload((huge, small), "reject", 256), gpu_kv_capacity_blocks=8, cpu_kv_capacity_blocks=8
+    )
+    assert summary["requests_completed"] == 1
+    assert summary["requests_rejected"] == 1
+    assert "GPU tier" in summary["rejections"][0]["reason"]
