@@ -9,6 +9,7 @@ import pytest
 
 from kvswap.config import load_config
 from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
@@ -134,3 +135,85 @@ def test_a_request_too_long_for_the_gpu_tier_is_rejected_and_the_rest_served() -
     assert summary["requests_completed"] == 1
     assert summary["requests_rejected"] == 1
     assert "GPU tier" in summary["rejections"][0]["reason"]
+
+
+class CorruptSlabAfterStep(StepObserver):
+    """Flip a byte in every NVMe slot once the run passes `step`."""
+
+    def __init__(self, engine: Engine, step: int):
+        self.engine, self.step, self.done = engine, step, False
+
+    def on_step(self, sample: StepSample) -> None:
+        disk = self.engine.disk_pool
+        if self.done or sample.step < self.step or disk is None:
+            return
+        with open(disk.path, "r+b") as slab:
+            for slot in range(disk.num_slots):
+                slab.seek(slot * disk.slot_stride_bytes)
+                byte = slab.read(1)
+                slab.seek(slot * disk.slot_stride_bytes)
+                slab.write(bytes([byte[0] ^ 0xFF]))
+        self.done = True
+
+
+def test_a_corrupt_nvme_slab_is_recomputed_never_served(tmp_path: Path) -> None:
+    workload = Workload(
+        (
+            *later_turn_workload().requests,
+            Request(2, 0.0, (), 6, session_id=0, turn=1, follow_up=FollowUp(0, (9, 8), 0.0)),
+        ),
+        "corrupt",
+        256,
+    )
+    settings: dict[str, Any] = {"max_num_seqs": 1, "gpu_kv_capacity_blocks": 14}
+    clean = run(workload, cpu_kv_capacity_blocks=0, **settings)
+    config = load_config(
+        environ={},
+        overrides={
+            **BASE, **settings, "cpu_kv_capacity_blocks": 4, "nvme_kv_capacity_blocks": 64,
+            "nvme_dir": str(tmp_path), "cpu_demote_high_watermark": 0.25,
+            "cpu_demote_low_watermark": 0.0,
+        },
+    )  # fmt: skip
+    with Engine(config, EngineOptions(model="tiny")) as engine:
+        summary = engine.run(workload, observers=[CorruptSlabAfterStep(engine, 10)])
+    assert summary["bytes_nvme_to_cpu"] > 0
+    assert summary["lost_blocks"] > 0
+    assert summary["failed_transfers"] > 0
+    assert summary["outputs_digest"] == clean["outputs_digest"]
+
+
+def test_a_full_disk_and_a_failing_copy_worker_cost_transfers_not_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: dict[str, Any]
+) -> None:
+    import errno
+
+    import kvswap.data.block_copy as block_copy
+    from kvswap.control.transfer import Direction
+
+    def no_space(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_copy = block_copy.copy_block
+    calls = {"gpu_to_cpu": 0}
+
+    def flaky_copy(pools: Any, direction: Direction, *args: Any, **kwargs: Any) -> None:
+        if direction is Direction.GPU_TO_CPU:
+            calls["gpu_to_cpu"] += 1
+            if calls["gpu_to_cpu"] % 5 == 0:
+                raise RuntimeError("injected copy failure")
+        real_copy(pools, direction, *args, **kwargs)
+
+    monkeypatch.setattr("os.pwritev", no_space)
+    monkeypatch.setattr(block_copy, "copy_block", flaky_copy)
+    summary = run(
+        generate_synthetic(SPEC),
+        gpu_kv_capacity_blocks=10,
+        cpu_kv_capacity_blocks=6,
+        nvme_kv_capacity_blocks=64,
+        nvme_dir=str(tmp_path),
+        cpu_demote_high_watermark=0.5,
+        cpu_demote_low_watermark=0.2,
+    )
+    assert summary["failed_transfers"] > 0
+    assert summary["outputs_digest"] == reference["outputs_digest"]

@@ -3,7 +3,8 @@
 The mover is the only code that turns a decision ("copy these blocks down")
 into `TransferChunk`s and, when results come back, into copy state:
 
-    submit:   source copy  num_readers += 1      destination copy  ready = False
+    plan:     source copy  num_readers += 1      destination copy  ready = False
+    submit:   the chunk goes to the copy engine
     complete: source copy  num_readers -= 1      destination copy  ready = True
               (or dropped: failure, stale source, stale destination)
               eviction: the source copy is freed once its bytes are safe below
@@ -67,16 +68,16 @@ class Mover:
         chunk_blocks: int,
     ) -> list[int]:
         """Copy each block's `direction.src_tier` copy into the given destination copy,
-        in chunks of at most `chunk_blocks`. Returns the transfer ids."""
+        in chunks of at most `chunk_blocks`. Returns the transfer ids. Sources are
+        already reserved (`num_readers` counted) by the caller when it planned them."""
         ids: list[int] = []
         for start in range(0, len(pairs), chunk_blocks):
             part = pairs[start : start + chunk_blocks]
             src_slots = []
             for block, _ in part:
                 src = block.copies[direction.src_tier]
-                src.num_readers += 1
+                assert src.num_readers > 0, "the swapper reserves a source when it plans it"
                 src_slots.append(src.slot)
-                self.store.rerank(block)
             transfer_id = next(self._ids)
             chunk = TransferChunk(
                 transfer_id=transfer_id,

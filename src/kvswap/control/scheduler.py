@@ -63,6 +63,19 @@ class SequenceRun:
     def all_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.output_ids]
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` without copying the whole history (once per step)."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return list(self.prompt_ids[start:stop])
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        return [*self.prompt_ids[start:], *self.output_ids[: stop - num_prompt]]
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -129,17 +142,24 @@ class Scheduler:
     def schedule(self, now_s: float) -> StepPlan:
         self.step += 1
         self.swapper.begin_step(self.step)
-        self._repair_lost()
-        self._resume_preempted()
-        self._admit(now_s)
-        # Bring every running sequence's blocks up before growing any: running
-        # blocks are never eviction candidates, so allocation cannot undo this.
-        for seq_id in reversed(self.swapper.wait_ready(self.running)):
-            self.running.remove(seq_id)
-            self.swapper.set_running(seq_id, False)
-            self.preempted.appendleft(seq_id)
-        seqs = self._allocate_running()
-        return StepPlan(self.step, tuple(seqs), self.swapper.last_wait_s)
+        wait_s = 0.0
+        seqs: list[ScheduledSeq] = []
+        for _ in range(len(self.preempted) + 1):
+            self._repair_lost()
+            self._resume_preempted()
+            self._admit(now_s)
+            # Bring every running sequence's blocks up before growing any: running
+            # blocks are never eviction candidates, so allocation cannot undo this.
+            for seq_id in reversed(self.swapper.wait_ready(self.running)):
+                self.running.remove(seq_id)
+                self.swapper.set_running(seq_id, False)
+                self.preempted.appendleft(seq_id)
+            wait_s += self.swapper.last_wait_s
+            self._repair_lost()  # a failed NVMe read surfaces during the wait
+            seqs = self._allocate_running()
+            if seqs or self.swapper.mover.inflight or not self._fall_back_to_recompute():
+                break
+        return StepPlan(self.step, tuple(seqs), wait_s)
 
     def complete(self, plan: StepPlan, sampled: Mapping[int, int], now_s: float) -> list[int]:
         """Apply a step's sampled tokens; returns the sequences that finished."""
@@ -236,10 +256,10 @@ class Scheduler:
             if seq_id not in self.running:
                 continue  # preempted below to make room for an older sequence
             run = self.runs[seq_id]
-            ids = run.all_ids
+            num_tokens = run.num_tokens
             done = self.store.sequences[seq_id].num_tokens
-            count = min(len(ids) - done, max(1, budget))
-            chunk = ids[done : done + count]
+            count = min(num_tokens - done, max(1, budget))
+            chunk = run.token_slice(done, done + count)
             while not self.swapper.allocate(seq_id, chunk):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -248,7 +268,7 @@ class Scheduler:
             if seq_id not in self.running:
                 continue
             budget -= len(chunk)
-            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == len(ids)))
+            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == num_tokens))
             if budget <= 0:
                 break
         scheduled = {item.seq_id for item in seqs}
@@ -266,8 +286,24 @@ class Scheduler:
             self.swapper.release(seq_id)
         self.preempted.append(seq_id)
 
+    def _fall_back_to_recompute(self) -> bool:
+        """Nothing could run and nothing is moving: paused sequences hold GPU blocks
+        that have nowhere to go (the tiers below are full or failing). Drop the
+        newest paused sequence's KV; it is recomputed later, bit-identically.
+        Returns False when there is nothing left to drop."""
+        for seq_id in reversed(self.preempted):
+            if seq_id in self.store.sequences:
+                run = self.runs[seq_id]
+                run.tokens_to_recompute = self.store.sequences[seq_id].num_tokens
+                self.swapper.release(seq_id)
+                self.swapper.metrics.evictions_by_reason["fallback_recompute"] += 1
+                return True
+        return False
+
     def _repair_lost(self) -> None:
         """Blocks whose every copy failed are recomputed from the first lost one."""
+        if not self.store.has_lost_blocks():
+            return  # the usual case: no table to scan
         for seq_id in [*self.running, *self.preempted]:
             if seq_id not in self.store.sequences:
                 continue

@@ -58,6 +58,9 @@ class BlockStore:
         self.cpu_policy = CpuResidencyPolicy()
         self._next_block_id = 0
         self._unpublished: list[Block] = []
+        # Blocks marked lost while referenced: lets the scheduler skip its per-step
+        # scan of every table when (as almost always) none is.
+        self._lost_referenced: set[int] = set()
 
     # ----------------------------------------------------------------- sequences
 
@@ -175,6 +178,15 @@ class BlockStore:
         state.num_tokens = keep_blocks * self.block_tokens
         self.set_running(seq_id, running)
 
+    def has_lost_blocks(self) -> bool:
+        """Whether some sequence may hold a lost block (False: no table does).
+        A lost block is never shared again, so once unreferenced it is forgotten."""
+        for block_id in list(self._lost_referenced):
+            block = self.blocks.get(block_id)
+            if block is None or block.ref_count == 0:
+                self._lost_referenced.discard(block_id)
+        return bool(self._lost_referenced)
+
     def first_lost_token(self, seq_id: int) -> int | None:
         """Token index where the sequence's first lost block starts, if any."""
         for position, block_id in enumerate(self.sequences[seq_id].block_ids):
@@ -224,6 +236,7 @@ class BlockStore:
             self.delete_block(block)
         else:
             block.lost = True
+            self._lost_referenced.add(block.block_id)
             self.index.remove(block)
             self._rerank(block)
 

@@ -74,6 +74,11 @@ class Swapper:
         self._wanted_on_gpu: set[int] = set()  # block ids to bring up when they reach the CPU
         self._prefetched: set[int] = set()  # block ids swapped in ahead of a wait
         self.last_wait_s = 0.0  # swap wait of the latest wait_ready call
+        # Running sequences whose blocks were all ready on the GPU at a wait_ready.
+        # That stays true until they pause or end: running blocks are never
+        # eviction candidates, an eviction in flight is called off for them, and
+        # their new blocks are allocated on the GPU. check_integrity verifies it.
+        self._resident: set[int] = set()
 
     # ------------------------------------------------------------ step bracket
 
@@ -112,6 +117,7 @@ class Swapper:
         return True
 
     def set_running(self, seq_id: int, running: bool) -> None:
+        self._resident.discard(seq_id)
         if not running and self.options.sink_protection:
             protected = self.store.sequence_blocks(seq_id)[: self.store.layout.protected_blocks]
             self.metrics.protected_block_saves += sum(Tier.GPU in b.copies for b in protected)
@@ -120,10 +126,12 @@ class Swapper:
     def release(self, seq_id: int) -> None:
         """End a sequence without offloading (recompute preemption): its full blocks
         stay only as prefix cache, wherever they are."""
+        self._resident.discard(seq_id)
         self.store.close_sequence(seq_id)
 
     def finish(self, seq_id: int) -> None:
         """End a sequence and offload its reusable blocks at once (LOW queue)."""
+        self._resident.discard(seq_id)
         released = self.store.close_sequence(seq_id)
         pairs = []
         for block in released:
@@ -133,7 +141,7 @@ class Swapper:
             cpu = self._cpu_slot(block)
             if cpu is None:
                 break
-            pairs.append((block, cpu))
+            pairs.append(self._reserve(block, Tier.GPU, cpu))
         self._submit(Direction.GPU_TO_CPU, Priority.LOW, pairs, evict=False)
 
     def swap_out_sequence(self, seq_id: int) -> None:
@@ -154,14 +162,17 @@ class Swapper:
         swap wait). Returns the sequences that could not be made resident (no GPU
         room even after synchronous eviction); the caller pauses them again."""
         start_s = self._clock_s()
+        # Sequences found resident by an earlier call and running since need no
+        # check (see `_resident`): a step costs O(sequences), not O(their blocks).
+        pending = [seq_id for seq_id in seq_ids if seq_id not in self._resident]
         for _ in range(3 * len(seq_ids) + 8):
             self.mover.poll()
             missing = [
-                b for s in seq_ids for b in self.store.sequence_blocks(s) if self._missing(b)
+                b for s in pending for b in self.store.sequence_blocks(s) if self._missing(b)
             ]
             if not missing:
                 break
-            self._fetch(seq_ids, sync=True)
+            self._fetch(pending, sync=True)
             waited = False
             for block in missing:
                 for tier in (Tier.GPU, Tier.CPU):
@@ -172,7 +183,7 @@ class Swapper:
             if not waited and not self.mover.inflight:
                 break  # nothing is moving: the rest cannot come up now
         not_ready: list[int] = []
-        for seq_id in seq_ids:
+        for seq_id in pending:
             blocks = self.store.sequence_blocks(seq_id)
             if any(self._missing(block) for block in blocks):
                 not_ready.append(seq_id)
@@ -182,6 +193,8 @@ class Swapper:
                     self._prefetched.discard(block.block_id)
                     self.metrics.prefetch_hits += 1
             self.store.touch(blocks)
+            if self.store.sequences[seq_id].running:
+                self._resident.add(seq_id)
         self.last_wait_s = self._clock_s() - start_s
         self.metrics.swap_wait_s += self.last_wait_s
         return not_ready
@@ -196,16 +209,22 @@ class Swapper:
             for block in self.store.sequence_blocks(seq_id):
                 if block.lost or Tier.GPU in block.copies:
                     continue
-                if block.ready_copy(Tier.CPU) is not None:
-                    if not sync or self.ensure_gpu_slots(1):
-                        gpu = self.store.place(block, Tier.GPU, ready=False)
-                        if gpu is not None:
-                            to_gpu.append((block, gpu))
-                            self._note_fetch(block, sync)
+                cpu_copy = block.ready_copy(Tier.CPU)
+                if cpu_copy is not None:
+                    # Hold the source first: making GPU room may drop cold CPU copies.
+                    self._reserve(block, Tier.CPU, cpu_copy)
+                    room = not sync or self.ensure_gpu_slots(1)
+                    gpu = self.store.place(block, Tier.GPU, ready=False) if room else None
+                    if gpu is None:
+                        cpu_copy.num_readers -= 1
+                        self.store.rerank(block)
+                        continue
+                    to_gpu.append((block, gpu))
+                    self._note_fetch(block, sync)
                 elif Tier.CPU not in block.copies and block.ready_copy(Tier.NVME) is not None:
                     cpu = self._cpu_slot(block)
                     if cpu is not None:
-                        to_cpu.append((block, cpu))
+                        to_cpu.append(self._reserve(block, Tier.NVME, cpu))
                         self._wanted_on_gpu.add(block.block_id)
                         self._note_fetch(block, sync)
                 elif Tier.CPU in block.copies:
@@ -227,7 +246,8 @@ class Swapper:
             self._wanted_on_gpu.discard(block.block_id)
             gpu = self.store.place(block, Tier.GPU, ready=False)
             if gpu is not None:
-                self._submit(Direction.CPU_TO_GPU, Priority.HIGH, [(block, gpu)], evict=False)
+                pair = self._reserve(block, Tier.CPU, gpu)
+                self._submit(Direction.CPU_TO_GPU, Priority.HIGH, [pair], evict=False)
 
     # -------------------------------------------------------------- swap-out
 
@@ -286,7 +306,7 @@ class Swapper:
                 continue
             cpu = self._cpu_slot(block)
             if cpu is not None:
-                pairs.append((block, cpu))
+                pairs.append(self._reserve(block, Tier.GPU, cpu))
                 self.metrics.evictions_by_reason[f"{reason}_swap_out"] += 1
             elif block.ref_count == 0:
                 self.store.delete_block(block)  # an unreferenced cache entry with nowhere to go
@@ -349,7 +369,7 @@ class Swapper:
                 if nvme_copy is None:
                     skipped.append(victim)
                     break
-                pairs.append((victim, nvme_copy))
+                pairs.append(self._reserve(victim, Tier.CPU, nvme_copy))
                 self.metrics.evictions_by_reason["demote"] += 1
             used -= 1
         for block in skipped:
@@ -357,6 +377,13 @@ class Swapper:
         self._submit(Direction.CPU_TO_NVME, Priority.LOW, pairs, evict=True)
 
     # -------------------------------------------------------------- plumbing
+
+    def _reserve(self, block: Block, src_tier: Tier, dst: Copy) -> tuple[Block, Copy]:
+        """Mark `block`'s `src_tier` copy as read by a planned transfer at once, so
+        nothing done before the chunk is submitted can drop it."""
+        block.copies[src_tier].num_readers += 1
+        self.store.rerank(block)
+        return block, dst
 
     def _submit(
         self,
@@ -389,6 +416,13 @@ class Swapper:
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
+        for seq_id in self._resident:
+            state = self.store.sequences.get(seq_id)
+            assert state is not None and state.running, f"resident sequence {seq_id} is not running"
+            for block in self.store.sequence_blocks(seq_id):
+                assert block.ready_copy(Tier.GPU) is not None, (
+                    f"block {block.block_id} of resident sequence {seq_id} is not ready on the GPU"
+                )
         busy_slots = {
             (record.chunk.direction.dst_tier, slot)
             for record in self.mover.inflight.values()
