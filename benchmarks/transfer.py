@@ -34,6 +34,7 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.units import format_bytes, parse_size_bytes
+from policy_cost import section_policy_cost  # a sibling script in benchmarks/
 
 
 @dataclass
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print("  no GPU: the device pool is host memory, so every rate is a host memcpy rate")
         for section in SECTIONS:
             report.update(section(bench))
+        report.update(section_policy_cost())
         report.update(derive_ratios(report))
         verdict = "verified" if report["round_trip_verified"] else "MISMATCH"
         print(f"  round trip of every block (per-block checksums): {verdict}")

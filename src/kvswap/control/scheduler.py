@@ -50,6 +50,7 @@ class SequenceRun:
     max_new_tokens: int
     arrival_s: float
     output_ids: list[int] = field(default_factory=list)
+    admitted_s: float | None = None  # first time it was scheduled (queueing ends)
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finish_s: float | None = None
@@ -227,6 +228,8 @@ class Scheduler:
             if not self._fits(needed):
                 return
             self.waiting.popleft()
+            if run.admitted_s is None:
+                run.admitted_s = now_s
             hit_tokens = self.swapper.open_sequence(seq_id, ids)
             run.prefix_hit_tokens += hit_tokens
             run.recomputed_tokens += max(0, run.tokens_to_recompute - hit_tokens)
