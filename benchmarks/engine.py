@@ -69,8 +69,12 @@ def demand_4x(model: str, sessions: int) -> dict[str, float]:
     assert small["outputs_digest"] == unlimited["outputs_digest"], "offload changed the outputs"
     return {
         "demand_x_pool": sessions * 16 / pool,
-        "throughput_ratio_4x_vs_unlimited": ratio(small["throughput_tok_s"], unlimited["throughput_tok_s"]),
-        "p99_tpot_ratio_4x_vs_unlimited": ratio(small["tpot_ms"]["p99"], unlimited["tpot_ms"]["p99"]),
+        "throughput_ratio_4x_vs_unlimited": ratio(
+            small["throughput_tok_s"], unlimited["throughput_tok_s"]
+        ),
+        "p99_tpot_ratio_4x_vs_unlimited": ratio(
+            small["tpot_ms"]["p99"], unlimited["tpot_ms"]["p99"]
+        ),
         "swap_wait_share_4x": small["swap_wait_share"],
         "throughput_tok_s_unlimited": unlimited["throughput_tok_s"],
         "throughput_tok_s_4x": small["throughput_tok_s"],
@@ -91,7 +95,9 @@ def swap_vs_recompute(model: str, context_tokens: int) -> dict[str, float]:
     assert swap["outputs_digest"] == recompute["outputs_digest"]
     return {
         "context_tokens": context_tokens,
-        "throughput_ratio_swap_vs_recompute": ratio(swap["throughput_tok_s"], recompute["throughput_tok_s"]),
+        "throughput_ratio_swap_vs_recompute": ratio(
+            swap["throughput_tok_s"], recompute["throughput_tok_s"]
+        ),
         "p99_tpot_ms_swap": swap["tpot_ms"]["p99"],
         "p99_tpot_ms_recompute": recompute["tpot_ms"]["p99"],
         "preemptions_swap": swap["preemptions"],
@@ -153,7 +159,8 @@ def versus_transformers(
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
         head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
-        tie_word_embeddings=arch.tie_word_embeddings, max_position_embeddings=arch.max_position_tokens,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        max_position_embeddings=arch.max_position_tokens,
     )  # fmt: skip
     hf = LlamaForCausalLM(hf_config).eval()
     hf.load_state_dict(ours.state_dict(), strict=False)
