@@ -11,6 +11,7 @@ from kvswap import __version__
 from kvswap.commands import bench as bench_command
 from kvswap.commands import generate as generate_command
 from kvswap.commands import plan as plan_command
+from kvswap.commands import report as report_command
 from kvswap.commands import run as run_command
 from kvswap.errors import KvSwapError
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_command.register(commands)
     run_command.register(commands)
     generate_command.register(commands)
+    report_command.register(commands)
     return parser
 
 

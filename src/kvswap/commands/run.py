@@ -10,7 +10,7 @@ from typing import Any
 from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.model.generate import SamplingParams
-from kvswap.obs.progress import ProgressBar
+from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 from kvswap.units import format_bytes
 from kvswap.workload.mooncake import load_mooncake_trace
 from kvswap.workload.request import Workload
@@ -39,7 +39,8 @@ def register(commands: Any) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or live panel")
+    add_monitoring_arguments(parser)
     add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
     parser.set_defaults(handler=run)
 
@@ -95,8 +96,14 @@ def run(args: argparse.Namespace) -> int:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:
             print(describe(engine, workload))
-        bar = ProgressBar("requests", enabled=not (args.json or args.quiet))
-        summary = engine.run(workload, lambda done, total: bar.update(done, total))
+        run_info = {"command": "run", "model": args.model, "workload": workload.name,
+                    "requests": len(workload)}  # fmt: skip
+        with build_monitoring(
+            args, config, block_bytes=engine.layout.block_bytes,
+            kv_metrics=engine.swapper.metrics, run_info=run_info,
+        ) as monitoring:  # fmt: skip
+            summary = engine.run(workload, monitoring.progress, monitoring.observers)
+            summary = monitoring.finish(summary)
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -150,4 +157,8 @@ def render(summary: dict[str, Any]) -> str:
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     lines += [f"rejected request {r['request_id']}: {r['reason']}" for r in summary["rejections"]]
+    findings = summary.get("diagnosis", [])
+    lines += [f"diagnosis: {f['symptom']} ({f['figure']}); {f['advice']}" for f in findings]
+    if not findings:
+        lines.append("diagnosis: no warning sign (swap-wait, link, latency, pinned pool)")
     return "\n".join(lines)

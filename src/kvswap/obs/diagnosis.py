@@ -1,0 +1,356 @@
+"""The article's diagnosis, automated: which of the four numbers says what is wrong.
+
+Pure functions over a run summary (the --json object) and its `TimeSeries`.
+Each rule returns a `Finding` naming the metric and the figure behind it, or
+None when the run does not show the symptom. The rules and their terms:
+
+* "early" and "late" are the first and the last third of the run's duration;
+  a phase's P50/P99 come from the token latencies emitted in the windows whose
+  midpoint falls in it. A phase with fewer than `min_phase_tokens` latencies
+  gives no verdict.
+* A percentile is *rising* when late >= `rising_ratio` x early (1.5x), and
+  *holds* when late < `holding_ratio` x early (1.2x).
+* A value is above a threshold *for long* when the longest run of consecutive
+  time-series windows above it lasts at least `sustained_share` (20%) of the
+  run's duration and spans at least `min_sustained_windows` (3) windows, so a
+  single burst does not count.
+
+1. P99 rising while P50 holds -> swap-in stalls (only if the run swapped in).
+2. P50 and P99 rising together -> the link is saturated (only if KV moved).
+3. GPU->CPU (write) throughput above 60% of the link for long -> too much
+   swap-out. The link is `link_gbps`, else the summary's `link_gbps`, else the
+   article's PCIe 4.0 x16 figure (25 GB/s); the finding states which.
+4. Swap-wait share of step time above 10% over the run -> prefetch or eviction
+   is wrong.
+5. Pinned pool (CPU tier) occupancy above 90% for long -> add or enlarge NVMe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvswap.ledger import DEFAULT_LINK_GBPS
+from kvswap.obs.jsonvalues import float_map, int_map, number, number_or
+from kvswap.obs.quantiles import LogHistogram
+from kvswap.obs.timeseries import SeriesPoint, TimeSeries
+
+STALL_CAUSE = "some decode steps wait for swap-ins (a stall in the tail, not a slower link)"
+STALL_ADVICE = (
+    "prefetch resuming sequences earlier (prefetch_stream_count), keep swap-out chunks small "
+    "(swap_out_chunk_blocks) so swap-ins do not queue behind them, and check sync_stalls"
+)
+LINK_CAUSE = "the host<->device link is saturated: every step waits for KV traffic"
+LINK_ADVICE = (
+    "move less KV: more GPU KV capacity, fewer concurrent sequences (max_num_seqs), or a "
+    "faster link; compare link throughput with kvswap bench"
+)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    rising_ratio: float = 1.5
+    holding_ratio: float = 1.2
+    min_phase_tokens: int = 20
+    write_link_share: float = 0.60
+    swap_wait_share: float = 0.10
+    pinned_pool_usage: float = 0.90
+    sustained_share: float = 0.20
+    min_sustained_windows: int = 3
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str  # stable id
+    symptom: str
+    metric: str  # the Prometheus metric (and summary key) behind it
+    figure: str  # the numbers, in words
+    cause: str
+    advice: str
+    values: dict[str, float] = field(default_factory=dict)
+
+    def one_line(self) -> str:
+        return f"{self.symptom} ({self.figure}): {self.cause}; {self.advice}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rule": self.rule,
+            "symptom": self.symptom,
+            "metric": self.metric,
+            "figure": self.figure,
+            "cause": self.cause,
+            "advice": self.advice,
+            "values": dict(self.values),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> Finding:
+        def text(key: str) -> str:
+            value = data.get(key)
+            return value if isinstance(value, str) else ""
+
+        return cls(
+            rule=text("rule"),
+            symptom=text("symptom"),
+            metric=text("metric"),
+            figure=text("figure"),
+            cause=text("cause"),
+            advice=text("advice"),
+            values=float_map(data, "values"),
+        )
+
+
+@dataclass(frozen=True)
+class LatencyTrend:
+    early_p50_ms: float
+    early_p99_ms: float
+    late_p50_ms: float
+    late_p99_ms: float
+
+    @property
+    def p50_ratio(self) -> float:
+        return self.late_p50_ms / self.early_p50_ms if self.early_p50_ms > 0 else 1.0
+
+    @property
+    def p99_ratio(self) -> float:
+        return self.late_p99_ms / self.early_p99_ms if self.early_p99_ms > 0 else 1.0
+
+    def figure(self) -> str:
+        return (
+            f"token latency P99 {self.early_p99_ms:.1f} -> {self.late_p99_ms:.1f} ms "
+            f"(x{self.p99_ratio:.2f}), P50 {self.early_p50_ms:.1f} -> {self.late_p50_ms:.1f} ms "
+            f"(x{self.p50_ratio:.2f}), first vs last third of the run"
+        )
+
+    def values(self) -> dict[str, float]:
+        return {
+            "early_p50_ms": self.early_p50_ms,
+            "early_p99_ms": self.early_p99_ms,
+            "late_p50_ms": self.late_p50_ms,
+            "late_p99_ms": self.late_p99_ms,
+        }
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Where a per-window value exceeded a threshold."""
+
+    longest_s: float  # the longest run of consecutive windows above it
+    longest_windows: int
+    duration_s: float  # the whole series
+    peak: float
+
+    @property
+    def share(self) -> float:
+        return self.longest_s / self.duration_s if self.duration_s > 0 else 0.0
+
+    def is_long(self, thresholds: Thresholds) -> bool:
+        return (
+            self.longest_windows >= thresholds.min_sustained_windows
+            and self.share >= thresholds.sustained_share
+        )
+
+
+def latency_trend(series: TimeSeries, min_phase_tokens: int = 20) -> LatencyTrend | None:
+    """Token latency percentiles of the first vs the last third of the run."""
+    if not series.points:
+        return None
+    start_s, duration_s = series.points[0].start_s, series.duration_s
+    early = [p.itl for p in series.points if p.mid_s < start_s + duration_s / 3]
+    late = [p.itl for p in series.points if p.mid_s >= start_s + 2 * duration_s / 3]
+    early_hist, late_hist = LogHistogram().merged(*early), LogHistogram().merged(*late)
+    if min(early_hist.count, late_hist.count) < max(1, min_phase_tokens):
+        return None
+    values = [h.quantile_ms(q) for h in (early_hist, late_hist) for q in (0.50, 0.99)]
+    e50, e99, l50, l99 = (v if v is not None else 0.0 for v in values)
+    return LatencyTrend(e50, e99, l50, l99)
+
+
+def longest_stretch(
+    points: Sequence[SeriesPoint], value: Callable[[SeriesPoint], float], threshold: float
+) -> Stretch:
+    longest_s = current_s = 0.0
+    longest_n = current_n = 0
+    for point in points:
+        if value(point) > threshold:
+            current_s += point.duration_s
+            current_n += 1
+            if current_s > longest_s:
+                longest_s, longest_n = current_s, current_n
+        else:
+            current_s, current_n = 0.0, 0
+    duration_s = points[-1].end_s - points[0].start_s if points else 0.0
+    peak = max((value(p) for p in points), default=0.0)
+    return Stretch(longest_s, longest_n, duration_s, peak)
+
+
+def swap_in_stalls(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    trend = latency_trend(series, t.min_phase_tokens)
+    swapped_in = number_or(summary, "bytes_cpu_to_gpu") + number_or(summary, "bytes_nvme_to_cpu")
+    if trend is None or swapped_in <= 0:
+        return None
+    if not (trend.p99_ratio >= t.rising_ratio and trend.p50_ratio < t.holding_ratio):
+        return None
+    return Finding(
+        rule="swap_in_stalls",
+        symptom="P99 token latency rising while P50 holds",
+        metric="kvswap_time_per_output_token_seconds (itl_ms)",
+        figure=trend.figure(),
+        cause=STALL_CAUSE,
+        advice=STALL_ADVICE,
+        values={**trend.values(), "sync_stalls": number_or(summary, "sync_stalls")},
+    )
+
+
+def link_saturated(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    trend = latency_trend(series, t.min_phase_tokens)
+    moved = sum(
+        number_or(summary, f"bytes_{d}")
+        for d in ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_nvme", "nvme_to_cpu")
+    )
+    if trend is None or moved <= 0:
+        return None
+    if not (trend.p99_ratio >= t.rising_ratio and trend.p50_ratio >= t.rising_ratio):
+        return None
+    return Finding(
+        rule="link_saturated",
+        symptom="P50 and P99 token latency rising together",
+        metric="kvswap_time_per_output_token_seconds (itl_ms)",
+        figure=trend.figure(),
+        cause=LINK_CAUSE,
+        advice=LINK_ADVICE,
+        values=trend.values(),
+    )
+
+
+def resolve_link_gbps(summary: Mapping[str, object], link_gbps: float | None) -> tuple[float, str]:
+    """(GB/s, where it came from): the argument, the summary's `link_gbps`, or the default."""
+    if link_gbps is not None:
+        return link_gbps, "given"
+    from_summary = number(summary, "link_gbps")
+    if from_summary is not None and from_summary > 0:
+        return from_summary, "the run's hardware"
+    return DEFAULT_LINK_GBPS, "the article's PCIe 4.0 x16 figure; pass the measured link"
+
+
+def too_much_swap_out(
+    summary: Mapping[str, object],
+    series: TimeSeries,
+    t: Thresholds = Thresholds(),
+    link_gbps: float | None = None,
+) -> Finding | None:
+    link, source = resolve_link_gbps(summary, link_gbps)
+    limit_gbps = t.write_link_share * link
+    stretch = longest_stretch(series.points, lambda p: p.gbps("gpu_to_cpu"), limit_gbps)
+    if not stretch.is_long(t):
+        return None
+    return Finding(
+        rule="too_much_swap_out",
+        symptom=f"write throughput above {100 * t.write_link_share:.0f}% of the link for long",
+        metric='kvswap_transfer_bytes_total{direction="gpu_to_cpu"} (rate)',
+        figure=f"GPU->CPU above {limit_gbps:.2f} GB/s ({100 * t.write_link_share:.0f}% of "
+        f"{link:.1f} GB/s, {source}) for {stretch.longest_s:.2f} s of {stretch.duration_s:.2f} s "
+        f"({100 * stretch.share:.0f}%), peak {stretch.peak:.2f} GB/s",
+        cause="too much swap-out: the GPU tier keeps overflowing",
+        advice="raise GPU KV capacity (gpu_kv_capacity_blocks) or swap_out_high_watermark",
+        values={
+            "link_gbps": link,
+            "limit_gbps": limit_gbps,
+            "peak_gbps": stretch.peak,
+            "above_s": stretch.longest_s,
+            "duration_s": stretch.duration_s,
+        },
+    )
+
+
+def swap_wait_high(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    share = number_or(summary, "swap_wait_share")
+    if share <= t.swap_wait_share:
+        return None
+    return Finding(
+        rule="swap_wait_high",
+        symptom=f"swap-wait share above {100 * t.swap_wait_share:.0f}% of decode time",
+        metric="kvswap_swap_wait_ratio (swap_wait_share)",
+        figure=f"steps waited on swap-in for {100 * share:.1f}% of step time "
+        f"({number_or(summary, 'swap_wait_s'):.3f} s)",
+        cause="prefetch or eviction is wrong: blocks the next step needs were not on the GPU",
+        advice="prefetch earlier (prefetch_stream_count, swap_in_chunk_blocks) and keep hot "
+        "blocks resident (min_residency_steps, evict_protected_blocks)",
+        values={"swap_wait_share": share, "swap_wait_s": number_or(summary, "swap_wait_s")},
+    )
+
+
+def pinned_pool_full(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    if not any(p.capacity_blocks_by_tier.get("cpu", 0) for p in series.points):
+        return None
+    stretch = longest_stretch(
+        series.points, lambda p: p.usage_mean_by_tier.get("cpu", 0.0), t.pinned_pool_usage
+    )
+    if not stretch.is_long(t):
+        return None
+    has_nvme = int_map(summary, "capacity_blocks_by_tier").get("nvme", 0) > 0
+    return Finding(
+        rule="pinned_pool_full",
+        symptom=f"pinned pool above {100 * t.pinned_pool_usage:.0f}% for long",
+        metric="kvswap_pinned_pool_usage_ratio (pinned_pool_utilization_peak)",
+        figure=f"CPU tier above {100 * t.pinned_pool_usage:.0f}% for {stretch.longest_s:.2f} s "
+        f"of {stretch.duration_s:.2f} s ({100 * stretch.share:.0f}%), "
+        f"peak {100 * stretch.peak:.0f}%",
+        cause="cold KV has nowhere to go but away: the pinned pool is the last tier in use",
+        advice=(
+            "enlarge the NVMe tier (nvme_kv_capacity_blocks) or lower cpu_demote_high_watermark"
+            if has_nvme
+            else "add an NVMe tier (nvme_dir, nvme_kv_capacity_blocks) so cold blocks demote"
+        ),
+        values={"peak_usage": stretch.peak, "above_s": stretch.longest_s},
+    )
+
+
+def diagnose(
+    summary: Mapping[str, object],
+    series: TimeSeries,
+    *,
+    link_gbps: float | None = None,
+    thresholds: Thresholds = Thresholds(),
+) -> list[Finding]:
+    """Every rule that fires, in the article's order."""
+    found = [
+        swap_in_stalls(summary, series, thresholds),
+        link_saturated(summary, series, thresholds),
+        too_much_swap_out(summary, series, thresholds, link_gbps),
+        swap_wait_high(summary, series, thresholds),
+        pinned_pool_full(summary, series, thresholds),
+    ]
+    return [f for f in found if f is not None]
+
+
+def diagnose_change(
+    base: Mapping[str, object], other: Mapping[str, object], t: Thresholds = Thresholds()
+) -> Finding | None:
+    """Rules 1 and 2 across two runs (e.g. before/after raising the batch): the runs'
+    whole token-latency P50/P99 (`itl_ms`) stand in for the early/late phases."""
+    values = [number(s, "itl_ms", q) for s in (base, other) for q in ("p50", "p99")]
+    if any(v is None or v <= 0 for v in values):
+        return None
+    e50, e99, l50, l99 = (v or 0.0 for v in values)
+    trend = LatencyTrend(e50, e99, l50, l99)
+    figure = trend.figure().replace("first vs last third of the run", "first run vs this run")
+    if trend.p99_ratio >= t.rising_ratio and trend.p50_ratio < t.holding_ratio:
+        return Finding(
+            "swap_in_stalls", "P99 token latency up while P50 holds", "itl_ms", figure,
+            STALL_CAUSE, STALL_ADVICE, trend.values(),
+        )  # fmt: skip
+    if trend.p99_ratio >= t.rising_ratio and trend.p50_ratio >= t.rising_ratio:
+        return Finding(
+            "link_saturated", "P50 and P99 token latency up together", "itl_ms", figure,
+            LINK_CAUSE, LINK_ADVICE, trend.values(),
+        )  # fmt: skip
+    return None

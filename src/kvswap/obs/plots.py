@@ -1,0 +1,227 @@
+"""The report's four pictures, as PNG files; several runs are drawn overlaid.
+
+matplotlib's object API with the Agg canvas: no pyplot, no global backend
+switch, no display needed, safe to call from any thread. Every function takes
+a list of runs, so a single-run report and `kvswap report A B` share the code:
+run i is drawn in colour Ci everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from kvswap.obs.rates import rate_unit
+from kvswap.obs.timeseries import SeriesPoint, TimeSeries
+from kvswap.obs.watermarks import Watermarks
+
+PLOT_FILES: dict[str, str] = {
+    "latency_cdf": "latency_cdf.png",
+    "tier_occupancy": "tier_occupancy.png",
+    "link_throughput": "link_throughput.png",
+    "swap_wait_share": "swap_wait_share.png",
+}
+PLOT_TITLES: dict[str, str] = {
+    "latency_cdf": "Token latency CDF",
+    "tier_occupancy": "Tier occupancy over time",
+    "link_throughput": "Link throughput per direction",
+    "swap_wait_share": "Swap-wait share over time",
+}
+_TIER_TITLES = {"gpu": "GPU", "cpu": "CPU (pinned pool)", "nvme": "NVMe"}
+_DIRECTION_TITLES = {
+    "gpu_to_cpu": "GPU -> CPU (write, swap-out)",
+    "cpu_to_gpu": "CPU -> GPU (read, swap-in)",
+    "cpu_to_nvme": "CPU -> NVMe",
+    "nvme_to_cpu": "NVMe -> CPU",
+}
+_DPI = 100
+
+
+@dataclass(frozen=True)
+class PlotRun:
+    label: str
+    series: TimeSeries
+    watermarks: Watermarks
+    link_gbps: float | None = None
+    write_link_share: float = 0.60  # the diagnosis threshold drawn on the write plot
+    swap_wait_limit: float = 0.10
+
+
+def write_plots(runs: Sequence[PlotRun], out_dir: Path) -> dict[str, str]:
+    """Write the four PNGs into `out_dir`; returns {plot name: file name}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    painters: dict[str, Callable[[Sequence[PlotRun]], Figure]] = {
+        "latency_cdf": latency_cdf,
+        "tier_occupancy": tier_occupancy,
+        "link_throughput": link_throughput,
+        "swap_wait_share": swap_wait_share,
+    }
+    for name, paint in painters.items():
+        figure = paint(runs)
+        figure.savefig(out_dir / PLOT_FILES[name], dpi=_DPI)
+    return dict(PLOT_FILES)
+
+
+def _figure(rows: int = 1, height_in: float = 3.6) -> tuple[Figure, list[Axes]]:
+    figure = Figure(figsize=(8.0, max(height_in, 2.3 * rows)), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = [figure.add_subplot(rows, 1, i + 1) for i in range(rows)]
+    return figure, axes
+
+
+def _no_data(axes: Axes, text: str = "no data") -> None:
+    axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes, color="0.4")
+
+
+def _stairs(
+    axes: Axes, points: Sequence[SeriesPoint], value: Callable[[SeriesPoint], float], **kw: object
+) -> None:
+    """One value per window, drawn flat across the window."""
+    edges = [points[0].start_s] + [p.end_s for p in points]
+    axes.stairs([value(p) for p in points], edges, baseline=None, **kw)  # type: ignore[arg-type]
+
+
+def _usage_pct(tier: str) -> Callable[[SeriesPoint], float]:
+    return lambda point: 100 * point.usage_mean_by_tier.get(tier, 0.0)
+
+
+def _gbps(direction: str, scale: float) -> Callable[[SeriesPoint], float]:
+    return lambda point: point.gbps(direction) * scale
+
+
+def _finish(figure: Figure, axes: list[Axes], title: str, runs: Sequence[PlotRun]) -> Figure:
+    figure.suptitle(title)
+    axes[-1].set_xlabel("run time (s)")
+    for a in axes:
+        if a.get_legend_handles_labels()[0]:
+            # Outside the axes, on the right: occupancy and rates fill the whole height.
+            a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    for a in axes:
+        a.grid(alpha=0.3)
+    return figure
+
+
+def latency_cdf(runs: Sequence[PlotRun]) -> Figure:
+    figure, (axes,) = _figure()
+    drawn = False
+    for i, run in enumerate(runs):
+        cdf = run.series.itl.cdf()
+        if not cdf:
+            continue
+        xs = [value_s * 1e3 for value_s, _ in cdf]
+        ys = [fraction for _, fraction in cdf]
+        axes.step(xs, ys, where="post", color=f"C{i}", label=run.label)
+        drawn = True
+    if drawn:
+        axes.set_xscale("log")
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+        axes.xaxis.set_minor_formatter(NullFormatter())
+        for level in (0.50, 0.95, 0.99):
+            axes.axhline(level, color="0.6", linewidth=0.8, linestyle=":")
+            axes.annotate(f"P{level * 100:g}", (0.005, level), xycoords=("axes fraction", "data"),
+                          fontsize="x-small", color="0.4", va="top")  # fmt: skip
+    else:
+        _no_data(axes, "no token latencies")
+    axes.set_ylim(0, 1.02)
+    axes.set_ylabel("fraction of tokens")
+    figure.suptitle(PLOT_TITLES["latency_cdf"] + " (inter-token latency)")
+    axes.set_xlabel("latency (ms)")
+    axes.grid(alpha=0.3)
+    if drawn:
+        axes.legend(loc="lower right", fontsize="small")
+    return figure
+
+
+def _watermark_lines(ax: Axes, tier: str, runs: Sequence[PlotRun]) -> None:
+    """High (dashed) and low (dotted) watermarks: once in grey when every run has the
+    same, else once per run in its colour."""
+    levels = [run.watermarks.for_tier(tier) for run in runs]
+    if not levels or levels[0] is None:
+        return
+    shared = all(level == levels[0] for level in levels)
+    for i, (run, level) in enumerate(zip(runs, levels, strict=True)):
+        if level is None or (shared and i > 0):
+            continue
+        colour, tag = ("0.35", "") if shared else (f"C{i}", f" ({run.label})")
+        high, low = level
+        ax.axhline(100 * high, color=colour, linestyle="--", linewidth=1,
+                   label=f"high watermark {100 * high:.0f}%{tag}")  # fmt: skip
+        ax.axhline(100 * low, color=colour, linestyle=":", linewidth=1,
+                   label=f"low watermark {100 * low:.0f}%{tag}")  # fmt: skip
+
+
+def tier_occupancy(runs: Sequence[PlotRun]) -> Figure:
+    tiers = [
+        tier for tier in ("gpu", "cpu", "nvme")
+        if tier == "gpu" or any(
+            p.capacity_blocks_by_tier.get(tier, 0) for r in runs for p in r.series.points
+        )
+    ]  # fmt: skip
+    figure, axes = _figure(len(tiers))
+    for ax, tier in zip(axes, tiers, strict=True):
+        for i, run in enumerate(runs):
+            points = run.series.points
+            if points:
+                _stairs(ax, points, _usage_pct(tier), color=f"C{i}", label=run.label)
+        _watermark_lines(ax, tier, runs)
+        if not any(r.series.points for r in runs):
+            _no_data(ax)
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("% of slots")
+        ax.set_title(_TIER_TITLES[tier], fontsize="medium", loc="left")
+    return _finish(figure, axes, PLOT_TITLES["tier_occupancy"], runs)
+
+
+def link_throughput(runs: Sequence[PlotRun]) -> Figure:
+    directions = [
+        d for d in _DIRECTION_TITLES
+        if d in ("gpu_to_cpu", "cpu_to_gpu") or any(
+            p.bytes_by_direction.get(d, 0) for r in runs for p in r.series.points
+        )
+    ]  # fmt: skip
+    figure, axes = _figure(len(directions))
+    peak = max((p.gbps(d) for r in runs for p in r.series.points for d in directions), default=0.0)
+    scale, unit = rate_unit(peak)
+    for ax, direction in zip(axes, directions, strict=True):
+        for i, run in enumerate(runs):
+            if run.series.points:
+                _stairs(ax, run.series.points, _gbps(direction, scale), color=f"C{i}",
+                        label=run.label)  # fmt: skip
+        if direction == "gpu_to_cpu":
+            for i, run in enumerate(runs):
+                if run.link_gbps is None:
+                    continue
+                limit = run.write_link_share * run.link_gbps
+                # Draw the limit only when it is on the data's scale; else it flattens the plot.
+                if limit <= 3 * peak:
+                    ax.axhline(limit * scale, color=f"C{i}", linestyle="--", linewidth=1,
+                               label=f"{100 * run.write_link_share:.0f}% of link")  # fmt: skip
+        if not any(r.series.points for r in runs):
+            _no_data(ax)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(unit)
+        ax.set_title(_DIRECTION_TITLES[direction], fontsize="medium", loc="left")
+    return _finish(figure, axes, PLOT_TITLES["link_throughput"], runs)
+
+
+def swap_wait_share(runs: Sequence[PlotRun]) -> Figure:
+    figure, axes = _figure()
+    ax = axes[0]
+    for i, run in enumerate(runs):
+        if run.series.points:
+            _stairs(ax, run.series.points, lambda p: 100 * p.swap_wait_share, color=f"C{i}",
+                    label=run.label)  # fmt: skip
+    limit = runs[0].swap_wait_limit if runs else 0.10
+    ax.axhline(100 * limit, color="0.3", linestyle="--", linewidth=1,
+               label=f"{100 * limit:.0f}%: prefetch or eviction is wrong")  # fmt: skip
+    if not any(r.series.points for r in runs):
+        _no_data(ax)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("% of step time")
+    return _finish(figure, axes, PLOT_TITLES["swap_wait_share"], runs)

@@ -1,0 +1,214 @@
+"""Monitoring for any long-running command: flags, observers, and the end of the run.
+
+A command (run, simulate, tune) does:
+
+    add_monitoring_arguments(parser)                    # --metrics-port/-host, --report
+    ...
+    with build_monitoring(args, config, block_bytes=..., kv_metrics=...) as monitoring:
+        summary = driver.run(workload, monitoring.progress, monitoring.observers)
+        summary = monitoring.finish(summary)            # + "diagnosis"; writes --report
+    # leaving the block stops the /metrics server
+
+What is built: a time-series recorder (always: the diagnosis needs it), the
+Prometheus exporter (with --metrics-port), and unless --quiet or --json the
+live panel, which replaces the progress bar on a terminal and writes plain
+lines beside it elsewhere. Everything writes to stderr; stdout stays the
+command's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import TextIO
+
+from kvswap.config import KvSwapConfig
+from kvswap.errors import KvSwapError
+from kvswap.obs.diagnosis import diagnose, resolve_link_gbps
+from kvswap.obs.live import LivePanel
+from kvswap.obs.metrics import KVMetrics
+from kvswap.obs.observer import StepObserver
+from kvswap.obs.progress import ProgressBar
+from kvswap.obs.prometheus import PrometheusExporter
+from kvswap.obs.report import RunReport, write_report
+from kvswap.obs.timeseries import TimeSeriesRecorder
+from kvswap.obs.watermarks import Watermarks
+
+#: The driver's progress callback: (requests finished, requests in the workload).
+Progress = Callable[[int, int], None]
+
+
+def add_monitoring_arguments(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
+    group = parser.add_argument_group("monitoring")
+    group.add_argument(
+        "--metrics-port", type=int, metavar="PORT", default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics while running (0: any port)",
+    )  # fmt: skip
+    group.add_argument(
+        "--metrics-host", metavar="HOST", default="127.0.0.1",
+        help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 exposes it to the network)",
+    )  # fmt: skip
+    if report:
+        group.add_argument(
+            "--report", metavar="DIR", default=None,
+            help="write report.json, PNG plots and index.html into DIR",
+        )  # fmt: skip
+
+
+class Monitoring:
+    """The observers and progress callback for one run, and what happens after it."""
+
+    def __init__(
+        self,
+        *,
+        config: KvSwapConfig,
+        recorder: TimeSeriesRecorder,
+        exporter: PrometheusExporter | None,
+        panel: LivePanel | None,
+        progress: Progress | None,
+        report_dir: str | None,
+        run_info: Mapping[str, object],
+        watermarks: Watermarks,
+        link_gbps: float | None,
+        stream: TextIO | None,
+    ):
+        self.config = config
+        self.recorder = recorder
+        self.exporter = exporter
+        self.panel = panel
+        self.progress = progress
+        self.report_dir = report_dir
+        self.run_info = dict(run_info)
+        self.watermarks = watermarks
+        self.link_gbps = link_gbps
+        self.stream = stream  # None: say nothing (--quiet)
+        self.observers: tuple[StepObserver, ...] = tuple(
+            o for o in (recorder, exporter, panel) if o is not None
+        )
+
+    def finish(self, summary: dict[str, object]) -> dict[str, object]:
+        """The summary plus `diagnosis` (a list of findings); writes the report if asked."""
+        series = self.recorder.series()
+        findings = diagnose(summary, series, link_gbps=self.link_gbps)
+        out = {**summary, "diagnosis": [f.to_json() for f in findings]}
+        if self.report_dir is not None:
+            label = self.run_info.get("label")
+            report = RunReport(
+                label=label if isinstance(label, str) else Path(self.report_dir).resolve().name,
+                run=self.run_info,
+                config=self.config.model_dump(mode="json"),
+                summary=out,
+                series=series,
+                findings=tuple(findings),
+                watermarks=self.watermarks,
+                link_gbps=resolve_link_gbps(out, self.link_gbps)[0],  # as the diagnosis used
+            )
+            page = write_report(report, self.report_dir)
+            self._say(f"report: {page}")
+        return out
+
+    def _say(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+
+    def __enter__(self) -> Monitoring:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def build_monitoring(
+    args: argparse.Namespace,
+    config: KvSwapConfig,
+    *,
+    block_bytes: int,
+    kv_metrics: KVMetrics | None = None,
+    run_info: Mapping[str, object] | None = None,
+    link_gbps: float | None = None,
+    label: str = "requests",
+    stream: TextIO | None = None,
+) -> Monitoring:
+    """Observers for a run from the parsed flags (`metrics_port`, `metrics_host`, `report`,
+    `quiet`, `json`; missing ones count as unset). Starts the /metrics server at once.
+
+    `block_bytes` sizes tiers in bytes; `kv_metrics` (the swapper's registry) feeds the
+    counters that steps do not carry; `link_gbps` is the host<->device link for the
+    diagnosis (None: the summary's `link_gbps`, else 25 GB/s); `stream` defaults to stderr.
+    """
+    out = stream if stream is not None else sys.stderr
+    quiet = bool(getattr(args, "quiet", False))
+    as_json = bool(getattr(args, "json", False))
+    watermarks = Watermarks.from_config(config)
+    recorder = TimeSeriesRecorder()
+    exporter = _exporter(args, config, block_bytes, kv_metrics, watermarks)
+    if exporter is not None and not quiet:
+        out.write(f"metrics: http://{_host_for_url(args.metrics_host)}:{exporter.port}/metrics\n")
+    panel: LivePanel | None = None
+    progress: Progress | None = None
+    if not (quiet or as_json):
+        panel = LivePanel(out, watermarks=watermarks, label=label)
+        if panel.tty:
+            progress = panel.progress
+        else:
+            progress = _both(ProgressBar(label, out).update, panel.progress)
+    report_dir = getattr(args, "report", None)
+    return Monitoring(
+        config=config,
+        recorder=recorder,
+        exporter=exporter,
+        panel=panel,
+        progress=progress,
+        report_dir=report_dir if isinstance(report_dir, str) else None,
+        run_info=run_info or {},
+        watermarks=watermarks,
+        link_gbps=link_gbps,
+        stream=None if quiet else out,
+    )
+
+
+def _exporter(
+    args: argparse.Namespace,
+    config: KvSwapConfig,
+    block_bytes: int,
+    kv_metrics: KVMetrics | None,
+    watermarks: Watermarks,
+) -> PrometheusExporter | None:
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise KvSwapError(f"--metrics-port {port}: allowed 0..65535 (0 picks a free port)")
+    exporter = PrometheusExporter(
+        block_bytes=block_bytes,
+        block_tokens=config.cache.kv_block_tokens,
+        watermarks=watermarks,
+        kv_metrics=kv_metrics,
+    )
+    exporter.serve(str(getattr(args, "metrics_host", "127.0.0.1")), port)
+    return exporter
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _both(first: Progress, second: Progress) -> Progress:
+    def progress(done: int, total: int) -> None:
+        first(done, total)
+        second(done, total)
+
+    return progress

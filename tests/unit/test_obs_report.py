@@ -1,0 +1,123 @@
+"""Reports on disk: `run --report DIR`, report.json round trip, and `kvswap report A B`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvswap.cli import main
+from kvswap.commands import report as report_command
+from kvswap.config import load_config
+from kvswap.errors import KvSwapError
+from kvswap.obs.diagnosis import diagnose
+from kvswap.obs.plots import PLOT_FILES
+from kvswap.obs.report import RunReport, load_report, write_comparison, write_report
+from kvswap.obs.watermarks import Watermarks
+
+from .obs_fakes import TINY_CLI_ARGS, Step, one_torch_thread, record
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_report(label: str, chunk_blocks: int, wait_s: float) -> RunReport:
+    steps = [
+        Step(swap_wait_s=wait_s, moved={"gpu_to_cpu": 2**20 * (i % 3), "cpu_to_gpu": 2**19},
+             used={"gpu": 60 + i % 30, "cpu": min(100, i)}, ttfts_s=(0.03,) if i % 20 else ())
+        for i in range(200)
+    ]  # fmt: skip
+    summary, series = record(steps)
+    summary.update(requests_completed=10, tokens_generated=800, duration_s=2.0)
+    config = load_config(environ={}, overrides={"swap_out_chunk_blocks": chunk_blocks})
+    return RunReport(
+        label=label,
+        run={"command": "run", "workload": "synthetic"},
+        config=config.model_dump(mode="json"),
+        summary=summary,
+        series=series,
+        findings=tuple(diagnose(summary, series)),
+        watermarks=Watermarks.from_config(config),
+        link_gbps=None,
+    )
+
+
+def assert_page_is_self_contained(page: Path) -> None:
+    html = page.read_text()
+    assert "http://" not in html and "https://" not in html  # readable offline
+    sources = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert sources
+    for source in sources:
+        assert not Path(source).is_absolute(), source
+        assert (page.parent / source).is_file(), source
+
+
+def test_a_report_holds_json_plots_and_a_page(tmp_path: Path) -> None:
+    report = synthetic_report("chunk-8", 8, 0.004)
+    page = write_report(report, tmp_path / "run")
+    assert page == tmp_path / "run" / "index.html"
+    for file in PLOT_FILES.values():
+        assert (tmp_path / "run" / file).read_bytes()[:8] == PNG_MAGIC
+    assert_page_is_self_contained(page)
+    html = page.read_text()
+    assert "swap-wait share above 10%" in html  # the diagnosis, with its figure
+    assert "swap.swap_out_chunk_blocks" in html and "token latency (ms)" in html
+    again = load_report(tmp_path / "run")
+    assert again == report
+    assert again.series.itl.counts == report.series.itl.counts
+    data = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(data) >= {"config", "summary", "time_series", "diagnosis", "watermarks"}
+
+
+def test_comparing_two_runs_overlays_them_on_one_page(tmp_path: Path) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    write_report(synthetic_report("chunk-8", 8, 0.0005), dirs[0])
+    write_report(synthetic_report("chunk-2", 2, 0.004), dirs[1])
+    parser = argparse.ArgumentParser()
+    report_command.register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(dirs[0]), str(dirs[1]), "--out", str(tmp_path / "c")])
+    assert args.handler(args) == 0
+    page = tmp_path / "c" / "index.html"
+    assert_page_is_self_contained(page)
+    html = page.read_text()
+    assert "chunk-8 vs chunk-2" in html
+    assert html.count('<tr class="diff"><td>swap.swap_out_chunk_blocks</td>') == 1
+    assert '<a href="../a/index.html">' in html
+    for file in PLOT_FILES.values():
+        assert (tmp_path / "c" / file).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_directory_without_a_report_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(KvSwapError, match=r"no report\.json there; write one with"):
+        load_report(tmp_path)
+    (tmp_path / "report.json").write_text('{"version": 99}')
+    with pytest.raises(KvSwapError, match="report version 99 is not supported"):
+        load_report(tmp_path)
+    with pytest.raises(KvSwapError, match="at least one"):
+        write_comparison([], [], tmp_path / "out")
+
+
+def test_run_with_report_writes_it_and_puts_the_diagnosis_in_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run whose 8-slot pinned pool stays full: the NVMe advice fires."""
+    with one_torch_thread():
+        code = main(["run", *TINY_CLI_ARGS, "--json", "--report", str(tmp_path / "r")])
+    out, err = capsys.readouterr()
+    assert code == 0
+    summary: dict[str, Any] = json.loads(out)
+    rules = [f["rule"] for f in summary["diagnosis"]]
+    assert "pinned_pool_full" in rules
+    assert err == f"report: {tmp_path / 'r' / 'index.html'}\n"  # --json: no panel, no bar
+    report = load_report(tmp_path / "r")
+    assert report.summary == summary
+    assert report.run["model"] == "tiny"
+    cache = report.config["cache"]
+    assert isinstance(cache, dict) and cache["kv_block_tokens"] == 8
+    assert report.series.points and report.series.itl.count == (
+        summary["tokens_generated"] - summary["requests_completed"]
+    )
+    assert_page_is_self_contained(tmp_path / "r" / "index.html")

@@ -1,0 +1,108 @@
+"""The downsampled time series: windows tile the run, totals survive merging, JSON round-trips."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from kvswap.engine.summary import percentiles_ms
+from kvswap.obs.quantiles import LogHistogram
+from kvswap.obs.rates import TrailingRate, format_rate
+from kvswap.obs.timeseries import TimeSeries, TimeSeriesRecorder
+
+from .obs_fakes import Step, samples
+
+
+def test_histogram_percentiles_are_within_one_percent_of_the_exact_nearest_rank() -> None:
+    rng = random.Random(7)
+    values_s = [rng.lognormvariate(-5, 1.2) for _ in range(5000)]
+    histogram = LogHistogram()
+    histogram.add_all(values_s)
+    exact = percentiles_ms(values_s)
+    for name, fraction in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99)):
+        estimate = histogram.quantile_ms(fraction)
+        assert estimate == pytest.approx(exact[name], rel=0.011)
+    assert LogHistogram().quantile_ms(0.5) is None
+    cdf = histogram.cdf()
+    assert cdf[-1][1] == 1.0 and all(a[0] < b[0] for a, b in itertools.pairwise(cdf))
+
+
+def test_histograms_merge_by_adding_counts() -> None:
+    left, right = LogHistogram(), LogHistogram()
+    left.add_all([0.001] * 3)
+    right.add_all([0.1] * 1)
+    merged = left.merged(right)
+    assert merged.count == 4 and left.count == 3  # merged() copies
+    assert merged.quantile_s(0.75) == pytest.approx(0.001, rel=0.01)
+    assert merged.quantile_s(1.0) == pytest.approx(0.1, rel=0.01)
+    assert LogHistogram.from_json(merged.to_json()).counts == merged.counts
+
+
+def test_windows_tile_the_run_and_keep_every_byte_and_second() -> None:
+    steps = [Step(step_s=0.002 * (1 + i % 3), moved={"gpu_to_cpu": 1000 * i}) for i in range(400)]
+    recorder = TimeSeriesRecorder(max_points=20, window_s=0.005)
+    run = samples(steps)
+    for sample in run:
+        recorder.on_step(sample)
+    series = recorder.series()
+    points = series.points
+    # Compaction kept the count between max_points and twice that, and the windows grew.
+    assert 20 <= len(points) < 40
+    assert recorder.window_s > 0.005
+    assert points[0].start_s == 0.0 and points[-1].end_s == pytest.approx(run[-1].t_s)
+    assert all(a.end_s == b.start_s for a, b in itertools.pairwise(points))
+    assert sum(p.num_steps for p in points) == 400
+    assert sum(p.bytes_by_direction["gpu_to_cpu"] for p in points) == sum(range(400)) * 1000
+    assert sum(p.step_s for p in points) == pytest.approx(run[-1].step_total_s)
+    assert series.itl.count == 1600 == sum(p.itl.count for p in points)
+
+
+def test_window_figures_throughput_share_and_occupancy() -> None:
+    # Ten 10 ms steps, each moving 1 MB GPU->CPU and waiting 2 ms: 100 MB/s, 20% wait.
+    steps = [
+        Step(step_s=0.01, swap_wait_s=0.002, moved={"gpu_to_cpu": 10**6},
+             used={"gpu": 80 if i < 5 else 40, "cpu": 0})
+        for i in range(10)
+    ]  # fmt: skip
+    recorder = TimeSeriesRecorder(window_s=0.05)
+    for sample in samples(steps):
+        recorder.on_step(sample)
+    first, second = recorder.series().points
+    assert first.gbps("gpu_to_cpu") == pytest.approx(0.1)
+    assert first.swap_wait_share == pytest.approx(0.2)
+    assert first.usage_mean_by_tier["gpu"] == pytest.approx(0.8)
+    assert second.usage_mean_by_tier["gpu"] == pytest.approx(0.4)
+    merged = first.merge(second)
+    assert merged.usage_mean_by_tier["gpu"] == pytest.approx(0.6)
+    assert merged.usage_max_by_tier["gpu"] == pytest.approx(0.8)
+    assert merged.gbps("gpu_to_cpu") == pytest.approx(0.1)
+
+
+def test_series_round_trips_through_json() -> None:
+    recorder = TimeSeriesRecorder()
+    for sample in samples([Step(moved={"cpu_to_gpu": 4096}, ttfts_s=(0.05,))] * 30):
+        recorder.on_step(sample)
+    series = recorder.series()
+    again = TimeSeries.from_json(series.to_json())
+    assert again == series  # histograms are compared below
+    assert [p.itl.counts for p in again.points] == [p.itl.counts for p in series.points]
+    assert again.ttft.count == 30
+    p50 = series.to_json()["itl_ms"]
+    assert isinstance(p50, dict) and p50["p50"] == pytest.approx(10.0, rel=0.01)
+
+
+def test_trailing_rate_covers_the_last_window() -> None:
+    rate = TrailingRate(window_s=1.0)
+    assert rate.per_s() == {}
+    rate.add(0.5, {"gpu_to_cpu": 500})
+    assert rate.per_s()["gpu_to_cpu"] == pytest.approx(1000.0)  # from t = 0
+    for i in range(1, 30):
+        rate.add(0.5 + 0.1 * i, {"gpu_to_cpu": 500 + 100 * i})
+    assert rate.per_s()["gpu_to_cpu"] == pytest.approx(1000.0)
+    rate.add(4.0, {"gpu_to_cpu": 3400})  # idle since: the rate falls
+    assert rate.per_s()["gpu_to_cpu"] < 1000.0
+    assert format_rate(1.5e9) == "1.5 GB/s" and format_rate(0) == "0 B/s"
+    assert not math.isnan(rate.per_s()["gpu_to_cpu"])
