@@ -91,7 +91,7 @@ def samples(steps: Sequence[Step], capacity: dict[str, int] | None = None) -> li
             StepSample(
                 t_s=t_s, step=index, step_s=step.step_s, swap_wait_s=step.swap_wait_s,
                 num_running=4, num_preempted=0, num_waiting=0, requests_finished=index // 10,
-                tokens_generated=tokens,
+                tokens_generated=tokens, recomputed_tokens=0,
                 used_blocks_by_tier={t: step.used.get(t, 0) for t in TIERS},
                 capacity_blocks_by_tier=dict(capacity or CAPACITY), bytes_by_direction=dict(moved),
                 seconds_by_direction=dict(seconds), swap_wait_total_s=wait_s, step_total_s=total_s,

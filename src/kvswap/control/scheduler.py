@@ -110,6 +110,8 @@ class Scheduler:
         self.finished: list[int] = []
         self.step = 0
         self.num_preemptions = 0
+        self.tokens_generated = 0
+        self.recomputed_tokens = 0
 
     # ----------------------------------------------------------------- intake
 
@@ -171,6 +173,7 @@ class Scheduler:
             run = self.runs[item.seq_id]
             run.output_ids.append(sampled[item.seq_id])
             run.token_times_s.append(now_s)
+            self.tokens_generated += 1
             if run.first_token_s is None:
                 run.first_token_s = now_s
             if len(run.output_ids) >= run.max_new_tokens:
@@ -232,7 +235,7 @@ class Scheduler:
                 run.admitted_s = now_s
             hit_tokens = self.swapper.open_sequence(seq_id, ids)
             run.prefix_hit_tokens += hit_tokens
-            run.recomputed_tokens += max(0, run.tokens_to_recompute - hit_tokens)
+            self._count_recompute(run, max(0, run.tokens_to_recompute - hit_tokens))
             run.tokens_to_recompute = 0
             self.swapper.set_running(seq_id, True)
             self.running.append(seq_id)
@@ -303,6 +306,10 @@ class Scheduler:
                 return True
         return False
 
+    def _count_recompute(self, run: SequenceRun, num_tokens: int) -> None:
+        run.recomputed_tokens += num_tokens
+        self.recomputed_tokens += num_tokens
+
     def _repair_lost(self) -> None:
         """Blocks whose every copy failed are recomputed from the first lost one."""
         if not self.store.has_lost_blocks():
@@ -313,5 +320,5 @@ class Scheduler:
             first_lost = self.store.first_lost_token(seq_id)
             if first_lost is not None:
                 run = self.runs[seq_id]
-                run.recomputed_tokens += self.store.sequences[seq_id].num_tokens - first_lost
+                self._count_recompute(run, self.store.sequences[seq_id].num_tokens - first_lost)
                 self.store.truncate(seq_id, first_lost)

@@ -27,6 +27,7 @@ class StepSample:
     num_waiting: int
     requests_finished: int
     tokens_generated: int  # cumulative
+    recomputed_tokens: int  # cumulative
     used_blocks_by_tier: dict[str, int]
     capacity_blocks_by_tier: dict[str, int]
     bytes_by_direction: dict[str, int]  # cumulative, keys Direction values
@@ -74,7 +75,6 @@ def sample_step(
             latencies.append(times[-1] - times[-2])
         elif len(times) == 1 and run.first_token_s is not None:
             ttfts.append(run.first_token_s - run.arrival_s)
-    tokens = sum(len(r.output_ids) for r in scheduler.runs.values())
     return StepSample(
         t_s=t_s,
         step=plan.step,
@@ -84,7 +84,8 @@ def sample_step(
         num_preempted=len(scheduler.preempted),
         num_waiting=len(scheduler.waiting),
         requests_finished=len(scheduler.finished),
-        tokens_generated=tokens,
+        tokens_generated=scheduler.tokens_generated,
+        recomputed_tokens=scheduler.recomputed_tokens,
         used_blocks_by_tier={t.value: store.tiers[t].num_used_slots for t in Tier},
         capacity_blocks_by_tier={t.value: store.tiers[t].num_slots for t in Tier},
         bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in Direction},

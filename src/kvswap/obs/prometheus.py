@@ -235,6 +235,7 @@ class PrometheusExporter(StepObserver):
         self._total(self.sync_stalls, sample.sync_stalls)
         self._total(self.preemptions, sample.preemptions)
         self._total(self.generation_tokens, sample.tokens_generated)
+        self._total(self.recomputed, sample.recomputed_tokens)
         self._total(self.requests_finished, sample.requests_finished)
         self.running.set(sample.num_running)
         self.waiting.set(sample.num_waiting)
