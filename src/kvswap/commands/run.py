@@ -16,7 +16,7 @@ from kvswap.workload.mooncake import load_mooncake_trace
 from kvswap.workload.request import Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
-#: The demo: 12 two-turn sessions sharing a system prompt, whose KV at its peak
+#: The demo: 8 two-turn sessions sharing a system prompt, whose KV at its peak
 #: is 4x the 30-block device pool; the pinned CPU pool absorbs the rest.
 RUN_DEFAULTS: dict[str, object] = {
     "gpu_kv_capacity_blocks": 30,
@@ -47,7 +47,7 @@ def register(commands: Any) -> None:
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload (synthetic unless --trace)")
-    group.add_argument("--num-sessions", type=int, default=12)
+    group.add_argument("--num-sessions", type=int, default=8)
     group.add_argument("--turns", type=int, default=2)
     group.add_argument("--prompt-tokens", type=int, default=160)
     group.add_argument("--output-tokens", type=int, default=32)
