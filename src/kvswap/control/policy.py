@@ -45,13 +45,59 @@ class PolicyOptions:
         return cls(sink_protection=False, min_residency_steps=0, cost_aware=False)
 
 
+class RankedLru:
+    """Blocks in a few LRU-ordered lists, one per cost rank; every call O(1)."""
+
+    def __init__(self, num_ranks: int):
+        self.lists: list[OrderedDict[int, Block]] = [OrderedDict() for _ in range(num_ranks)]
+        self.rank_of: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.rank_of)
+
+    def place(self, block: Block, rank: int | None, *, refresh: bool) -> None:
+        """Put `block` at `rank` (None: not a candidate). An unchanged rank keeps its
+        LRU position unless `refresh`, which makes it the most recently used."""
+        old = self.rank_of.get(block.block_id)
+        if old == rank and not refresh:
+            return
+        self.remove(block)
+        if rank is not None:
+            self.lists[rank][block.block_id] = block
+            self.rank_of[block.block_id] = rank
+
+    def remove(self, block: Block) -> None:
+        old = self.rank_of.pop(block.block_id, None)
+        if old is not None:
+            del self.lists[old][block.block_id]
+
+    def move_to_end(self, block: Block) -> None:
+        rank = self.rank_of.get(block.block_id)
+        if rank is not None:
+            self.lists[rank].move_to_end(block.block_id)
+
+    def pop(self, max_rank: int) -> Block | None:
+        """The least recently used block of the cheapest non-empty rank <= max_rank."""
+        for ranked in self.lists[: max_rank + 1]:
+            if ranked:
+                block_id, block = ranked.popitem(last=False)
+                del self.rank_of[block_id]
+                return block
+        return None
+
+    def check_integrity(self) -> None:
+        assert sum(map(len, self.lists)) == len(self.rank_of), "rank index out of step"
+        for rank, ranked in enumerate(self.lists):
+            for block_id in ranked:
+                assert self.rank_of[block_id] == rank
+
+
 class ResidencyPolicy:
     """Ranked LRU over the GPU copies of blocks."""
 
     def __init__(self, options: PolicyOptions):
         self.options = options
-        self._ranks: list[OrderedDict[int, Block]] = [OrderedDict() for _ in range(NUM_RANKS)]
-        self._rank_of: dict[int, int] = {}
+        self._lru = RankedLru(NUM_RANKS)
         # (resident_until_step, block): FIFO in expiry order, since every
         # window has the same length and blocks enter in step order.
         self._young: deque[tuple[int, Block]] = deque()
@@ -62,7 +108,7 @@ class ResidencyPolicy:
         return self._step
 
     def num_candidates(self) -> int:
-        return len(self._rank_of)
+        return len(self._lru)
 
     def advance(self, step: int) -> None:
         """Move to decode step `step`; blocks whose residency window ended become candidates."""
@@ -82,36 +128,18 @@ class ResidencyPolicy:
     def touch(self, block: Block) -> None:
         """The block was read by attention this step (most recently used)."""
         block.last_access_step = self._step
-        rank = self._rank_of.get(block.block_id)
-        if rank is not None:
-            self._ranks[rank].move_to_end(block.block_id)
+        self._lru.move_to_end(block)
 
     def update(self, block: Block) -> None:
-        """Re-rank `block` after a change; O(1)."""
-        rank = self._rank(block)
-        old = self._rank_of.get(block.block_id)
-        if old == rank:
-            return
-        if old is not None:
-            del self._ranks[old][block.block_id]
-            del self._rank_of[block.block_id]
-        if rank is not None:
-            self._ranks[rank][block.block_id] = block
-            self._rank_of[block.block_id] = rank
+        """Re-rank `block` after a change; O(1). Its LRU position holds if its rank does."""
+        self._lru.place(block, self._rank(block), refresh=False)
 
     def forget(self, block: Block) -> None:
-        old = self._rank_of.pop(block.block_id, None)
-        if old is not None:
-            del self._ranks[old][block.block_id]
+        self._lru.remove(block)
 
     def pop_victim(self) -> Block | None:
         """The cheapest, least recently used candidate, removed from the candidates."""
-        for ranked in self._ranks:
-            if ranked:
-                block_id, block = ranked.popitem(last=False)
-                del self._rank_of[block_id]
-                return block
-        return None
+        return self._lru.pop(NUM_RANKS - 1)
 
     def _rank(self, block: Block) -> int | None:
         gpu = block.copies.get(Tier.GPU)
@@ -129,11 +157,9 @@ class ResidencyPolicy:
         return 2 if clean else 3
 
     def check_integrity(self) -> None:
-        total = sum(len(ranked) for ranked in self._ranks)
-        assert total == len(self._rank_of), "rank index out of step with the LRU lists"
-        for rank, ranked in enumerate(self._ranks):
+        self._lru.check_integrity()
+        for ranked in self._lru.lists:
             for block_id, block in ranked.items():
-                assert self._rank_of[block_id] == rank
                 assert Tier.GPU in block.copies, f"candidate {block_id} has no GPU copy"
 
 
@@ -149,36 +175,21 @@ class CpuResidencyPolicy:
     """
 
     def __init__(self) -> None:
-        self._ranks: list[OrderedDict[int, Block]] = [OrderedDict() for _ in range(4)]
-        self._rank_of: dict[int, int] = {}
+        self._lru = RankedLru(4)
 
     def update(self, block: Block) -> None:
         """Re-rank after a change and mark as most recently used; O(1)."""
-        rank = self._rank(block)
-        old = self._rank_of.get(block.block_id)
-        if old is not None:
-            del self._ranks[old][block.block_id]
-            del self._rank_of[block.block_id]
-        if rank is not None:
-            self._ranks[rank][block.block_id] = block
-            self._rank_of[block.block_id] = rank
+        self._lru.place(block, self._rank(block), refresh=True)
 
     def forget(self, block: Block) -> None:
-        old = self._rank_of.pop(block.block_id, None)
-        if old is not None:
-            del self._ranks[old][block.block_id]
+        self._lru.remove(block)
 
     def pop_victim(self, max_rank: int = 3) -> Block | None:
         """The cheapest LRU candidate with rank <= max_rank, removed from the candidates."""
-        for ranked in self._ranks[: max_rank + 1]:
-            if ranked:
-                block_id, block = ranked.popitem(last=False)
-                del self._rank_of[block_id]
-                return block
-        return None
+        return self._lru.pop(max_rank)
 
     def num_candidates(self) -> int:
-        return len(self._rank_of)
+        return len(self._lru)
 
     @staticmethod
     def _rank(block: Block) -> int | None:
