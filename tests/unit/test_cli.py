@@ -92,6 +92,14 @@ def test_plan_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["plan", "--bench", "/nonexistent.json"], "nonexistent"),
         (["bench", "--block-bytes", "2 potatoes"], "--block-bytes"),
         (["bench", "--chunk-blocks", "a,b"], "--chunk-blocks"),
+        (["run", "--cpu-kv-capacity-bytes", "9TiB"], "pinned memory"),
+        (["run", "--nvme-kv-capacity-blocks", "9", "--nvme-dir", "/nonexistent"], "does not exist"),
+        (["run", "--nvme-kv-capacity-blocks", "9"], "needs nvme_dir"),
+        (["run", "--model", "/nonexistent-model"], "neither a preset"),
+        (["run", "--trace", "/nonexistent.jsonl"], "nonexistent"),
+        (["run", "--num-sessions", "0"], "num_sessions"),
+        (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
+        (["generate", "--prompt-ids", "1,99999"], "vocabulary"),
     ],
 )
 def test_user_errors_are_one_line_with_exit_code_2(

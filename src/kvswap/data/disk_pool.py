@@ -72,7 +72,7 @@ class DiskPool:
         self.persist = persist
         self.slot_stride_bytes = -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
         self.configured_bytes = num_slots * self.slot_stride_bytes
-        _check_directory(self.directory, self.configured_bytes)
+        check_directory(self.directory, self.configured_bytes)
 
         self.path = self.directory / f"kvswap-{os.getpid()}-{secrets.token_hex(6)}.kvslab"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -194,7 +194,12 @@ class DiskPool:
             raise ValueError(f"NVMe slot {slot} out of range [0, {self.num_slots})")
 
 
-def _check_directory(directory: Path, needed_bytes: int) -> None:
+def slab_bytes(block_bytes: int, num_slots: int) -> int:
+    """The slab file's size: slots rounded up to SLOT_ALIGN_BYTES."""
+    return num_slots * (-(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
+
+
+def check_directory(directory: Path, needed_bytes: int) -> None:
     """Refuse a bad directory or a too-small disk before anything is created."""
     hint = "point the NVMe tier at an existing, writable directory"
     if not directory.exists():

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,14 +28,15 @@ from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper, SwapSettings
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
+from kvswap.data.disk_pool import DiskPool, check_directory, slab_bytes
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
+from kvswap.data.pinned import available_host_bytes
 from kvswap.engine.runner import ModelRunner
 from kvswap.engine.summary import StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.model.generate import SamplingParams
-from kvswap.model.loader import load_model
+from kvswap.model.loader import load_model, resolve_model
 from kvswap.obs.observer import StepObserver, sample_step
 from kvswap.workload.request import Request, Workload, resolve_prompt
 
@@ -65,6 +67,14 @@ class Engine:
     def __init__(self, config: KvSwapConfig, options: EngineOptions):
         self.config = config
         self.device = pick_device(config.engine.device)
+        arch, torch_dtype, _ = resolve_model(options.model, options.dtype)
+        self.layout = KVLayout(
+            arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.kv_block_tokens,
+            torch_dtype,
+        )  # fmt: skip
+        capacities = config.tier_capacities(self.layout.block_bytes)
+        self.capacities = capacities
+        self._check_tiers()  # before anything is allocated, weights included
         self._saved_threads = torch.get_num_threads()
         if self.device.type == "cpu":
             cores = os.cpu_count() or 1
@@ -72,17 +82,6 @@ class Engine:
         model, arch = load_model(options.model, options.dtype, self.device)
         self.model, self.arch = model, arch
         self.model_name = options.model
-        self.layout = KVLayout(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.kv_block_tokens,
-            model.dtype,
-        )  # fmt: skip
-        capacities = config.tier_capacities(self.layout.block_bytes)
-        if capacities.num_gpu_blocks < 1:
-            raise KvSwapError(
-                "gpu_kv_capacity_blocks (or gpu_kv_capacity_bytes) must give the engine at least "
-                f"one GPU block of {self.layout.block_bytes} bytes"
-            )
-        self.capacities = capacities
         disk: DiskPool | None = None
         if capacities.num_nvme_blocks:
             assert config.tiers.nvme_dir is not None  # validated with the capacities
@@ -120,6 +119,27 @@ class Engine:
             clock_s=time.perf_counter,
         )
         self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)
+
+    def _check_tiers(self) -> None:
+        """One-line errors for tiers that cannot be allocated, before any allocation."""
+        caps, block = self.capacities, self.layout.block_bytes
+        if caps.num_gpu_blocks < 1:
+            raise KvSwapError(
+                "gpu_kv_capacity_blocks (or gpu_kv_capacity_bytes) must give the engine at least "
+                f"one GPU block of {block} bytes"
+            )
+        free_bytes = available_host_bytes()
+        if caps.num_cpu_blocks * block > free_bytes:
+            raise KvSwapError(
+                f"cpu_kv_capacity = {caps.num_cpu_blocks} blocks x {block} bytes needs "
+                f"{caps.num_cpu_blocks * block} bytes of pinned memory but only {free_bytes} are "
+                "available; lower the CPU tier capacity"
+            )
+        if caps.num_nvme_blocks:
+            assert self.config.tiers.nvme_dir is not None  # validated with the capacities
+            check_directory(
+                Path(self.config.tiers.nvme_dir), slab_bytes(block, caps.num_nvme_blocks)
+            )
 
     def run(
         self,

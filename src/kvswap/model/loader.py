@@ -64,14 +64,11 @@ def parse_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[short]
 
 
-def load_model(
-    source: str, dtype: str | None, device: torch.device
-) -> tuple[LlamaForCausal, ModelArchConfig]:
-    """A preset name (`tiny`, `small`) or a directory with config.json + *.safetensors.
-
-    `dtype` overrides the checkpoint's own dtype (presets default to fp32). The
-    returned config's `dtype_name` is the dtype the weights were loaded in.
-    """
+def resolve_model(
+    source: str, dtype: str | None
+) -> tuple[ModelArchConfig, torch.dtype, Path | None]:
+    """The architecture and dtype `load_model` would use, without loading weights
+    (so pools can be sized and checked first). The path is None for a preset."""
     if source in PRESETS:
         config = PRESETS[source]
         directory: Path | None = None
@@ -85,7 +82,22 @@ def load_model(
         config = read_checkpoint_config(directory)
     dtype_name = dtype if dtype is not None else (config.dtype_name or "fp32")
     torch_dtype = parse_dtype(dtype_name)
-    config = replace(config, dtype_name=DTYPE_NAMES.get(dtype_name, dtype_name))
+    return (
+        replace(config, dtype_name=DTYPE_NAMES.get(dtype_name, dtype_name)),
+        torch_dtype,
+        directory,
+    )
+
+
+def load_model(
+    source: str, dtype: str | None, device: torch.device
+) -> tuple[LlamaForCausal, ModelArchConfig]:
+    """A preset name (`tiny`, `small`) or a directory with config.json + *.safetensors.
+
+    `dtype` overrides the checkpoint's own dtype (presets default to fp32). The
+    returned config's `dtype_name` is the dtype the weights were loaded in.
+    """
+    config, torch_dtype, directory = resolve_model(source, dtype)
     model = _empty_model(config, torch_dtype, device)
     if directory is None:
         _fill_random(model, PRESET_SEED)
