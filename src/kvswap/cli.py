@@ -13,6 +13,8 @@ from kvswap.commands import generate as generate_command
 from kvswap.commands import plan as plan_command
 from kvswap.commands import report as report_command
 from kvswap.commands import run as run_command
+from kvswap.commands import simulate as simulate_command
+from kvswap.commands import tune as tune_command
 from kvswap.errors import KvSwapError
 
 EXIT_USAGE = 2
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_command.register(commands)
     generate_command.register(commands)
     report_command.register(commands)
+    simulate_command.register(commands)
+    tune_command.register(commands)
     return parser
 
 

@@ -304,6 +304,11 @@ class Swapper:
                 self.store.drop_copy(block, Tier.GPU)
                 self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
                 continue
+            if Tier.CPU in block.copies:
+                # A stale CPU copy still read by a demotion in flight: the block gets
+                # no second CPU copy, and stays until that transfer ends.
+                self.store.rerank(block)
+                continue
             cpu = self._cpu_slot(block)
             if cpu is not None:
                 pairs.append(self._reserve(block, Tier.GPU, cpu))

@@ -1,0 +1,76 @@
+"""How fast the simulator runs at full scale: an hour-long Mooncake-format trace.
+
+Generates a seeded Mooncake-like trace (`kvswap.sim.tracegen`: ~12k requests in an
+hour, ~12k-token prompts, conversation-style prefix sharing; NOT the real
+Mooncake trace, which is not bundled) or reads `--trace FILE`, and simulates it
+on an H200 with the GPU tier sized from its memory, 100k CPU blocks and 200k
+NVMe blocks (8B model, 16-token blocks). Prints simulated seconds per wall
+second and steps per second, then one JSON line.
+
+    .venv/bin/python benchmarks/sim_scale.py                    # ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/sim_scale.py --max-requests 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from kvswap.config import load_config
+from kvswap.sim.hardware import hardware_preset
+from kvswap.sim.simulator import Simulator
+from kvswap.sim.trace import load_trace_workload
+from kvswap.sim.tracegen import TraceSpec, generate_trace_rows, write_trace
+
+CONFIG: dict[str, object] = {
+    "kv_block_tokens": 16, "cpu_kv_capacity_blocks": 100_000,
+    "nvme_kv_capacity_blocks": 200_000, "nvme_dir": "/var/tmp/kvswap",
+    "max_num_batched_tokens": 8192, "preset": "article-8b", "dtype": "fp16",
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", metavar="FILE", help="a Mooncake-format trace to replay")
+    parser.add_argument("--max-requests", type=int, default=None)
+    parser.add_argument("--hardware", default="h200")
+    args = parser.parse_args()
+    start_s = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.trace) if args.trace else Path(tmp) / "trace.jsonl"
+        if args.trace is None:
+            write_trace(generate_trace_rows(TraceSpec()), path)
+        workload = load_trace_workload(path, max_requests=args.max_requests)
+    load_s = time.perf_counter() - start_s
+    config = load_config(None, overrides=CONFIG)
+    simulator = Simulator(config, hardware_preset(args.hardware))
+    summary = simulator.run(workload)
+    wall_s = float(summary["wall_s"])  # type: ignore[arg-type]
+    steps = int(summary["num_steps"])  # type: ignore[call-overload]
+    figures = {
+        "requests": len(workload),
+        "trace_load_s": round(load_s, 1),
+        "simulate_wall_s": wall_s,
+        "simulated_s": summary["duration_s"],
+        "simulated_s_per_wall_s": summary["simulated_s_per_wall_s"],
+        "num_steps": steps,
+        "steps_per_wall_s": round(steps / wall_s, 1),
+        "gpu_blocks": simulator.setup.capacities.num_gpu_blocks,
+        "throughput_tok_s": summary["throughput_tok_s"],
+        "itl_ms": summary["itl_ms"],
+        "ttft_ms": summary["ttft_ms"],
+        "prefix_hit_rate_by_tier": summary["prefix_hit_rate_by_tier"],
+    }
+    print(
+        f"{len(workload)} requests: {summary['duration_s']:.0f} simulated s in {wall_s:.0f} wall s "
+        f"= {summary['simulated_s_per_wall_s']} simulated s per wall s, "
+        f"{figures['steps_per_wall_s']} steps/s (trace loaded in {load_s:.1f} s)"
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The simulator's copy engine: the `CopyEngine` contract on modelled links.
+
+    GPU_TO_CPU  --> d2h link  }  one "pcie" link instead when the profile's
+    CPU_TO_GPU  --> h2d link  }  copy engine is shared by both directions
+    CPU_TO_NVME --> nvme link    (one drive: reads and writes queue together)
+    NVME_TO_CPU --> nvme link
+
+Each link has the two priority queues of the real engine (see `link.py`).
+A chunk's time on its link is overhead + bytes / bandwidth, where pageable
+host memory lowers the GPU legs' bandwidth and stretches each chunk by a
+seeded exponential jitter. Times are on the simulator's `VirtualClock`:
+
+- `poll()` reports the chunks whose end time is <= now;
+- `wait(transfer_id)` jumps the clock to that chunk's end, which is how a
+  swap-in stall or a synchronous swap-out shows up in virtual time;
+- `wait_all()` jumps to the end of the last chunk.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from kvswap.control.transfer import (
+    CopyEngine,
+    Direction,
+    TransferChunk,
+    TransferResult,
+)
+from kvswap.sim.clock import VirtualClock
+from kvswap.sim.hardware import HardwareProfile
+from kvswap.sim.link import Link, LinkJob
+
+GB = 1e9
+_GPU_LEGS = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
+
+
+class ModelledCopyEngine(CopyEngine):
+    def __init__(
+        self,
+        hardware: HardwareProfile,
+        clock: VirtualClock,
+        *,
+        pinned_host: bool = True,
+        prefetch_streams: int = 2,
+        seed: int = 0,
+        on_submit: Callable[[TransferChunk], None] | None = None,
+    ):
+        if prefetch_streams < 1:
+            raise ValueError(f"prefetch_streams must be >= 1, got {prefetch_streams}")
+        self.hardware = hardware
+        self.clock = clock
+        self.pinned_host = pinned_host
+        self._rng = random.Random(f"kvswap-sim-copy:{seed}")
+        self._on_submit = on_submit
+        yields = hardware.low_yields_per_block
+
+        def link(name: str) -> Link:
+            return Link(name, high_streams=prefetch_streams, yields_per_block=yields)
+
+        d2h = link("pcie" if hardware.shared_copy_engine else "gpu_to_cpu")
+        h2d = d2h if hardware.shared_copy_engine else link("cpu_to_gpu")
+        nvme = link("nvme")
+        self.links: dict[Direction, Link] = {
+            Direction.GPU_TO_CPU: d2h,
+            Direction.CPU_TO_GPU: h2d,
+            Direction.CPU_TO_NVME: nvme,
+            Direction.NVME_TO_CPU: nvme,
+        }
+        self._all_links = list({id(link): link for link in self.links.values()}.values())
+        self._jobs: dict[int, tuple[Link, LinkJob]] = {}
+        self._done: dict[int, TransferResult] = {}
+        # Per LOW chunk (swap-out, demotion) that held its link while a HIGH chunk
+        # (swap-in, restore, sync eviction) waited: the longest such wait.
+        self.high_blocked_by_low_s: list[float] = []
+
+    # ---------------------------------------------------------------- contract
+
+    def submit(self, chunk: TransferChunk) -> None:
+        if chunk.transfer_id in self._jobs or chunk.transfer_id in self._done:
+            raise ValueError(f"transfer {chunk.transfer_id}: id already in use")
+        if self._on_submit is not None:
+            self._on_submit(chunk)
+        link = self.links[chunk.direction]
+        overhead_s, data_s = self.chunk_time_s(chunk.direction, chunk.num_bytes)
+        if self._jittered(chunk.direction):
+            data_s *= 1.0 + self._rng.expovariate(1.0 / self.hardware.pageable_jitter)
+        job = LinkJob(chunk, self.clock.now_s, overhead_s, data_s, num_slices=1)
+        self._jobs[chunk.transfer_id] = (link, job)
+        link.submit(job, self.clock.now_s)
+
+    def poll(self) -> list[TransferResult]:
+        now_s = self.clock.now_s
+        for link in self._distinct_links():
+            link.advance(now_s)
+        self._collect()
+        done = sorted(self._done.values(), key=lambda result: result.end_s)
+        self._done.clear()
+        return done
+
+    def wait(self, transfer_id: int) -> TransferResult:
+        if transfer_id not in self._done:
+            entry = self._jobs.get(transfer_id)
+            if entry is None:
+                raise ValueError(
+                    f"transfer {transfer_id} is not pending: never submitted or already reported"
+                )
+            link, job = entry
+            self.clock.advance_to(link.finish(job))
+            self._collect()
+        return self._done.pop(transfer_id)
+
+    def wait_all(self) -> list[TransferResult]:
+        for link in self._distinct_links():
+            end_s = link.drain()
+            if end_s is not None:
+                self.clock.advance_to(end_s)
+        return self.poll()
+
+    def close(self) -> None:
+        """Nothing to release: the links are bookkeeping only."""
+
+    # ------------------------------------------------------------------ model
+
+    def chunk_time_s(self, direction: Direction, num_bytes: int) -> tuple[float, float]:
+        """(overhead, data time) of one chunk before jitter."""
+        hw = self.hardware
+        if direction is Direction.CPU_TO_NVME:
+            return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gbps * GB)
+        if direction is Direction.NVME_TO_CPU:
+            return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gbps * GB)
+        gbps = hw.d2h_gbps if direction is Direction.GPU_TO_CPU else hw.h2d_gbps
+        if not self.pinned_host:
+            gbps *= hw.pageable_bandwidth_fraction
+        return hw.transfer_overhead_s, num_bytes / (gbps * GB)
+
+    def _jittered(self, direction: Direction) -> bool:
+        return direction in _GPU_LEGS and not self.pinned_host and self.hardware.pageable_jitter > 0
+
+    def busy_s_by_link(self) -> dict[str, float]:
+        """Seconds each link spent moving data (or paying overhead) so far."""
+        return {link.name: link.busy_s for link in self._distinct_links()}
+
+    def num_pending(self) -> int:
+        return len(self._jobs) + len(self._done)
+
+    def _distinct_links(self) -> list[Link]:
+        return self._all_links
+
+    def _collect(self) -> None:
+        for link in self._distinct_links():
+            for job in link.finished:
+                assert job.start_s is not None and job.end_s is not None
+                chunk = job.chunk
+                if job.blocked_high_s > 0:
+                    self.high_blocked_by_low_s.append(job.blocked_high_s)
+                del self._jobs[chunk.transfer_id]
+                self._done[chunk.transfer_id] = TransferResult(
+                    chunk.transfer_id, True, chunk.num_bytes, job.start_s, job.end_s
+                )
+            link.finished.clear()

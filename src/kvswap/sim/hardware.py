@@ -1,0 +1,185 @@
+"""Hardware profiles: what the simulator assumes about a machine.
+
+A profile is a handful of measured or published numbers: GPU and host memory,
+HBM bandwidth and dense fp16 compute (with the fraction a real step reaches),
+the host<->device link per direction with a per-transfer overhead, how much
+worse pageable host memory is, and the NVMe drive. Presets cover the
+article's machine and two newer ones; `hardware_from_bench` replaces the link
+numbers with what `kvswap bench` measured on a real machine.
+
+Sources and assumptions (GB/s = 1e9 bytes/s):
+- article-40gb: an A100-40GB-class card (HBM2 1555 GB/s, 312 TFLOPS dense
+  bf16), PCIe 4.0 x16 at the article's measured ~25 GB/s, 96 GB of RAM and an
+  NVMe drive reading ~7 GB/s (the article's figures).
+- h100-pcie5: H100 PCIe 80 GB (HBM2e ~2000 GB/s, ~756 TFLOPS dense bf16),
+  PCIe 5.0 x16 at ~50 GB/s real (the article: 45-55).
+- h200: H200 141 GB (HBM3e 4800 GB/s, ~989 TFLOPS dense bf16), PCIe 5.0.
+- Efficiencies (0.8 of HBM for decode, 0.55 of peak for prefill), a 1 ms
+  per-step launch/scheduling overhead and a 15 us per-chunk copy overhead
+  are typical values, not measurements; `kvswap bench` measures the link.
+- Pageable host memory: DMA cannot read it directly, the driver stages it
+  through a bounce buffer, so it runs at about half the pinned bandwidth and
+  each chunk takes an exponentially distributed extra time (page faults,
+  staging contention) with a mean of 30% of its nominal time.
+- Every GPU preset has separate copy engines per direction (PCIe is full
+  duplex), and a DMA chunk is never preempted once it started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvswap.bench.report import BenchReport, link_gbps, load_report
+from kvswap.config import suggest
+from kvswap.errors import KvSwapError
+from kvswap.units import GIB
+
+GB = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine as the cost and copy models see it."""
+
+    name: str
+    description: str
+    gpu_mem_bytes: int
+    host_mem_bytes: int
+    gpu_reserve_bytes: int  # activations, CUDA context, fragmentation: never KV
+    hbm_gbps: float
+    peak_tflops: float  # dense fp16/bf16
+    mem_efficiency: float  # share of hbm_gbps a step's memory traffic reaches
+    compute_efficiency: float  # share of peak_tflops a step's matmuls reach
+    step_overhead_s: float  # per step: kernel launches, scheduling, sampling
+    h2d_gbps: float  # pinned host -> device, real
+    d2h_gbps: float  # device -> pinned host, real
+    transfer_overhead_s: float  # per chunk: copy launch + gather/scatter kernel
+    pageable_bandwidth_fraction: float  # pageable GB/s / pinned GB/s
+    pageable_jitter: float  # mean extra time of a pageable chunk / its nominal time
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    nvme_latency_s: float  # per chunk
+    seq_overhead_s: float = 0.0  # per sequence in a step (0 on GPUs: attention is batched)
+    shared_copy_engine: bool = False  # H2D and D2H queue on one engine (one link)
+    low_yields_per_block: bool = False  # a LOW chunk yields to HIGH between blocks
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            positive = field.name not in _MAY_BE_ZERO
+            if not (value > 0 if positive else value >= 0):
+                allowed = "> 0" if positive else ">= 0"
+                raise KvSwapError(
+                    f"hardware {self.name!r}: {field.name} = {value}; allowed {allowed}"
+                )
+        for name in ("mem_efficiency", "compute_efficiency", "pageable_bandwidth_fraction"):
+            if getattr(self, name) > 1:
+                raise KvSwapError(
+                    f"hardware {self.name!r}: {name} = {getattr(self, name)}; allowed 0 < x <= 1"
+                )
+
+
+_MAY_BE_ZERO = frozenset(
+    {"gpu_reserve_bytes", "step_overhead_s", "transfer_overhead_s", "pageable_jitter",
+     "nvme_latency_s", "seq_overhead_s"}
+)  # fmt: skip
+
+
+def _preset(
+    name: str,
+    description: str,
+    gpu_gb: int,
+    host_gb: int,
+    hbm_gbps: float,
+    tflops: float,
+    link_gbps: float,
+) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, description=description, gpu_mem_bytes=gpu_gb * GB,
+        host_mem_bytes=host_gb * GB, gpu_reserve_bytes=4 * GIB, hbm_gbps=hbm_gbps,
+        peak_tflops=tflops, mem_efficiency=0.8, compute_efficiency=0.55, step_overhead_s=1e-3,
+        h2d_gbps=link_gbps, d2h_gbps=link_gbps, transfer_overhead_s=15e-6,
+        pageable_bandwidth_fraction=0.5, pageable_jitter=0.3, nvme_read_gbps=7.0,
+        nvme_write_gbps=5.0, nvme_latency_s=80e-6,
+    )  # fmt: skip
+
+
+PRESETS: dict[str, HardwareProfile] = {
+    profile.name: profile
+    for profile in (
+        _preset("article-40gb", "the article's machine: A100-40GB-class GPU, 96 GB RAM, "
+                "PCIe 4.0 x16, NVMe", 40, 96, 1555.0, 312.0, 25.0),
+        _preset("h100-pcie5", "H100 PCIe 80 GB, PCIe 5.0 x16, 256 GB RAM, NVMe",
+                80, 256, 2000.0, 756.0, 50.0),
+        _preset("h200", "H200 141 GB, PCIe 5.0 x16, 512 GB RAM, NVMe", 141, 512, 4800.0, 989.0,
+                50.0),
+    )
+}  # fmt: skip
+HARDWARE_NAMES: tuple[str, ...] = tuple(PRESETS)
+
+
+def hardware_preset(name: str) -> HardwareProfile:
+    """A preset by name; an unknown name lists the valid ones."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        prefixed = [known for known in HARDWARE_NAMES if known.startswith(key)]
+        hint = f" (did you mean {prefixed[0]!r}?)" if prefixed else suggest(key, HARDWARE_NAMES)
+        raise KvSwapError(
+            f"unknown hardware {name!r}{hint}; "
+            f"valid hardware: {', '.join(HARDWARE_NAMES)} (or --bench FILE)"
+        )
+    return PRESETS[key]
+
+
+def hardware_from_bench(path: str | Path, base: HardwareProfile) -> HardwareProfile:
+    """`base` with the link replaced by what `kvswap bench --out FILE` measured."""
+    return hardware_from_report(load_report(path), base, source=str(path))
+
+
+def hardware_from_report(
+    report: BenchReport, base: HardwareProfile, *, source: str = "benchmark report"
+) -> HardwareProfile:
+    """`base` with the measured link: bandwidth per direction (the largest pinned
+    transfer), per-chunk overhead (gather rows: time beyond bytes / bandwidth)
+    and pageable bandwidth. A report measured without a GPU describes host memory
+    copies: then both directions share one memory bus and a LOW chunk yields to
+    HIGH between blocks, as kvswap's CPU copy engine does."""
+    h2d, d2h = link_gbps(report, "h2d"), link_gbps(report, "d2h")
+    if h2d <= 0 or d2h <= 0:
+        raise KvSwapError(f"{source}: the measured link bandwidth is 0 GB/s; rerun `kvswap bench`")
+    overheads = [
+        max(0.0, row.num_bytes / (row.gbps_median * GB) - row.num_bytes / (d2h * GB))
+        for row in report.results
+        if row.op == "gather_chunk" and row.gbps_median > 0
+    ]
+    pageable = [r for r in report.results if r.memory == "pageable" and r.gbps_median > 0]
+    fraction = base.pageable_bandwidth_fraction
+    if pageable:
+        largest = max(pageable, key=lambda r: r.num_bytes)
+        fraction = min(1.0, largest.gbps_median / max(h2d, d2h))
+    on_cpu = report.device == "cpu"
+    return dataclasses.replace(
+        base,
+        name=f"bench:{Path(source).name}",
+        description=f"{base.name} with the link measured in {source} ({report.device_name})",
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        transfer_overhead_s=statistics.median(overheads) if overheads else base.transfer_overhead_s,
+        pageable_bandwidth_fraction=fraction,
+        shared_copy_engine=on_cpu or base.shared_copy_engine,
+        low_yields_per_block=on_cpu or base.low_yields_per_block,
+    )
+
+
+def describe_hardware(profile: HardwareProfile) -> str:
+    return (
+        f"{profile.name}: {profile.description}; GPU {profile.gpu_mem_bytes / GB:.0f} GB, "
+        f"HBM {profile.hbm_gbps:g} GB/s, {profile.peak_tflops:g} TFLOPS, link "
+        f"{profile.h2d_gbps:g}/{profile.d2h_gbps:g} GB/s (h2d/d2h), NVMe "
+        f"{profile.nvme_read_gbps:g}/{profile.nvme_write_gbps:g} GB/s (read/write)"
+    )

@@ -1,0 +1,273 @@
+"""The discrete-event simulator: the engine's loop with a cost model for a model.
+
+    workload --> arrivals --> Scheduler.schedule --> StepCostModel --> Scheduler.complete
+                                  |  (swap-in, waits)         clock += step   (offload, swap-out)
+                                  '-- ModelledCopyEngine: links on the VirtualClock
+
+The scheduler, swapper, store and policy are the engine's own objects
+(`kvswap.control`), built from the same config; only the data plane is
+modelled. Nothing is computed: a sampled token is a placeholder that depends
+on (sequence, position) only, so later turns of a conversation still extend
+their own history. Time is virtual: a step lasts what the cost model says, a
+wait for a transfer jumps to its modelled end, an idle gap jumps to the next
+arrival. Same seed, same run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvswap.config import KvSwapConfig
+from kvswap.control.policy import PolicyOptions
+from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
+from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.transfer import Direction, Tier, TransferChunk
+from kvswap.engine.summary import StepTotals, build_summary
+from kvswap.errors import KvSwapError
+from kvswap.model.shapes import ModelShape
+from kvswap.obs.observer import StepObserver, sample_step
+from kvswap.sim.clock import VirtualClock
+from kvswap.sim.copy_model import ModelledCopyEngine
+from kvswap.sim.cost import StepCostModel
+from kvswap.sim.hardware import HardwareProfile
+from kvswap.sim.setup import resolve_setup
+from kvswap.workload.request import Request, Workload, resolve_prompt
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    pinned_host: bool = True  # False: pageable host memory (lower bandwidth, jitter)
+    seed: int | None = None  # None: the config's [simulator] seed
+    policy: PolicyOptions | None = None  # None: the engine's policy for the config
+    ping_pong_window_steps: int = 64  # a swap-in this soon after the last one is a re-swap
+
+
+def placeholder_token(seq_id: int, position: int, vocab_size: int) -> int:
+    """The 'sampled' token: a fixed function of (sequence, position)."""
+    mixed = (seq_id * 0x9E3779B1 + position * 0x85EBCA77 + 0x165667B1) & 0xFFFF_FFFF
+    return (mixed ^ (mixed >> 15)) % vocab_size
+
+
+def blocked_summary(delays_s: Sequence[float]) -> dict[str, object]:
+    """Swap-out chunks that made a swap-in wait (a DMA chunk is never preempted):
+    how many, and the waits they imposed in total and at worst."""
+    return {
+        "num_chunks": len(delays_s),
+        "total_ms": round(sum(delays_s) * 1e3, 3),
+        "max_ms": round(max(delays_s, default=0.0) * 1e3, 3),
+    }
+
+
+class SwapInTap:
+    """Counts swap-ins per block as chunks are submitted: sink-block swap-ins (blocks
+    among some sequence's protected first blocks) and re-swaps (a block swapped in
+    again within `window_steps` steps of its previous swap-in: ping-pong)."""
+
+    def __init__(self, window_steps: int):
+        self.window_steps = window_steps
+        self.swapper: Swapper | None = None
+        self.scheduler: Scheduler | None = None
+        self.blocks_swapped_in = 0
+        self.sink_block_swap_ins = 0
+        self.re_swaps = 0
+        self._last_swap_in_step: dict[int, int] = {}
+
+    def __call__(self, chunk: TransferChunk) -> None:
+        if chunk.direction is not Direction.CPU_TO_GPU or self.swapper is None:
+            return
+        record = self.swapper.mover.inflight.get(chunk.transfer_id)
+        step = self.scheduler.step if self.scheduler is not None else 0
+        for block in record.blocks if record is not None else ():
+            self.blocks_swapped_in += 1
+            if block.num_protected_refs > 0:
+                self.sink_block_swap_ins += 1
+            last = self._last_swap_in_step.get(block.block_id)
+            if last is not None and step - last < self.window_steps:
+                self.re_swaps += 1
+            self._last_swap_in_step[block.block_id] = step
+
+
+class Simulator:
+    def __init__(
+        self,
+        config: KvSwapConfig,
+        hardware: HardwareProfile,
+        *,
+        shape: ModelShape | None = None,
+        options: SimOptions | None = None,
+    ):
+        options = options if options is not None else SimOptions()
+        self.config = config
+        self.options = options
+        self.setup = setup = resolve_setup(config, hardware, shape)
+        self.clock = VirtualClock()
+        self.tap = SwapInTap(options.ping_pong_window_steps)
+        self.copy_engine = ModelledCopyEngine(
+            hardware, self.clock, pinned_host=options.pinned_host,
+            prefetch_streams=config.swap.prefetch_stream_count,
+            seed=config.simulator.seed if options.seed is None else options.seed,
+            on_submit=self.tap,
+        )  # fmt: skip
+        policy = options.policy if options.policy is not None else setup.policy_options()
+        self.swapper = Swapper(
+            setup.layout, policy, SwapSettings.from_config(config, setup.block_bytes),
+            self.copy_engine, clock_s=self.clock,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.swapper,
+            SchedulerSettings(
+                max_num_seqs=config.engine.max_num_seqs,
+                max_num_batched_tokens=config.engine.max_num_batched_tokens,
+                preemption=Preemption(config.engine.preemption),
+            ),
+            clock_s=self.clock,
+        )
+        self.tap.swapper, self.tap.scheduler = self.swapper, self.scheduler
+        self.cost = StepCostModel(setup.shape, setup.dtype, hardware)
+
+    def run(
+        self,
+        workload: Workload,
+        progress: Progress | None = None,
+        observers: Sequence[StepObserver] = (),
+    ) -> dict[str, object]:
+        """Serve every request of `workload` in virtual time; returns the summary
+        (the keys of `kvswap run --json` plus the simulator's own)."""
+        wall_start_s = time.perf_counter()
+        clock, scheduler, vocab = self.clock, self.scheduler, workload.vocab_size
+        arrivals = [(r.arrival_s, r.request_id) for r in workload.first_arrivals()]
+        heapq.heapify(arrivals)
+        prompts: dict[int, tuple[int, ...]] = {}
+        outputs: dict[int, tuple[int, ...]] = {}
+        step_s = swap_wait_s = 0.0
+        num_steps = num_stalled = 0
+        while arrivals or scheduler.has_work():
+            now_s = clock.now_s
+            while arrivals and arrivals[0][0] <= now_s:
+                arrival_s, request_id = heapq.heappop(arrivals)
+                if not self._admit(workload[request_id], prompts, outputs, arrival_s):
+                    for follow_up in workload.follow_ups_of(request_id):
+                        heapq.heappush(arrivals, (now_s, follow_up.request_id))
+            if not scheduler.has_work():
+                if arrivals:
+                    clock.advance_to(arrivals[0][0])
+                continue
+            step_start_s = clock.now_s
+            plan = scheduler.schedule(now_s)
+            if not plan.seqs:
+                if self.swapper.wait_any():
+                    continue  # a transfer finished: room may have appeared
+                if arrivals and arrivals[0][0] > now_s:
+                    clock.advance_to(arrivals[0][0])
+                    continue
+                # schedule() may have released a paused sequence's KV (its recompute
+                # fallback) after its last attempt: try again while that can help.
+                num_stalled += 1
+                if num_stalled <= len(scheduler.preempted) + len(scheduler.running) + 1:
+                    continue
+                raise KvSwapError(
+                    "the simulation cannot make progress: the GPU tier is held by paused "
+                    "sequences and nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
+                )
+            num_stalled = 0
+            clock.advance(self.cost.step_s(plan.seqs))
+            sampled = {
+                item.seq_id: placeholder_token(
+                    item.seq_id, item.start_position + len(item.token_ids), vocab
+                )
+                for item in plan.seqs
+                if item.samples
+            }
+            done_s = clock.now_s
+            finished = scheduler.complete(plan, sampled, done_s)
+            this_step_s = clock.now_s - step_start_s
+            step_s += this_step_s
+            swap_wait_s += plan.swap_wait_s
+            num_steps += 1
+            if observers:
+                sample = sample_step(
+                    scheduler, plan, finished, t_s=done_s, step_s=this_step_s,
+                    step_total_s=step_s, swap_wait_total_s=swap_wait_s,
+                )  # fmt: skip
+                for observer in observers:
+                    observer.on_step(sample)
+            for seq_id in finished:
+                outputs[seq_id] = tuple(scheduler.runs[seq_id].output_ids)
+                for follow_up in workload.follow_ups_of(seq_id):
+                    assert follow_up.follow_up is not None
+                    arrival = done_s + follow_up.follow_up.think_time_s
+                    heapq.heappush(arrivals, (arrival, follow_up.request_id))
+            if progress is not None:
+                progress(len(scheduler.finished), len(workload))
+        self.swapper.drain()
+        summary = self._summary(num_steps, step_s, swap_wait_s, time.perf_counter() - wall_start_s)
+        for observer in observers:
+            observer.on_finish(summary)
+        return summary
+
+    def _admit(
+        self,
+        request: Request,
+        prompts: dict[int, tuple[int, ...]],
+        outputs: dict[int, tuple[int, ...]],
+        arrival_s: float,
+    ) -> bool:
+        prompt = tuple(resolve_prompt(request, outputs, prompts))
+        prompts[request.request_id] = prompt
+        self.scheduler.add_request(request.request_id, prompt, request.max_new_tokens, arrival_s)
+        if self.scheduler.runs[request.request_id].rejected_reason is not None:
+            outputs[request.request_id] = ()
+            return False
+        return True
+
+    def _summary(
+        self, num_steps: int, step_s: float, swap_wait_s: float, wall_s: float
+    ) -> dict[str, object]:
+        setup, scheduler = self.setup, self.scheduler
+        duration_s = self.clock.now_s
+        cpu_pool_bytes = setup.capacities.num_cpu_blocks * setup.block_bytes
+        pinned_bytes = cpu_pool_bytes if self.options.pinned_host else 0
+        prompt_tokens = sum(
+            len(run.prompt_ids) for run in scheduler.runs.values() if run.rejected_reason is None
+        )
+        hits = self.swapper.metrics.prefix_hit_blocks_by_tier
+        block_tokens = setup.config.cache.kv_block_tokens
+        busy = self.copy_engine.busy_s_by_link()
+        return build_summary(
+            scheduler,
+            duration_s,
+            StepTotals(num_steps, step_s, swap_wait_s),
+            {
+                "device": "simulated",
+                "hardware": setup.hardware.name,
+                "model": setup.shape.name,
+                "preemption": setup.config.engine.preemption,
+                "block_bytes": setup.block_bytes,
+                "host_memory": "pinned" if self.options.pinned_host else "pageable",
+                "pinned_pool_configured_bytes": pinned_bytes,
+                "pinned_pool_resident_bytes": pinned_bytes,
+                "prefix_hit_rate_by_tier": {
+                    tier.value: round(hits[tier] * block_tokens / prompt_tokens, 6)
+                    if prompt_tokens
+                    else 0.0
+                    for tier in Tier
+                },
+                "link_utilization": {
+                    name: round(seconds / duration_s, 6) if duration_s > 0 else 0.0
+                    for name, seconds in busy.items()
+                },
+                "swap_in_blocked_by_swap_out": blocked_summary(
+                    self.copy_engine.high_blocked_by_low_s
+                ),
+                "blocks_swapped_in": self.tap.blocks_swapped_in,
+                "sink_block_swap_ins": self.tap.sink_block_swap_ins,
+                "re_swaps": self.tap.re_swaps,
+                "wall_s": round(wall_s, 3),
+                "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
+            },
+        )
