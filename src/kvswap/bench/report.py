@@ -127,7 +127,7 @@ def load_report(path: str | Path) -> BenchReport:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise KvSwapError(
-            f"{path}: no such benchmark report; run `kvswap bench --output {path}` first"
+            f"{path}: no such benchmark report; run `kvswap bench --out {path}` first"
         ) from exc
     except UnicodeDecodeError as exc:
         raise KvSwapError(f"{path}: not a benchmark report (not UTF-8 text)") from exc

@@ -147,7 +147,8 @@ class Scheduler:
         self.swapper.begin_step(self.step)
         wait_s = 0.0
         seqs: list[ScheduledSeq] = []
-        for _ in range(len(self.preempted) + 1):
+        # Each fallback drops one paused sequence's KV, so this ends.
+        for _ in range(len(self.store.sequences) + 1):
             self._repair_lost()
             self._resume_preempted()
             self._admit(now_s)
