@@ -12,7 +12,6 @@ the NVMe slab. `close()` releases them (the slab file is removed unless
 
 from __future__ import annotations
 
-import heapq
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,8 @@ from kvswap.errors import KvSwapError
 from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import load_model, resolve_model
 from kvswap.obs.observer import StepObserver, sample_step
-from kvswap.workload.request import Request, Workload, resolve_prompt
+from kvswap.workload.arrivals import ArrivalQueue
+from kvswap.workload.request import Workload
 
 #: Called after every step with (requests finished, requests in the workload).
 Progress = Callable[[int, int], None]
@@ -155,33 +155,25 @@ class Engine:
                 f"the model's vocabulary has {self.arch.vocab_size} tokens"
             )
         scheduler = self.scheduler
-        arrivals: list[tuple[float, int]] = [
-            (r.arrival_s, r.request_id) for r in workload.first_arrivals()
-        ]
-        heapq.heapify(arrivals)
-        prompts: dict[int, tuple[int, ...]] = {}
-        outputs: dict[int, tuple[int, ...]] = {}
+        arrivals = ArrivalQueue(workload)
         start_s = time.perf_counter()
         step_s = swap_wait_s = 0.0
         num_steps = 0
         while arrivals or scheduler.has_work():
             now_s = time.perf_counter() - start_s
-            while arrivals and arrivals[0][0] <= now_s:
-                arrival_s, request_id = heapq.heappop(arrivals)
-                if not self._admit(workload[request_id], prompts, outputs, arrival_s):
-                    for follow_up in workload.follow_ups_of(request_id):
-                        heapq.heappush(arrivals, (now_s, follow_up.request_id))
+            arrivals.admit_due(scheduler, now_s)
+            next_s = arrivals.next_arrival_s()
             if not scheduler.has_work():
-                if arrivals:
-                    time.sleep(max(0.0, min(arrivals[0][0] - now_s, 0.05)))
+                if next_s is not None:
+                    time.sleep(max(0.0, min(next_s - now_s, 0.05)))
                 continue
             step_start_s = time.perf_counter()
             plan = scheduler.schedule(now_s)
             if not plan.seqs:
                 if self.swapper.wait_any():
                     continue  # a transfer finished: room may have appeared
-                if arrivals and arrivals[0][0] > now_s:
-                    time.sleep(min(arrivals[0][0] - now_s, 0.05))
+                if next_s is not None and next_s > now_s:
+                    time.sleep(min(next_s - now_s, 0.05))
                     continue
                 raise KvSwapError(
                     "the engine cannot make progress: the GPU tier is held by paused sequences "
@@ -205,11 +197,7 @@ class Engine:
                 for observer in observers:
                     observer.on_step(sample)
             for seq_id in finished:
-                outputs[seq_id] = tuple(scheduler.runs[seq_id].output_ids)
-                for follow_up in workload.follow_ups_of(seq_id):
-                    assert follow_up.follow_up is not None
-                    arrival = done_s - start_s + follow_up.follow_up.think_time_s
-                    heapq.heappush(arrivals, (arrival, follow_up.request_id))
+                arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s - start_s)
             if progress is not None:
                 progress(len(scheduler.finished), len(workload))
         self.swapper.drain()
@@ -239,22 +227,6 @@ class Engine:
             "pinned_pool_configured_bytes": host.configured_bytes if host else 0,
             "pinned_pool_resident_bytes": host.resident_bytes() if host else 0,
         }
-
-    def _admit(
-        self,
-        request: Request,
-        prompts: dict[int, tuple[int, ...]],
-        outputs: dict[int, tuple[int, ...]],
-        arrival_s: float,
-    ) -> bool:
-        """Queue a request; False when it was rejected (its output is then empty)."""
-        prompt = tuple(resolve_prompt(request, outputs, prompts))
-        prompts[request.request_id] = prompt
-        self.scheduler.add_request(request.request_id, prompt, request.max_new_tokens, arrival_s)
-        if self.scheduler.runs[request.request_id].rejected_reason is not None:
-            outputs[request.request_id] = ()
-            return False
-        return True
 
     def close(self) -> None:
         torch.set_num_threads(self._saved_threads)

@@ -15,7 +15,6 @@ arrival. Same seed, same run.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.cost import StepCostModel
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.setup import resolve_setup
-from kvswap.workload.request import Request, Workload, resolve_prompt
+from kvswap.workload.arrivals import ArrivalQueue
+from kvswap.workload.request import Workload
 
 Progress = Callable[[int, int], None]
 
@@ -140,30 +140,24 @@ class Simulator:
         (the keys of `kvswap run --json` plus the simulator's own)."""
         wall_start_s = time.perf_counter()
         clock, scheduler, vocab = self.clock, self.scheduler, workload.vocab_size
-        arrivals = [(r.arrival_s, r.request_id) for r in workload.first_arrivals()]
-        heapq.heapify(arrivals)
-        prompts: dict[int, tuple[int, ...]] = {}
-        outputs: dict[int, tuple[int, ...]] = {}
+        arrivals = ArrivalQueue(workload)
         step_s = swap_wait_s = 0.0
         num_steps = num_stalled = 0
         while arrivals or scheduler.has_work():
             now_s = clock.now_s
-            while arrivals and arrivals[0][0] <= now_s:
-                arrival_s, request_id = heapq.heappop(arrivals)
-                if not self._admit(workload[request_id], prompts, outputs, arrival_s):
-                    for follow_up in workload.follow_ups_of(request_id):
-                        heapq.heappush(arrivals, (now_s, follow_up.request_id))
+            arrivals.admit_due(scheduler, now_s)
+            next_s = arrivals.next_arrival_s()
             if not scheduler.has_work():
-                if arrivals:
-                    clock.advance_to(arrivals[0][0])
+                if next_s is not None:
+                    clock.advance_to(next_s)
                 continue
             step_start_s = clock.now_s
             plan = scheduler.schedule(now_s)
             if not plan.seqs:
                 if self.swapper.wait_any():
                     continue  # a transfer finished: room may have appeared
-                if arrivals and arrivals[0][0] > now_s:
-                    clock.advance_to(arrivals[0][0])
+                if next_s is not None and next_s > now_s:
+                    clock.advance_to(next_s)
                     continue
                 # schedule() may have released a paused sequence's KV (its recompute
                 # fallback) after its last attempt: try again while that can help.
@@ -172,7 +166,8 @@ class Simulator:
                     continue
                 raise KvSwapError(
                     "the simulation cannot make progress: the GPU tier is held by paused "
-                    "sequences and nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
+                    "sequences and nothing can move; add CPU or NVMe capacity or lower "
+                    "max_num_seqs"
                 )
             num_stalled = 0
             clock.advance(self.cost.step_s(plan.seqs))
@@ -197,11 +192,7 @@ class Simulator:
                 for observer in observers:
                     observer.on_step(sample)
             for seq_id in finished:
-                outputs[seq_id] = tuple(scheduler.runs[seq_id].output_ids)
-                for follow_up in workload.follow_ups_of(seq_id):
-                    assert follow_up.follow_up is not None
-                    arrival = done_s + follow_up.follow_up.think_time_s
-                    heapq.heappush(arrivals, (arrival, follow_up.request_id))
+                arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
             if progress is not None:
                 progress(len(scheduler.finished), len(workload))
         self.swapper.drain()
@@ -209,21 +200,6 @@ class Simulator:
         for observer in observers:
             observer.on_finish(summary)
         return summary
-
-    def _admit(
-        self,
-        request: Request,
-        prompts: dict[int, tuple[int, ...]],
-        outputs: dict[int, tuple[int, ...]],
-        arrival_s: float,
-    ) -> bool:
-        prompt = tuple(resolve_prompt(request, outputs, prompts))
-        prompts[request.request_id] = prompt
-        self.scheduler.add_request(request.request_id, prompt, request.max_new_tokens, arrival_s)
-        if self.scheduler.runs[request.request_id].rejected_reason is not None:
-            outputs[request.request_id] = ()
-            return False
-        return True
 
     def _summary(
         self, num_steps: int, step_s: float, swap_wait_s: float, wall_s: float

@@ -1,0 +1,52 @@
+"""Requests of a workload entering a scheduler at their arrival times.
+
+Shared by the engine (wall clock) and the simulator (virtual clock). A later
+turn of a conversation is queued only when the turn it follows finishes, at
+that finish time + its think time, with its prompt resolved from the
+previous prompt and output. A rejected request's follow-ups are queued at
+once (they are then usually rejected too, with their own reason).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from kvswap.control.scheduler import Scheduler
+from kvswap.workload.request import Workload, resolve_prompt
+
+
+class ArrivalQueue:
+    def __init__(self, workload: Workload):
+        self.workload = workload
+        self._heap = [(r.arrival_s, r.request_id) for r in workload.first_arrivals()]
+        heapq.heapify(self._heap)
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.outputs: dict[int, tuple[int, ...]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def next_arrival_s(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def admit_due(self, scheduler: Scheduler, now_s: float) -> None:
+        """Hand every request arrived by `now_s` to the scheduler."""
+        while self._heap and self._heap[0][0] <= now_s:
+            arrival_s, request_id = heapq.heappop(self._heap)
+            request = self.workload[request_id]
+            prompt = tuple(resolve_prompt(request, self.outputs, self.prompts))
+            self.prompts[request_id] = prompt
+            scheduler.add_request(request_id, prompt, request.max_new_tokens, arrival_s)
+            if scheduler.runs[request_id].rejected_reason is not None:
+                self.finished(request_id, (), now_s, think=False)
+
+    def finished(
+        self, request_id: int, output_ids: Sequence[int], done_s: float, *, think: bool = True
+    ) -> None:
+        """Record a request's output and queue the turns that follow it."""
+        self.outputs[request_id] = tuple(output_ids)
+        for follow_up in self.workload.follow_ups_of(request_id):
+            assert follow_up.follow_up is not None
+            delay_s = follow_up.follow_up.think_time_s if think else 0.0
+            heapq.heappush(self._heap, (done_s + delay_s, follow_up.request_id))
