@@ -18,10 +18,12 @@ class ProgressBar:
         self._start_s = time.perf_counter()
         self._last_draw_s = 0.0
         self._last_logged_pct = -1
+        self._done_drawn = False  # the final state is drawn once, however often reported
 
     def update(self, done: int, total: int, detail: str = "") -> None:
-        if not self.enabled or total <= 0:
+        if not self.enabled or total <= 0 or self._done_drawn:
             return
+        self._done_drawn = done >= total
         now_s = time.perf_counter()
         if done < total and now_s - self._last_draw_s < 0.1:
             return
