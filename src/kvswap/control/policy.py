@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.transfer import Tier
 
@@ -39,6 +40,15 @@ class PolicyOptions:
     sink_protection: bool = True
     min_residency_steps: int = 64
     cost_aware: bool = True
+
+    @classmethod
+    def from_config(cls, config: KvSwapConfig) -> PolicyOptions:
+        """The policy for a configuration: sink protection iff blocks are protected."""
+        swap = config.swap
+        return cls(
+            sink_protection=swap.evict_protected_blocks > 0,
+            min_residency_steps=swap.min_residency_steps,
+        )
 
     @classmethod
     def plain_lru(cls) -> PolicyOptions:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvswap.config import KvSwapConfig
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Tier
 
@@ -39,6 +40,15 @@ class SchedulerSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption: Preemption = Preemption.SWAP
+
+    @classmethod
+    def from_config(cls, config: KvSwapConfig) -> SchedulerSettings:
+        engine = config.engine
+        return cls(
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            preemption=Preemption(engine.preemption),
+        )
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from kvswap.config import KvSwapConfig
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
+from kvswap.control.scheduler import Scheduler, SchedulerSettings
 from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper, SwapSettings
 from kvswap.data.copy_engine import LocalCopyEngine
@@ -101,21 +101,14 @@ class Engine:
                 config.cache.kv_block_tokens, capacities.num_gpu_blocks, capacities.num_cpu_blocks,
                 capacities.num_nvme_blocks, swap.evict_protected_blocks,
             ),
-            PolicyOptions(
-                sink_protection=swap.evict_protected_blocks > 0,
-                min_residency_steps=swap.min_residency_steps,
-            ),
+            PolicyOptions.from_config(config),
             SwapSettings.from_config(config, self.layout.block_bytes),
             self.copy_engine,
             clock_s=time.perf_counter,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.swapper,
-            SchedulerSettings(
-                max_num_seqs=config.engine.max_num_seqs,
-                max_num_batched_tokens=config.engine.max_num_batched_tokens,
-                preemption=Preemption(config.engine.preemption),
-            ),
+            SchedulerSettings.from_config(config),
             clock_s=time.perf_counter,
         )
         self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)

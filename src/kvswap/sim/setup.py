@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, TierCapacities, validate_capacities
-from kvswap.control.policy import PolicyOptions
 from kvswap.control.store import StoreLayout
 from kvswap.errors import ConfigError
 from kvswap.ledger import kv_bytes_per_block
@@ -39,14 +38,6 @@ class SimSetup:
             self.config.cache.kv_block_tokens, caps.num_gpu_blocks, caps.num_cpu_blocks,
             caps.num_nvme_blocks, self.config.swap.evict_protected_blocks,
         )  # fmt: skip
-
-    def policy_options(self) -> PolicyOptions:
-        """The engine's policy for this config (sink protection iff blocks are protected)."""
-        swap = self.config.swap
-        return PolicyOptions(
-            sink_protection=swap.evict_protected_blocks > 0,
-            min_residency_steps=swap.min_residency_steps,
-        )
 
 
 def shape_of(config: KvSwapConfig) -> ModelShape:

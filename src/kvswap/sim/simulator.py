@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
+from kvswap.control.scheduler import Scheduler, SchedulerSettings
 from kvswap.control.swapper import Swapper, SwapSettings
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.engine.summary import StepTotals, build_summary
@@ -113,18 +113,14 @@ class Simulator:
             seed=config.simulator.seed if options.seed is None else options.seed,
             on_submit=self.tap,
         )  # fmt: skip
-        policy = options.policy if options.policy is not None else setup.policy_options()
+        policy = options.policy if options.policy is not None else PolicyOptions.from_config(config)
         self.swapper = Swapper(
             setup.layout, policy, SwapSettings.from_config(config, setup.block_bytes),
             self.copy_engine, clock_s=self.clock,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.swapper,
-            SchedulerSettings(
-                max_num_seqs=config.engine.max_num_seqs,
-                max_num_batched_tokens=config.engine.max_num_batched_tokens,
-                preemption=Preemption(config.engine.preemption),
-            ),
+            SchedulerSettings.from_config(config),
             clock_s=self.clock,
         )
         self.tap.swapper, self.tap.scheduler = self.swapper, self.scheduler
