@@ -71,18 +71,22 @@ def test_recompute_preemption_gives_the_same_outputs(reference: dict[str, Any]) 
     assert summary["outputs_digest"] == reference["outputs_digest"]
 
 
+def nvme_tiers(directory: Path) -> dict[str, object]:
+    """A small CPU pool that demotes early to a larger NVMe tier."""
+    return {
+        "gpu_kv_capacity_blocks": 10,
+        "cpu_kv_capacity_blocks": 6,
+        "nvme_kv_capacity_blocks": 64,
+        "nvme_dir": str(directory),
+        "cpu_demote_high_watermark": 0.5,
+        "cpu_demote_low_watermark": 0.2,
+    }
+
+
 def test_with_an_nvme_tier_the_outputs_are_the_same(
     reference: dict[str, Any], tmp_path: Path
 ) -> None:
-    summary = run(
-        generate_synthetic(SPEC),
-        gpu_kv_capacity_blocks=10,
-        cpu_kv_capacity_blocks=6,
-        nvme_kv_capacity_blocks=64,
-        nvme_dir=str(tmp_path),
-        cpu_demote_high_watermark=0.5,
-        cpu_demote_low_watermark=0.2,
-    )
+    summary = run(generate_synthetic(SPEC), **nvme_tiers(tmp_path))
     assert summary["bytes_cpu_to_nvme"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
     assert list(tmp_path.iterdir()) == []  # the slab is removed on close
@@ -206,14 +210,6 @@ def test_a_full_disk_and_a_failing_copy_worker_cost_transfers_not_outputs(
 
     monkeypatch.setattr("os.pwritev", no_space)
     monkeypatch.setattr(block_copy, "copy_block", flaky_copy)
-    summary = run(
-        generate_synthetic(SPEC),
-        gpu_kv_capacity_blocks=10,
-        cpu_kv_capacity_blocks=6,
-        nvme_kv_capacity_blocks=64,
-        nvme_dir=str(tmp_path),
-        cpu_demote_high_watermark=0.5,
-        cpu_demote_low_watermark=0.2,
-    )
+    summary = run(generate_synthetic(SPEC), **nvme_tiers(tmp_path))
     assert summary["failed_transfers"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
