@@ -58,7 +58,6 @@ class Block:
     num_running_refs: int = 0  # of those, sequences that run this step
     num_protected_refs: int = 0  # sequences holding it among their first protected blocks
     copies: dict[Tier, Copy] = field(default_factory=dict)
-    last_access_step: int = 0
     resident_until_step: int = 0  # not evictable from GPU before this decode step
     lost: bool = False  # every copy failed: the owner must recompute it
 

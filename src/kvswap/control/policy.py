@@ -137,7 +137,6 @@ class ResidencyPolicy:
 
     def touch(self, block: Block) -> None:
         """The block was read by attention this step (most recently used)."""
-        block.last_access_step = self._step
         self._lru.move_to_end(block)
 
     def update(self, block: Block) -> None:
