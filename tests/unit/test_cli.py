@@ -141,7 +141,7 @@ def test_argparse_mistakes_are_one_line_too() -> None:
 def test_control_plane_never_imports_torch() -> None:
     code = (
         "import sys, kvswap.control.swapper, kvswap.control.scheduler, kvswap.ledger, "
-        "kvswap.config, kvswap.obs.metrics, kvswap.workload.arrivals, kvswap.sim.simulator;"
+        "kvswap.config, kvswap.control.metrics, kvswap.workload.arrivals, kvswap.sim.simulator;"
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -28,7 +28,7 @@ from kvswap.control.transfer import (
     TransferChunk,
     TransferResult,
 )
-from kvswap.obs.metrics import KVMetrics
+from kvswap.control.metrics import KVMetrics
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kvswap.control.mover import Mover
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.store import BlockStore, StoreLayout
 from kvswap.control.transfer import CopyEngine, Direction, Priority, Tier
-from kvswap.obs.metrics import KVMetrics
+from kvswap.control.metrics import KVMetrics
 
 
 @dataclass(frozen=True)

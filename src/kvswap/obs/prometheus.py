@@ -62,7 +62,7 @@ from prometheus_client.exposition import start_http_server
 from kvswap.control.transfer import Direction, Tier
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or
-from kvswap.obs.metrics import KVMetrics
+from kvswap.control.metrics import KVMetrics
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.rates import TrailingRate
 from kvswap.obs.watermarks import Watermarks

@@ -29,7 +29,7 @@ from kvswap.config import KvSwapConfig
 from kvswap.errors import KvSwapError
 from kvswap.obs.diagnosis import diagnose, resolve_link_gbps
 from kvswap.obs.live import LivePanel
-from kvswap.obs.metrics import KVMetrics
+from kvswap.control.metrics import KVMetrics
 from kvswap.obs.observer import StepObserver
 from kvswap.obs.progress import ProgressBar
 from kvswap.obs.prometheus import PrometheusExporter
