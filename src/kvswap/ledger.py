@@ -1,11 +1,14 @@
 """The memory bill: how much KV a model needs and where it fits.
 
-Pure functions over a `ModelShape` and a few sizes; used by `kvswap plan`, the
-engine (admission) and the simulator. Torch-free.
+Pure functions over a `ModelDescription` and a few sizes; used by `kvswap plan`,
+the engine (admission) and the simulator. Torch-free.
 
     kv_bytes_per_token = values cached per token per layer x layers x dtype bytes
                        = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
                          for MHA / GQA / MQA; MLA caches one latent vector instead.
+
+The formula itself lives in `kvswap.model.description`, the one place the
+engine's `KVLayout` also takes it from.
 
 A request holds whole blocks, so its bill is ceil(context / block_tokens) blocks.
 """
@@ -15,12 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from kvswap.model.shapes import ModelShape, dtype_bytes
+from kvswap.model.description import ModelDescription
+from kvswap.model.dtypes import dtype_bytes
 from kvswap.units import MIB, format_bytes
 
-#: The article's measured PCIe 4.0 x16 bandwidth, GB/s (1e9 bytes/s).
-DEFAULT_LINK_GBPS = 25.0
-#: The article's sweet spot for one transfer: 8-32 MB.
+#: The seed article's measured PCIe 4.0 x16 bandwidth, GB/s (1e9 bytes/s).
+DEFAULT_LINK_GB_PER_S = 25.0
+#: The seed article's sweet spot for one transfer: 8-32 MB.
 CHUNK_MIN_BYTES = 8 * MIB
 CHUNK_MAX_BYTES = 32 * MIB
 
@@ -29,7 +33,7 @@ CHUNK_MAX_BYTES = 32 * MIB
 class PlanInputs:
     """Everything the ledger needs; sizes in bytes, None = derive or not given."""
 
-    shape: ModelShape
+    shape: ModelDescription
     dtype: str
     block_tokens: int
     context_tokens: int
@@ -43,8 +47,8 @@ class PlanInputs:
     swap_out_chunk_blocks: int
     swap_in_chunk_blocks: int
     swap_out_high_watermark: float
-    gpu_to_cpu_gbps: float = DEFAULT_LINK_GBPS
-    cpu_to_gpu_gbps: float = DEFAULT_LINK_GBPS
+    gpu_to_cpu_gb_per_s: float = DEFAULT_LINK_GB_PER_S
+    cpu_to_gpu_gb_per_s: float = DEFAULT_LINK_GB_PER_S
     link_note: str | None = None
 
 
@@ -76,8 +80,8 @@ class Plan:
     max_concurrency_gpu: int
     max_concurrency_with_cpu: int
     max_concurrency_all_tiers: int
-    gpu_to_cpu_gbps: float
-    cpu_to_gpu_gbps: float
+    gpu_to_cpu_gb_per_s: float
+    cpu_to_gpu_gb_per_s: float
     swap_out_chunk_blocks: int
     swap_out_chunk_bytes: int
     swap_out_chunk_ms: float
@@ -90,25 +94,25 @@ class Plan:
         return asdict(self)
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    return shape.kv_values_per_token_per_layer * shape.num_layers * dtype_bytes(dtype)
+def kv_bytes_per_token(shape: ModelDescription, dtype: str) -> int:
+    return shape.kv_bytes_per_token(dtype)
 
 
-def kv_bytes_per_block(shape: ModelShape, dtype: str, block_tokens: int) -> int:
-    return kv_bytes_per_token(shape, dtype) * block_tokens
+def kv_bytes_per_block(shape: ModelDescription, dtype: str, block_tokens: int) -> int:
+    return shape.kv_bytes_per_block(block_tokens, dtype)
 
 
 def blocks_for_tokens(num_tokens: int, block_tokens: int) -> int:
     return -(-num_tokens // block_tokens)
 
 
-def transfer_ms(num_bytes: int, gbps: float) -> float:
-    """Time one transfer holds a link of `gbps` GB/s (1e9 bytes/s)."""
-    return num_bytes / (gbps * 1e9) * 1e3
+def transfer_ms(num_bytes: int, gb_per_s: float) -> float:
+    """Time one transfer holds a link of `gb_per_s` GB/s (1e9 bytes/s)."""
+    return num_bytes / (gb_per_s * 1e9) * 1e3
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
-    """Compute the bill and the article's warnings for one configuration."""
+    """Compute the bill and the seed article's warnings for one configuration."""
     shape = inputs.shape
     per_token = kv_bytes_per_token(shape, inputs.dtype)
     per_block = per_token * inputs.block_tokens
@@ -144,8 +148,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     nvme_bytes = inputs.num_nvme_blocks * per_block
     out_bytes = inputs.swap_out_chunk_blocks * per_block
     in_bytes = inputs.swap_in_chunk_blocks * per_block
-    out_ms = transfer_ms(out_bytes, inputs.gpu_to_cpu_gbps)
-    in_ms = transfer_ms(in_bytes, inputs.cpu_to_gpu_gbps)
+    out_ms = transfer_ms(out_bytes, inputs.gpu_to_cpu_gb_per_s)
+    in_ms = transfer_ms(in_bytes, inputs.cpu_to_gpu_gb_per_s)
 
     warnings += _chunk_warnings(
         "swap_out_chunk_blocks", inputs.swap_out_chunk_blocks, out_bytes, out_ms
@@ -204,8 +208,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
         max_concurrency_with_cpu=(num_gpu_blocks + inputs.num_cpu_blocks) // blocks_per_request,
         max_concurrency_all_tiers=(num_gpu_blocks + inputs.num_cpu_blocks + inputs.num_nvme_blocks)
         // blocks_per_request,
-        gpu_to_cpu_gbps=inputs.gpu_to_cpu_gbps,
-        cpu_to_gpu_gbps=inputs.cpu_to_gpu_gbps,
+        gpu_to_cpu_gb_per_s=inputs.gpu_to_cpu_gb_per_s,
+        cpu_to_gpu_gb_per_s=inputs.cpu_to_gpu_gb_per_s,
         swap_out_chunk_blocks=inputs.swap_out_chunk_blocks,
         swap_out_chunk_bytes=out_bytes,
         swap_out_chunk_ms=round(out_ms, 4),

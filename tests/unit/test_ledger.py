@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvswap.ledger import PlanInputs, make_plan, transfer_ms
-from kvswap.model.shapes import preset_shape
+from kvswap.model.presets import preset_description as preset_shape
 from kvswap.units import GIB, MIB
 
 

@@ -17,16 +17,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvswap.errors import KvSwapError
-from kvswap.model.shapes import (
-    DTYPE_BYTES,
-    PRESET_NAMES,
-    dtype_bytes,
-    estimate_num_params,
-    normalise_dtype,
-    preset_shape,
-    shape_from_hf_config,
-    shape_from_hf_dict,
-)
+from kvswap.model.dtypes import DTYPE_BYTES, dtype_bytes, normalise_dtype
+from kvswap.model.hf_config import describe_hf_dict as shape_from_hf_dict
+from kvswap.model.hf_config import describe_hf_file as shape_from_hf_config
+from kvswap.model.hf_config import estimate_num_params
+from kvswap.model.presets import PRESET_NAMES, PRESETS
+from kvswap.model.presets import preset_description as preset_shape
 
 LLAMA_3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -175,11 +171,9 @@ def test_small_presets_match_the_engine_models() -> None:
 
 
 def test_preset_totals_agree_with_the_estimator() -> None:
-    import kvswap.model.shapes as shapes
-
     for name in PRESET_NAMES:
-        config, num_params = shapes._preset_config(name)
-        assert estimate_num_params(config) == num_params, name
+        preset = PRESETS[name]
+        assert estimate_num_params(preset.hf_config()) == preset.num_params, name
 
 
 # --- Hugging Face configs -----------------------------------------------------------
@@ -436,7 +430,10 @@ def test_file_errors_are_one_line_with_the_path(tmp_path: Path) -> None:
 
 
 def test_importing_shapes_does_not_import_torch() -> None:
-    code = "import sys, kvswap.model.shapes; print('torch' in sys.modules)"
+    code = (
+        "import sys, kvswap.model.presets, kvswap.model.hf_config, "
+        "kvswap.model.params, kvswap.model.arch_config; print('torch' in sys.modules)"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )

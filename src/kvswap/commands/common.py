@@ -1,12 +1,11 @@
-"""Options shared by several commands: the config file, config fields as flags, model shape."""
+"""Options shared by several commands: the config file and config fields as flags."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
 
-from kvswap.config import FIELD_SECTIONS, KvSwapConfig, load_config
-from kvswap.model.shapes import ModelShape, preset_shape, shape_from_hf_config
+from kvswap.config import FIELD_SECTIONS, RENAMED_FIELDS, KvSwapConfig, load_config
 
 #: Flags whose names differ from the config field they set.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"kv_block_tokens": ("--block-tokens",)}
@@ -20,8 +19,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Iterable[str
     for field, section in FIELD_SECTIONS.items():
         if section not in wanted:
             continue
-        flags = ("--" + field.replace("_", "-"), *FLAG_ALIASES.get(field, ()))
-        group.add_argument(*flags, dest=f"cfg_{field}", metavar="VALUE", default=None)
+        old = [name for name, new in RENAMED_FIELDS.items() if new == field]
+        flags = (
+            _flag(field),
+            *FLAG_ALIASES.get(field, ()),
+            *(_flag(name) for name in old),
+        )
+        help_text = f"replaces the seed's {', '.join(map(_flag, old))}" if old else None
+        group.add_argument(
+            *flags, dest=f"cfg_{field}", metavar="VALUE", default=None, help=help_text
+        )
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def config_from_args(
@@ -33,10 +44,3 @@ def config_from_args(
         if name.startswith("cfg_") and value is not None
     }
     return load_config(args.config, overrides=overrides, defaults=defaults)
-
-
-def shape_from_config(config: KvSwapConfig) -> ModelShape:
-    """The [model] section's shape: `hf_config` when given, else `preset`."""
-    if config.model.hf_config is not None:
-        return shape_from_hf_config(config.model.hf_config)
-    return preset_shape(config.model.preset or "article-8b")

@@ -6,10 +6,11 @@ import argparse
 import json
 from typing import Any
 
-from kvswap.bench.report import link_gbps, load_report
-from kvswap.commands.common import add_config_arguments, config_from_args, shape_from_config
+from kvswap.bench.report import link_gb_per_s, load_report
+from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.errors import KvSwapError
-from kvswap.ledger import DEFAULT_LINK_GBPS, Plan, PlanInputs, kv_bytes_per_block, make_plan
+from kvswap.ledger import DEFAULT_LINK_GB_PER_S, Plan, PlanInputs, kv_bytes_per_block, make_plan
+from kvswap.model.presets import describe_model
 from kvswap.units import GIB, format_bytes
 
 
@@ -40,11 +41,16 @@ def register(commands: Any) -> None:
     parser.add_argument("--nvme-gib", type=float, default=None, metavar="GIB")
     link = parser.add_mutually_exclusive_group()
     link.add_argument(
+        "--link-gb-per-s",
         "--link-gbps",
+        dest="link_gb_per_s",
         type=float,
         default=None,
-        metavar="GBPS",
-        help=f"host<->device bandwidth in GB/s (default {DEFAULT_LINK_GBPS:g}, PCIe 4.0 x16 real)",
+        metavar="GB_PER_S",
+        help=(
+            f"host<->device bandwidth in GB/s, 1e9 bytes per second (default "
+            f"{DEFAULT_LINK_GB_PER_S:g}, PCIe 4.0 x16 real); replaces --link-gbps"
+        ),
     )
     link.add_argument(
         "--bench", metavar="FILE", help="take the bandwidth from `kvswap bench --out`"
@@ -62,22 +68,22 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise KvSwapError(f"--{name.replace('_', '-')} = {value}: must be >= 0")
-    if args.link_gbps is not None and args.link_gbps <= 0:
-        raise KvSwapError(f"--link-gbps = {args.link_gbps}: must be > 0")
+    if args.link_gb_per_s is not None and args.link_gb_per_s <= 0:
+        raise KvSwapError(f"--link-gb-per-s = {args.link_gb_per_s}: must be > 0")
     if args.cpu_pool_gib is not None:
         args.cfg_cpu_kv_capacity_bytes = int(args.cpu_pool_gib * GIB)
     if args.nvme_gib is not None:
         args.cfg_nvme_kv_capacity_bytes = int(args.nvme_gib * GIB)
     config = config_from_args(args)
-    shape = shape_from_config(config)
     dtype = config.model.dtype
+    shape = describe_model(config.model.preset, config.model.hf_config).with_kv_dtype(dtype)
     block_bytes = kv_bytes_per_block(shape, dtype, config.cache.kv_block_tokens)
     capacities = config.tier_capacities(block_bytes)
-    d2h_gbps = h2d_gbps = args.link_gbps or DEFAULT_LINK_GBPS
+    d2h_gb_per_s = h2d_gb_per_s = args.link_gb_per_s or DEFAULT_LINK_GB_PER_S
     link_note = None
     if args.bench is not None:
         report = load_report(args.bench)
-        d2h_gbps, h2d_gbps = link_gbps(report, "d2h"), link_gbps(report, "h2d")
+        d2h_gb_per_s, h2d_gb_per_s = link_gb_per_s(report, "d2h"), link_gb_per_s(report, "h2d")
         if report.device == "cpu":
             link_note = (
                 f"{args.bench} was measured without a GPU: chunk times use host memory copy "
@@ -99,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
             swap_out_chunk_blocks=config.swap.swap_out_chunk_blocks,
             swap_in_chunk_blocks=config.swap.swap_in_chunk_blocks,
             swap_out_high_watermark=config.swap.swap_out_high_watermark,
-            gpu_to_cpu_gbps=d2h_gbps,
-            cpu_to_gpu_gbps=h2d_gbps,
+            gpu_to_cpu_gb_per_s=d2h_gb_per_s,
+            cpu_to_gpu_gb_per_s=h2d_gb_per_s,
             link_note=link_note,
         )
     )
@@ -143,12 +149,12 @@ def render(plan: Plan) -> str:
         (
             f"swap-out chunk ({plan.swap_out_chunk_blocks} blocks)",
             f"{format_bytes(plan.swap_out_chunk_bytes):>12}  {plan.swap_out_chunk_ms:.3f} ms "
-            f"at {plan.gpu_to_cpu_gbps:g} GB/s",
+            f"at {plan.gpu_to_cpu_gb_per_s:g} GB/s",
         ),
         (
             f"swap-in chunk ({plan.swap_in_chunk_blocks} blocks)",
             f"{format_bytes(plan.swap_in_chunk_bytes):>12}  {plan.swap_in_chunk_ms:.3f} ms "
-            f"at {plan.cpu_to_gpu_gbps:g} GB/s",
+            f"at {plan.cpu_to_gpu_gb_per_s:g} GB/s",
         ),
     ]
     width = max(len(label) for label, _ in rows)

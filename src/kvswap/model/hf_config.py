@@ -1,183 +1,238 @@
-"""The decoder's architecture, parsed once from a Hugging Face `config.json` dict.
+"""THE `config.json` reader: a Hugging Face config -> a `ModelDescription`.
 
-Torch-free on purpose: the CLI can validate a checkpoint's config (and name what
-is unsupported) without importing torch. Supported: the Llama family as
-transformers spells it (`llama`, `mistral`, `qwen2`): RMSNorm, RoPE (plain,
-`linear` and Llama-3 `llama3` scaling), grouped-query attention, SwiGLU MLP,
-optional q/k/v (Qwen2) or q/k/v/o (`attention_bias`) biases, explicit
-`head_dim`, tied embeddings.
+Every consumer reads a config through here: the ledger and `kvswap plan`
+(`describe_hf_dict`, `describe_hf_file`), the presets (they are config dicts
+too), and the torch decoder (`parse_hf_config`, which adds the settings only
+the decoder needs on top of the same description). So a layer count, a KV
+head count or a head width is read by one piece of code.
 
-Both RoPE spellings are read: transformers 4.x writes `rope_theta` plus
-`rope_scaling`; 5.x writes one `rope_parameters` dict holding both.
+Read: MHA, GQA, MQA (Falcon, GPTBigCode, ChatGLM spellings), explicit
+`head_dim`, MLA latent KV (DeepSeek), `text_config` wrappers, both RoPE
+spellings (transformers 4.x `rope_theta` + `rope_scaling`; 5.x one
+`rope_parameters` dict). Refused (`hf_fields`): state-space and hybrid models,
+encoders, per-layer differences. Torch-free on purpose.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from pathlib import Path
 
 from kvswap.errors import KvSwapError
+from kvswap.model.arch_config import (
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    ModelArchConfig,
+    RopeScaling,
+    build_arch_config,
+)
+from kvswap.model.description import (
+    AttentionKind,
+    MlaShape,
+    ModelDescription,
+    RopeSpec,
+    RopeValue,
+)
+from kvswap.model.dtypes import weight_dtype_or_none
+from kvswap.model.hf_fields import (
+    HEAD_KEYS,
+    HIDDEN_KEYS,
+    INTERMEDIATE_KEYS,
+    LAYER_KEYS,
+    VOCAB_KEYS,
+    FieldReader,
+    architecture_name,
+    kv_heads,
+    reject_mixed_layers,
+    reject_non_decoder,
+)
+from kvswap.model.params import count_params
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# checkpoint spelling -> kvswap spelling (the names `--dtype` accepts)
-DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-# transformers' per-model defaults for keys a config.json may omit.
-_DEFAULT_MAX_POSITION_TOKENS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-
-
-@dataclass(frozen=True)
-class LinearRopeScaling:
-    """Position interpolation: every frequency divided by `factor`."""
-
-    factor: float
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency-band-dependent RoPE scaling (rope_type "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_tokens: int
-
-
-RopeScaling = LinearRopeScaling | Llama3RopeScaling
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    """Everything the decoder needs to build its modules; immutable once parsed."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    max_position_tokens: int
-    # Contexts longer than this need sliding-window attention, which the paged
-    # attention does not implement: the model refuses them. None = no window.
-    sliding_window_tokens: int | None
-    # The checkpoint's own dtype in kvswap spelling ("fp32"/"fp16"/"bf16"); None if unstated.
-    dtype_name: str | None
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads != 0:
-            raise KvSwapError(
-                f"config: num_attention_heads={self.num_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2 != 0:
-            raise KvSwapError(f"config: head_dim={self.head_dim} must be even for RoPE")
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "LinearRopeScaling", "Llama3RopeScaling",
+    "ModelArchConfig", "RopeScaling", "describe_hf_dict", "describe_hf_file",
+    "estimate_num_params", "parse_hf_config", "read_config_json",
+]  # fmt: skip
 
 
-def _positive_int(raw: Mapping[str, object], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if value is None and default is not None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KvSwapError(f"config.json: '{key}' must be a positive integer, got {value!r}")
-    return value
+def _checkpoint_dtype(outer: Mapping[str, object], text: Mapping[str, object]) -> str | None:
+    for config in (text, outer):
+        for key in ("torch_dtype", "dtype"):
+            dtype = weight_dtype_or_none(config.get(key))
+            if dtype is not None:  # "auto" and fp8 say nothing about the weights
+                return dtype
+    return None
 
 
-def _positive_float(raw: Mapping[str, object], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise KvSwapError(f"config.json: '{key}' must be a positive number, got {value!r}")
-    return float(value)
+def _rope_value(value: object) -> RopeValue | None:
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)  # e.g. longrope's per-frequency factors
+    return None  # nested objects carry nothing a fingerprint or the decoder reads
 
 
-def _flag(raw: Mapping[str, object], key: str, default: bool) -> bool:
-    value = raw.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise KvSwapError(f"config.json: '{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _parse_rope(raw: Mapping[str, object]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from either the 4.x or the 5.x spelling."""
-    params = raw.get("rope_parameters")
+def _rope(r: FieldReader) -> RopeSpec:
+    """The RoPE settings in either spelling; the decoder decides later what it can run."""
+    params = r.config.get("rope_parameters")
+    theta = r.positive_float(r.config, "rope_theta", 10000.0)
     if isinstance(params, Mapping):
-        scaling_raw: object = params
-        theta = _positive_float(params, "rope_theta", _positive_float(raw, "rope_theta", 10000.0))
+        scaling: object = params
+        theta = r.positive_float(params, "rope_theta", theta)
     else:
-        scaling_raw = raw.get("rope_scaling")
-        theta = _positive_float(raw, "rope_theta", 10000.0)
-    if scaling_raw is None:
-        return theta, None
-    if not isinstance(scaling_raw, Mapping):
-        raise KvSwapError(f"config.json: 'rope_scaling' must be an object, got {scaling_raw!r}")
-    rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type == "linear":
-        return theta, LinearRopeScaling(factor=_positive_float(scaling_raw, "factor", 1.0))
-    if rope_type == "llama3":
-        low = _positive_float(scaling_raw, "low_freq_factor", 1.0)
-        high = _positive_float(scaling_raw, "high_freq_factor", 4.0)
-        if high <= low:
-            raise KvSwapError(
-                f"config.json: llama3 rope scaling needs high_freq_factor ({high}) > "
-                f"low_freq_factor ({low})"
+        scaling = r.config.get("rope_scaling")
+    if scaling is None:
+        return RopeSpec(theta=theta)
+    if not isinstance(scaling, Mapping):
+        raise r.fail(f"{r.prefix}rope_scaling = {scaling!r} is not an object")
+    rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    if not isinstance(rope_type, str):
+        raise r.fail(f"{r.prefix}rope_scaling rope_type = {rope_type!r} is not a name")
+    if rope_type == "default":
+        return RopeSpec(theta=theta)
+    values = {
+        key: _rope_value(value)
+        for key, value in scaling.items()
+        if key not in ("rope_type", "type", "rope_theta")
+    }
+    kept = tuple(sorted((k, v) for k, v in values.items() if v is not None))
+    return RopeSpec(theta=theta, rope_type=rope_type, params=kept)
+
+
+def _describe(config: Mapping[str, object], name: str, source: str) -> ModelDescription:
+    """The description read from `config`, without its parameter count."""
+    inner = config.get("text_config")
+    text = inner if isinstance(inner, Mapping) else config
+    prefix = "text_config." if text is not config else ""
+    model_type_value = text.get("model_type", config.get("model_type"))
+    model_type = model_type_value if isinstance(model_type_value, str) else None
+    r = FieldReader(text, source, prefix, architecture_name(config, text))
+    reject_non_decoder(r, config, model_type)
+    # Counts first, so a config without attention names the key it lacks.
+    num_layers = r.required_int(LAYER_KEYS)
+    num_heads = r.required_int(HEAD_KEYS)
+    hidden_size = r.required_int(HIDDEN_KEYS)
+    reject_mixed_layers(r, model_type)
+    attention: AttentionKind
+    mla: MlaShape | None = None
+    if text.get("kv_lora_rank") is not None:
+        # MLA caches the compressed latent (shared by K and V) and the RoPE key.
+        mla = MlaShape(r.required_int(("kv_lora_rank",)), r.required_int(("qk_rope_head_dim",)))
+        attention, num_kv_heads = "mla", 1
+        head_dim = mla.kv_lora_rank + mla.qk_rope_head_dim
+    else:
+        num_kv_heads = kv_heads(r, model_type, num_heads)
+        if num_heads % num_kv_heads:
+            raise r.fail(
+                f"num_attention_heads ({num_heads}) is not a multiple of the KV head count "
+                f"({num_kv_heads})"
             )
-        return theta, Llama3RopeScaling(
-            factor=_positive_float(scaling_raw, "factor", 8.0),
-            low_freq_factor=low,
-            high_freq_factor=high,
-            original_max_position_tokens=_positive_int(
-                scaling_raw, "original_max_position_embeddings"
-            ),
-        )
-    raise KvSwapError(
-        f"config.json: rope scaling type {rope_type!r} is not supported; "
-        f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        explicit_dim = r.positive_int(("head_dim", "kv_channels"), required=False)
+        if explicit_dim is not None:
+            head_dim = explicit_dim
+        elif hidden_size % num_heads == 0:
+            head_dim = hidden_size // num_heads
+        else:
+            raise r.fail(
+                f"head_dim is not given and hidden_size ({hidden_size}) is not divisible by "
+                f"num_attention_heads ({num_heads}); add head_dim to the config"
+            )
+        attention = "mha" if num_kv_heads == num_heads else "mqa" if num_kv_heads == 1 else "gqa"
+    checkpoint_dtype = _checkpoint_dtype(config, text)
+    return ModelDescription(
+        name=name,
+        architecture=r.arch,
+        model_type=model_type,
+        attention=attention,
+        num_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden_size,
+        intermediate_size=r.positive_int(INTERMEDIATE_KEYS, required=False),
+        vocab_size=r.positive_int(VOCAB_KEYS, required=False),
+        num_params=None,
+        num_params_is_estimate=False,
+        checkpoint_dtype=checkpoint_dtype,
+        kv_dtype=checkpoint_dtype or "fp16",
+        rope=_rope(r),
+        mla=mla,
     )
 
 
-def _parse_sliding_window(
-    raw: Mapping[str, object], model_type: str, max_position_tokens: int
-) -> int | None:
-    if model_type == "llama":
-        return None
-    if model_type == "qwen2" and not _flag(raw, "use_sliding_window", False):
-        return None
-    window = raw.get("sliding_window")
-    if window is None:
-        return None
-    window_tokens = _positive_int(raw, "sliding_window")
-    # A window at least as long as any allowed context never masks anything.
-    return window_tokens if window_tokens < max_position_tokens else None
+def _described(config: Mapping[str, object], name: str, source: str) -> ModelDescription:
+    if not isinstance(config, Mapping):
+        raise KvSwapError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    description = _describe(config, name, source)
+    num_params = _count(config, description)
+    return dataclasses.replace(
+        description, num_params=num_params, num_params_is_estimate=num_params is not None
+    )
 
 
-def _parse_dtype_name(raw: Mapping[str, object]) -> str | None:
-    value = raw.get("dtype", raw.get("torch_dtype"))
-    if value is None:
+def _count(config: Mapping[str, object], description: ModelDescription) -> int | None:
+    # Multimodal wrappers: their vision towers are not counted, so no total is claimed.
+    if isinstance(config.get("text_config"), Mapping):
         return None
-    if not isinstance(value, str) or value not in DTYPE_NAMES:
+    return count_params(config, description)
+
+
+def describe_hf_dict(config: Mapping[str, object], name: str = "hf-config") -> ModelDescription:
+    """The model described by a parsed Hugging Face config (errors name `name`)."""
+    return _described(config, name, name)
+
+
+def read_config_json(file: Path) -> dict[str, object]:
+    """The JSON object in `file`; one-line errors naming the path."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise KvSwapError(f"{file}: no such file; expected a Hugging Face config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvSwapError(f"{file}: cannot read it ({exc})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise KvSwapError(
-            f"config.json: dtype {value!r} is not supported; supported: {', '.join(DTYPE_NAMES)}"
-        )
-    return DTYPE_NAMES[value]
+            f"{file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    if not isinstance(config, dict):
+        raise KvSwapError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
-def parse_hf_config(raw: Mapping[str, object]) -> ModelArchConfig:
-    """Validate a Hugging Face config dict and return the architecture it describes."""
+def describe_hf_file(path: str | os.PathLike[str]) -> ModelDescription:
+    """The model described by a `config.json` file, or a directory holding one."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    config = read_config_json(file)
+    name = file.parent.name if file.name == "config.json" and file.parent.name else file.stem
+    return _described(config, name, str(file))
+
+
+def estimate_num_params(config: Mapping[str, object]) -> int | None:
+    """Total parameters of a known decoder family; None when it cannot be counted
+    (see `kvswap.model.params`)."""
+    try:
+        description = _describe(config, "hf-config", "hf-config")
+    except KvSwapError:
+        return None
+    return _count(config, description)
+
+
+def parse_hf_config(
+    raw: Mapping[str, object], source: str = "config.json", name: str = "hf-config"
+) -> ModelArchConfig:
+    """The decoder's config: the family is checked first (so an unsupported model is
+    named as such), then the one description, then the decoder-only settings."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = raw.get("architectures")
@@ -186,40 +241,4 @@ def parse_hf_config(raw: Mapping[str, object]) -> ModelArchConfig:
             f"unsupported model architecture {named}; supported model_type values: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    assert isinstance(model_type, str)
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise KvSwapError(f"config.json: hidden_act {hidden_act!r} is not supported; only 'silu'")
-    hidden_size = _positive_int(raw, "hidden_size")
-    num_heads = _positive_int(raw, "num_attention_heads")
-    if raw.get("head_dim") is None and hidden_size % num_heads != 0:
-        raise KvSwapError(
-            f"config.json: hidden_size={hidden_size} is not a multiple of "
-            f"num_attention_heads={num_heads} and no head_dim is given"
-        )
-    max_position_tokens = _positive_int(
-        raw, "max_position_embeddings", _DEFAULT_MAX_POSITION_TOKENS[model_type]
-    )
-    attention_bias = _flag(raw, "attention_bias", False)
-    rope_theta, rope_scaling = _parse_rope(raw)
-    return ModelArchConfig(
-        model_type=model_type,
-        vocab_size=_positive_int(raw, "vocab_size"),
-        hidden_size=hidden_size,
-        intermediate_size=_positive_int(raw, "intermediate_size"),
-        num_layers=_positive_int(raw, "num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=_positive_int(raw, "num_key_value_heads", num_heads),
-        head_dim=_positive_int(raw, "head_dim", hidden_size // num_heads),
-        rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        # Qwen2 always biases q/k/v and never o; Llama's attention_bias covers all four.
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=_flag(raw, "mlp_bias", False),
-        tie_word_embeddings=_flag(raw, "tie_word_embeddings", False),
-        max_position_tokens=max_position_tokens,
-        sliding_window_tokens=_parse_sliding_window(raw, model_type, max_position_tokens),
-        dtype_name=_parse_dtype_name(raw),
-    )
+    return build_arch_config(raw, _described(raw, name, source))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvswap.errors import KvSwapError
-from kvswap.model.hf_config import ModelArchConfig
+from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.paged_attention import (
     AttentionBatch,
     AttentionMetadata,

@@ -12,63 +12,49 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from kvswap.errors import KvSwapError
-from kvswap.model.hf_config import DTYPE_NAMES, ModelArchConfig, parse_hf_config
+from kvswap.model.arch_config import ModelArchConfig
+from kvswap.model.hf_config import parse_hf_config, read_config_json
 from kvswap.model.llama import LlamaForCausal
+from kvswap.model.presets import ENGINE_PRESET_NAMES, preset_arch_config
+from kvswap.model.torch_dtypes import TORCH_DTYPES, weight_torch_dtype
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = [
+    "PRESETS",
+    "PRESET_SEED",
+    "TORCH_DTYPES",
+    "load_model",
+    "parse_dtype",
+    "read_checkpoint_config",
+    "resolve_model",
+]
+
 PRESET_SEED = 0
 _INDEX_NAME = "model.safetensors.index.json"
 
-
-def _preset(**fields: object) -> ModelArchConfig:
-    base: dict[str, object] = {
-        "model_type": "llama",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "qkv_bias": False,
-        "o_bias": False,
-        "mlp_bias": False,
-        "max_position_tokens": 8192,
-        "sliding_window_tokens": None,
-        "dtype_name": "fp32",
-    }
-    base.update(fields)
-    return ModelArchConfig(**base)  # type: ignore[arg-type]
-
-
+#: The engine's random-weight presets, from the one preset table (kvswap.model.presets).
 PRESETS: dict[str, ModelArchConfig] = {
-    "tiny": _preset(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
-    ),
-    "small": _preset(  # ~100M parameters
-        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
-        num_kv_heads=4, head_dim=64, tie_word_embeddings=True,
-    ),
-}  # fmt: skip
+    name: preset_arch_config(name) for name in ENGINE_PRESET_NAMES
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
     """'fp32' | 'fp16' | 'bf16' (or the checkpoint spelling 'float32', ...) -> torch dtype."""
-    short = DTYPE_NAMES.get(name, name)
-    if short not in TORCH_DTYPES:
-        raise KvSwapError(f"unknown dtype {name!r}; choose one of {', '.join(TORCH_DTYPES)}")
-    return TORCH_DTYPES[short]
+    return weight_torch_dtype(name)
 
 
 def resolve_model(
     source: str, dtype: str | None
 ) -> tuple[ModelArchConfig, torch.dtype, Path | None]:
     """The architecture and dtype `load_model` would use, without loading weights
-    (so pools can be sized and checked first). The path is None for a preset."""
+    (so pools can be sized and checked first). The path is None for a preset.
+    The config's description is in the dtype the weights (and the KV) will be held
+    in, so `config.description.fingerprint()` names exactly this model's blocks."""
     if source in PRESETS:
         config = PRESETS[source]
         directory: Path | None = None
@@ -80,13 +66,10 @@ def resolve_model(
                 "directory with config.json and *.safetensors"
             )
         config = read_checkpoint_config(directory)
-    dtype_name = dtype if dtype is not None else (config.dtype_name or "fp32")
+    # Unstated: fp32, which every device (a CPU included) computes in.
+    dtype_name = dtype if dtype is not None else (config.description.checkpoint_dtype or "fp32")
     torch_dtype = parse_dtype(dtype_name)
-    return (
-        replace(config, dtype_name=DTYPE_NAMES.get(dtype_name, dtype_name)),
-        torch_dtype,
-        directory,
-    )
+    return config.with_dtype(dtype_name), torch_dtype, directory
 
 
 def load_model(
@@ -110,13 +93,7 @@ def read_checkpoint_config(directory: Path) -> ModelArchConfig:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise KvSwapError(f"no config.json in model directory {directory}")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KvSwapError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise KvSwapError(f"{config_path} must hold a JSON object")
-    return parse_hf_config(raw)
+    return parse_hf_config(read_config_json(config_path), str(config_path), directory.name)
 
 
 def _empty_model(

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvswap.model.hf_config import LinearRopeScaling, Llama3RopeScaling, RopeScaling
+from kvswap.model.arch_config import LinearRopeScaling, Llama3RopeScaling, RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:

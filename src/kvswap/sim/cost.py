@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from kvswap.control.scheduler import ScheduledSeq
 from kvswap.errors import KvSwapError
 from kvswap.ledger import kv_bytes_per_token
-from kvswap.model.shapes import ModelShape, dtype_bytes
+from kvswap.model.description import ModelDescription
+from kvswap.model.dtypes import dtype_bytes
 from kvswap.sim.hardware import HardwareProfile
 
 
@@ -42,7 +43,7 @@ class StepCost:
 
 
 class StepCostModel:
-    def __init__(self, shape: ModelShape, dtype: str, hardware: HardwareProfile):
+    def __init__(self, shape: ModelDescription, dtype: str, hardware: HardwareProfile):
         if shape.num_params is None:
             raise KvSwapError(
                 f"model {shape.name!r} has no parameter count, which the step cost model needs; "
@@ -59,7 +60,7 @@ class StepCostModel:
             else shape.num_attention_heads * shape.head_dim
         )
         self.attention_flops_per_pair = 4 * shape.num_layers * query_width
-        self._bytes_per_s = hardware.hbm_gbps * 1e9 * hardware.mem_efficiency
+        self._bytes_per_s = hardware.hbm_gb_per_s * 1e9 * hardware.mem_efficiency
         self._flops_per_s = hardware.peak_tflops * 1e12 * hardware.compute_efficiency
 
     def cost(self, seqs: Iterable[ScheduledSeq]) -> StepCost:

@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, TierCapacities, validate_capacities
-from kvswap.control.store import StoreLayout
 from kvswap.errors import ConfigError
 from kvswap.ledger import kv_bytes_per_block
-from kvswap.model.shapes import ModelShape, dtype_bytes, preset_shape, shape_from_hf_config
+from kvswap.model.description import ModelDescription
+from kvswap.model.dtypes import dtype_bytes
+from kvswap.model.presets import describe_model
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.units import format_bytes
 
@@ -24,34 +25,26 @@ from kvswap.units import format_bytes
 @dataclass(frozen=True)
 class SimSetup:
     config: KvSwapConfig
-    shape: ModelShape
+    shape: ModelDescription  # in `dtype`: shape.fingerprint() names its blocks
     dtype: str
     hardware: HardwareProfile
     block_bytes: int
     weights_bytes: int
     capacities: TierCapacities
 
-    @property
-    def layout(self) -> StoreLayout:
-        caps = self.capacities
-        return StoreLayout(
-            self.config.cache.kv_block_tokens, caps.num_gpu_blocks, caps.num_cpu_blocks,
-            caps.num_nvme_blocks, self.config.swap.evict_protected_blocks,
-        )  # fmt: skip
 
-
-def shape_of(config: KvSwapConfig) -> ModelShape:
-    if config.model.hf_config is not None:
-        return shape_from_hf_config(config.model.hf_config)
-    return preset_shape(config.model.preset or "article-8b")
+def shape_of(config: KvSwapConfig) -> ModelDescription:
+    """The [model] section's description, in the configured KV dtype."""
+    shape = describe_model(config.model.preset, config.model.hf_config)
+    return shape.with_kv_dtype(config.model.dtype)
 
 
 def resolve_setup(
-    config: KvSwapConfig, hardware: HardwareProfile, shape: ModelShape | None = None
+    config: KvSwapConfig, hardware: HardwareProfile, shape: ModelDescription | None = None
 ) -> SimSetup:
     """Size every tier for `config` on `hardware`; ConfigError if it cannot fit."""
-    shape = shape if shape is not None else shape_of(config)
     dtype = config.model.dtype
+    shape = shape_of(config) if shape is None else shape.with_kv_dtype(dtype)
     block_bytes = kv_bytes_per_block(shape, dtype, config.cache.kv_block_tokens)
     if shape.num_params is None:
         raise ConfigError(
