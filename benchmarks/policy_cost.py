@@ -19,7 +19,7 @@ def populate(num_blocks: int) -> tuple[ResidencyPolicy, list[Block]]:
     policy = ResidencyPolicy(PolicyOptions())
     blocks = []
     for block_id in range(num_blocks):
-        block = Block(block_id=block_id, parent_hash=0, ref_count=block_id % 3)
+        block = Block(block_id=block_id, parent_key=bytes(32), ref_count=block_id % 3)
         block.copies[Tier.GPU] = Copy(slot=block_id)
         if block_id % 2:
             block.copies[Tier.CPU] = Copy(slot=block_id)

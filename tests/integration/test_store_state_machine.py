@@ -21,8 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
-from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import CopyEngine, Tier, TransferChunk, TransferResult
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
@@ -37,8 +38,8 @@ PREFIXES = [(1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9), (1, 2, 3, 4, 6)]
 
 
 def block_bytes(block: Block) -> torch.Tensor:
-    """The bytes block `block` must hold: a function of its parent hash and tokens."""
-    seed = hashlib.sha256(repr((block.parent_hash, block.token_ids)).encode()).digest()
+    """The bytes block `block` must hold: a function of its parent key and tokens."""
+    seed = hashlib.sha256(repr((block.parent_key, block.token_ids)).encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little"))
     return torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=generator)
 
@@ -108,7 +109,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
             StoreLayout(BLOCK_TOKENS, gpu, cpu, nvme, protected),
             PolicyOptions(sink_protection=protected > 0, min_residency_steps=residency),
             SwapSettings(
-                block_bytes=BLOCK_BYTES, high_watermark=0.7, low_watermark=0.4,
+                block_bytes=BLOCK_BYTES, swap_out_high_watermark=0.7, swap_out_low_watermark=0.4,
                 swap_out_chunk_blocks=2, swap_in_chunk_blocks=2,
                 cpu_demote_high_watermark=0.75, cpu_demote_low_watermark=0.5,
             ),
@@ -157,7 +158,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.next_token += extra
         self.swapper.open_sequence(seq_id, tokens)
         self.swapper.set_running(seq_id, True)
-        if self.swapper.wait_ready([seq_id]) or not self._grow(
+        if self.swapper.wait_ready([seq_id]).not_ready or not self._grow(
             seq_id, tokens[self.swapper.store.sequences[seq_id].num_tokens :]
         ):
             self.swapper.finish(seq_id)  # no room: give it up, nothing may leak
@@ -188,7 +189,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def resume(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.paused)))
         self.swapper.set_running(seq_id, True)
-        if self.swapper.wait_ready([seq_id]):
+        if self.swapper.wait_ready([seq_id]).not_ready:
             self.swapper.set_running(seq_id, False)  # no room now; stays paused
             return
         self.paused.discard(seq_id)

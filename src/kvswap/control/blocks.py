@@ -1,4 +1,4 @@
-"""One KV block as the control plane sees it: tokens, hash, references, copies.
+"""One KV block as the control plane sees it: tokens, key, references, copies.
 
 A block may have a copy on several tiers at once. A full block never changes,
 so a copy on a lower tier stays valid after the block is brought back up:
@@ -15,18 +15,12 @@ from dataclasses import dataclass, field
 
 from kvswap.control.transfer import Tier
 
-#: Chain seed for a sequence's first block.
-ROOT_HASH = 0
-
-
-def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its predecessor's hash: equal prefixes, equal hashes.
-
-    Python's tuple-of-int hash is deterministic across processes (no string
-    randomization is involved). Collisions are possible, so every hit is
-    confirmed against the stored token ids.
-    """
-    return hash((parent_hash, token_ids))
+#: The tiers slower than each tier, fastest first.
+TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
+    Tier.GPU: (Tier.CPU, Tier.NVME),
+    Tier.CPU: (Tier.NVME,),
+    Tier.NVME: (),
+}
 
 
 @dataclass(slots=True)
@@ -51,9 +45,13 @@ class Block:
     """A logical KV block, shared by every sequence whose prefix contains it."""
 
     block_id: int
-    parent_hash: int
+    parent_key: bytes  # the namespace root (first block) or the previous block's key
     token_ids: list[int] = field(default_factory=list)
-    prefix_hash: int | None = None  # set when the block becomes full
+    key: bytes | None = None  # identity.chain_key(parent_key, token_ids), set when full
+    # The block this one was computed after (None for a first block). A key names
+    # a prefix only as long as no two prefixes collide; following parents down to
+    # the root proves it, so a hit is confirmed by the real prefix, not the key.
+    parent: Block | None = field(default=None, repr=False, compare=False)
     ref_count: int = 0  # sequences (running or paused) whose table holds it
     num_running_refs: int = 0  # of those, sequences that run this step
     num_protected_refs: int = 0  # sequences holding it among their first protected blocks
@@ -69,7 +67,29 @@ class Block:
         return copy if copy is not None and copy.ready and not copy.stale else None
 
     def has_ready_copy_below(self, tier: Tier) -> bool:
-        """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped)."""
-        order = (Tier.GPU, Tier.CPU, Tier.NVME)
-        below = order[order.index(tier) + 1 :]
-        return any(self.ready_copy(lower) is not None for lower in below)
+        """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped).
+        Called for every re-rank: written as a plain loop over a precomputed tuple."""
+        copies = self.copies
+        for lower in TIERS_BELOW[tier]:
+            copy = copies.get(lower)
+            if copy is not None and copy.ready and not copy.stale:
+                return True
+        return False
+
+
+def same_prefix(a: Block, b: Block) -> bool:
+    """Whether `a` and `b` hold the KV of the same token prefix under the same root.
+
+    True when they are one block, or when their tokens are equal block by block
+    down to a common ancestor or to first blocks with the same root key. Keys are
+    not trusted here: this is what turns a key collision into a miss. Usually
+    cheap: two chains computed apart (two sequences admitted in one step with the
+    same prompt) compare their tokens until they meet, at most once per match.
+    """
+    while a is not b:
+        if a.token_ids != b.token_ids:
+            return False
+        if a.parent is None or b.parent is None:
+            return a.parent is None and b.parent is None and a.parent_key == b.parent_key
+        a, b = a.parent, b.parent
+    return True

@@ -17,28 +17,41 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvswap.control.blocks import ROOT_HASH, Block, Copy, chain_hash
+from kvswap.control import identity
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import CpuResidencyPolicy, PolicyOptions, ResidencyPolicy
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.tiers import TierSlots
 from kvswap.control.transfer import Tier
+from kvswap.errors import KvSwapError
 
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """Sizes the store is built with."""
+    """Sizes the store is built with, and the namespace its block keys live in."""
 
     block_tokens: int
     num_gpu_blocks: int
     num_cpu_blocks: int
     num_nvme_blocks: int
     protected_blocks: int
+    # None: a namespace of an unnamed model (enough while one store serves one model;
+    # a tier shared between processes needs the real model fingerprint).
+    namespace: KeyNamespace | None = None
+
+    def key_namespace(self) -> KeyNamespace:
+        """The namespace given, or the default one for this block size."""
+        if self.namespace is None:
+            return KeyNamespace(model_fingerprint="unnamed", block_tokens=self.block_tokens)
+        return self.namespace
 
 
 @dataclass
 class SequenceState:
     block_ids: list[int]
     num_tokens: int
+    root_key: bytes  # parent key of the first block: the namespace root, salted
     running: bool = False
 
 
@@ -46,6 +59,12 @@ class BlockStore:
     def __init__(self, layout: StoreLayout, options: PolicyOptions):
         self.layout = layout
         self.block_tokens = layout.block_tokens
+        self.namespace = layout.key_namespace()
+        if self.namespace.block_tokens != layout.block_tokens:
+            raise KvSwapError(
+                f"namespace block_tokens = {self.namespace.block_tokens}; allowed: the "
+                f"store's block_tokens ({layout.block_tokens})"
+            )
         self.tiers = {
             Tier.GPU: TierSlots(Tier.GPU, layout.num_gpu_blocks),
             Tier.CPU: TierSlots(Tier.CPU, layout.num_cpu_blocks),
@@ -64,8 +83,13 @@ class BlockStore:
 
     # ----------------------------------------------------------------- sequences
 
-    def open_sequence(self, seq_id: int, prompt_ids: Sequence[int]) -> list[Block]:
+    def open_sequence(
+        self, seq_id: int, prompt_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[Block]:
         """Start a sequence; share the longest indexed prefix of `prompt_ids`.
+
+        The sequence's chain is rooted in the namespace salted with `cache_salt`:
+        it shares blocks only with sequences opened with the same salt.
 
         Returns the shared blocks (their KV exists somewhere and need not be
         computed). The rest of the prompt is added with `append_tokens`. At
@@ -74,8 +98,9 @@ class BlockStore:
         """
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} is already open")
-        hits = self.index.match(prompt_ids[: max(0, len(prompt_ids) - 1)])
-        state = SequenceState(block_ids=[], num_tokens=0)
+        root_key = self.namespace.root_key(cache_salt)
+        hits = self.index.match(root_key, prompt_ids[: max(0, len(prompt_ids) - 1)])
+        state = SequenceState(block_ids=[], num_tokens=0, root_key=root_key)
         self.sequences[seq_id] = state
         for block in hits:
             self._attach(state, block)
@@ -99,7 +124,7 @@ class BlockStore:
         while position < len(token_ids):
             block: Block
             if state.num_tokens % self.block_tokens == 0:
-                block = self._new_block(self._tail_hash(state))
+                block = self._new_block(state)
                 self._attach(state, block)
                 created.append(block)
             else:
@@ -111,7 +136,8 @@ class BlockStore:
             position += len(taken)
             state.num_tokens += len(taken)
             if block.is_full(self.block_tokens):
-                block.prefix_hash = chain_hash(block.parent_hash, tuple(block.token_ids))
+                # Through the module so that tests can force collisions.
+                block.key = identity.chain_key(block.parent_key, block.token_ids)
                 self._unpublished.append(block)
         return created
 
@@ -152,7 +178,7 @@ class BlockStore:
             if block.ref_count > 0:
                 self.gpu_policy.update(block)
                 continue
-            if block.prefix_hash is None or block.lost:
+            if block.key is None or block.lost:
                 self.delete_block(block)
             else:
                 self._rerank(block)
@@ -171,7 +197,7 @@ class BlockStore:
             block.ref_count -= 1
             if position < self.layout.protected_blocks:
                 block.num_protected_refs -= 1
-            if block.ref_count == 0 and (block.prefix_hash is None or block.lost):
+            if block.ref_count == 0 and (block.key is None or block.lost):
                 self.delete_block(block)
             else:
                 self._rerank(block)
@@ -282,8 +308,15 @@ class BlockStore:
         self.gpu_policy.update(block)
         self.cpu_policy.update(block)
 
-    def _new_block(self, parent_hash: int) -> Block:
-        block = Block(block_id=self._next_block_id, parent_hash=parent_hash)
+    def _new_block(self, state: SequenceState) -> Block:
+        """A new, empty block chained after the sequence's last (full) block."""
+        parent = self.blocks[state.block_ids[-1]] if state.block_ids else None
+        if parent is None:
+            parent_key = state.root_key
+        else:
+            assert parent.key is not None, "a new block follows only a full block"
+            parent_key = parent.key
+        block = Block(block_id=self._next_block_id, parent_key=parent_key, parent=parent)
         self._next_block_id += 1
         self.blocks[block.block_id] = block
         return block
@@ -297,13 +330,6 @@ class BlockStore:
         if state.running:
             block.num_running_refs += 1
         self._rerank(block)
-
-    def _tail_hash(self, state: SequenceState) -> int:
-        if not state.block_ids:
-            return ROOT_HASH
-        tail = self.blocks[state.block_ids[-1]]
-        assert tail.prefix_hash is not None, "a new block follows only a full block"
-        return tail.prefix_hash
 
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvswap.control.identity import MAX_CACHE_SALT_CHARS
 from kvswap.errors import KvSwapError
 
 
@@ -57,8 +58,18 @@ class Request:
     session_id: int | None = None
     turn: int = 0
     follow_up: FollowUp | None = None
+    cache_salt: str | None = None
+    """Prefix sharing scope: KV is shared only between requests with the same salt
+    (None and "" share with each other, as the unsalted default)."""
 
     def __post_init__(self) -> None:
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
+        ):
+            raise KvSwapError(
+                f"request {self.request_id}: cache_salt = {self.cache_salt!r:.60}; allowed: "
+                f"None or a string of at most {MAX_CACHE_SALT_CHARS} characters"
+            )
         if self.max_new_tokens < 1:
             raise KvSwapError(
                 f"request {self.request_id}: max_new_tokens = {self.max_new_tokens}; allowed: >= 1"
