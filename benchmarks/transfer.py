@@ -5,7 +5,10 @@ blocks (seeded random slot permutations) out and back in through the real
 LocalCopyEngine in `--chunk-blocks` chunks, and compares the rate with a plain
 contiguous copy of the same bytes between the same two pools. Then measures
 one small HIGH swap-in chunk's latency idle and while a long LOW swap-out
-stream runs. Prints a table, then (last line) one JSON object.
+stream runs. Then brings back a resuming sequence (`--resume-blocks` blocks in
+`--resume-chunk-blocks` HIGH chunks) idle and under a swap-out stream, with 1
+and with 2 prefetch streams taking turns on the same pools. Prints a table,
+then (last line) one JSON object.
 
 Each measured section is a function `section_*(bench) -> dict`; add one to
 SECTIONS to report more keys.
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per section (3)")
     parser.add_argument("--latency-chunk-blocks", type=int, default=4)
     parser.add_argument("--latency-probes", type=int, default=20)
+    parser.add_argument("--resume-blocks", type=int, default=16, help="resuming sequence (16)")
+    parser.add_argument("--resume-chunk-blocks", type=int, default=4, help="its chunks (4)")
     parser.add_argument("--seed", type=int, default=0)
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, help=f"({default_device})")
@@ -77,8 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.block_bytes = parse_size_bytes(args.block_bytes, "--block-bytes")
     if args.num_blocks < args.chunk_blocks + args.latency_chunk_blocks:
         parser.error("--num-blocks must exceed --chunk-blocks + --latency-chunk-blocks")
-    if min(args.chunk_blocks, args.latency_chunk_blocks, args.repeats, args.latency_probes) < 1:
-        parser.error("chunk sizes, repeats and probes must be >= 1")
+    if args.num_blocks < args.chunk_blocks + args.resume_blocks:
+        parser.error("--num-blocks must exceed --chunk-blocks + --resume-blocks")
+    sizes = (args.chunk_blocks, args.latency_chunk_blocks, args.resume_chunk_blocks)
+    if min(*sizes, args.resume_blocks, args.repeats, args.latency_probes) < 1:
+        parser.error("chunk sizes, --resume-blocks, repeats and probes must be >= 1")
     return args
 
 
@@ -86,7 +94,7 @@ def build(args: argparse.Namespace) -> Bench:
     layout = KVLayout.from_block_bytes(args.block_bytes)
     device_pool = DevicePool(layout, args.num_blocks, torch.device(args.device))
     host_pool = HostPool(layout, args.num_blocks)
-    engine = LocalCopyEngine(device_pool, host_pool)
+    engine = LocalCopyEngine(device_pool, host_pool, prefetch_streams=1)
     return Bench(args, device_pool, host_pool, engine, np.random.default_rng(args.seed))
 
 
@@ -167,7 +175,7 @@ def check_results(results: list[TransferResult]) -> None:
         raise SystemExit(f"transfer {failed[0].transfer_id} failed: {failed[0].error}")
 
 
-def gbps(num_bytes: int, seconds: float) -> float:
+def gb_per_s(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9
 
 
@@ -206,13 +214,15 @@ def section_throughput(bench: Bench) -> dict[str, Any]:
         )
         times["swap_in"].append(run_chunks(bench, swap_in))
         verified &= block_digests(dev) == expected
-    rates = {name: gbps(total_bytes, statistics.median(values)) for name, values in times.items()}
+    rates = {
+        name: gb_per_s(total_bytes, statistics.median(values)) for name, values in times.items()
+    }
     return {
-        "memcpy_gbps": rates["memcpy_out"],
-        "memcpy_out_gbps": rates["memcpy_out"],
-        "memcpy_in_gbps": rates["memcpy_in"],
-        "swap_out_gbps": rates["swap_out"],
-        "swap_in_gbps": rates["swap_in"],
+        "memcpy_gb_per_s": rates["memcpy_out"],
+        "memcpy_out_gb_per_s": rates["memcpy_out"],
+        "memcpy_in_gb_per_s": rates["memcpy_in"],
+        "swap_out_gb_per_s": rates["swap_out"],
+        "swap_in_gb_per_s": rates["swap_in"],
         "round_trip_verified": verified,
     }
 
@@ -285,13 +295,121 @@ def stream_chunks(bench: Bench, num_blocks: int) -> list[TransferChunk]:
     )
 
 
-SECTIONS: list[Section] = [section_throughput, section_swap_in_latency]
+def section_prefetch_streams(bench: Bench) -> dict[str, Any]:
+    """A resuming sequence, submit of its first chunk to completion of its last,
+    with 1 and with 2 prefetch streams: idle (the engines alternate probe by
+    probe), then under a swap-out stream on the other slots (each engine runs
+    its own stream and probes; which goes first alternates per repeat). Every
+    probe's blocks are checked against their host copies."""
+    args = bench.args
+    fill_random_host(bench)
+    with LocalCopyEngine(bench.device_pool, bench.host_pool, prefetch_streams=2) as two:
+        engines = {1: bench.engine, 2: two}  # the same pools; they take turns
+        probe = ResumeProbe(bench)
+        for engine in engines.values():
+            probe.run(engine)  # warm-up: first touch of the slots, thread start-up
+        idle: dict[int, list[float]] = {1: [], 2: []}
+        for index in range(args.latency_probes):
+            for streams in (1, 2) if index % 2 == 0 else (2, 1):
+                idle[streams].append(probe.run(engines[streams])[2])
+        idle_s = {streams: statistics.median(values) for streams, values in idle.items()}
+        # Swap-out passes per busy phase: long enough for every probe, twice over.
+        pass_s = run_chunks(bench, stream_chunks(bench, probe.first_slot))
+        needed_s = args.latency_probes * (3 * max(idle_s.values()) + 0.002)
+        num_passes = min(200, max(2, math.ceil(2 * needed_s / pass_s)))
+        busy: dict[int, list[float]] = {1: [], 2: []}
+        for repeat in range(args.repeats):
+            for streams in (1, 2) if repeat % 2 == 0 else (2, 1):
+                busy[streams] += busy_resume_latencies(probe, engines[streams], num_passes)
+    one, two_s = (statistics.median(busy[s]) if busy[s] else None for s in (1, 2))
+    return {
+        "resume_blocks": args.resume_blocks,
+        "resume_chunk_blocks": args.resume_chunk_blocks,
+        "resume_idle_1_stream_ms": idle_s[1] * 1e3,
+        "resume_idle_2_streams_ms": idle_s[2] * 1e3,
+        "resume_idle_2_vs_1_streams": idle_s[2] / idle_s[1],
+        "resume_under_swap_out_1_stream_ms": None if one is None else one * 1e3,
+        "resume_under_swap_out_2_streams_ms": None if two_s is None else two_s * 1e3,
+        "resume_under_swap_out_2_vs_1_streams": (
+            None if one is None or two_s is None else two_s / one
+        ),
+        "resume_probes_under_swap_out": min(len(busy[1]), len(busy[2])),
+        "resume_verified": probe.verified,
+    }
+
+
+class ResumeProbe:
+    """Brings the last `--resume-blocks` device slots back from scattered host
+    slots in `--resume-chunk-blocks` HIGH chunks, all submitted at once."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.first_slot = bench.args.num_blocks - bench.args.resume_blocks
+        self.slots = np.arange(self.first_slot, bench.args.num_blocks)
+        self.verified = True
+
+    def run(self, engine: LocalCopyEngine) -> tuple[float, float, float]:
+        """(start, end, latency) seconds of one resume; its blocks are checked."""
+        bench = self.bench
+        src = bench.rng.permutation(self.slots)
+        chunks = make_chunks(
+            bench, Direction.CPU_TO_GPU, Priority.HIGH, src, self.slots,
+            bench.args.resume_chunk_blocks,
+        )  # fmt: skip
+        resumed = device_bytes(bench)[self.first_slot :]
+        resumed.zero_()
+        bench.sync()
+        start_s = time.perf_counter()
+        for chunk in chunks:
+            engine.submit(chunk)
+        results = [engine.wait(chunk.transfer_id) for chunk in chunks]
+        end_s = time.perf_counter()
+        check_results(results)
+        sources = host_bytes(bench)[torch.as_tensor(src)]
+        self.verified &= block_digests(resumed) == block_digests(sources)
+        return start_s, end_s, end_s - start_s
+
+
+def busy_resume_latencies(
+    probe: ResumeProbe, engine: LocalCopyEngine, num_passes: int
+) -> list[float]:
+    """Resume latencies while `num_passes` swap-out passes run on `engine`; only
+    probes that began and ended while the swap-out was running count."""
+    stream = [c for _ in range(num_passes) for c in stream_chunks(probe.bench, probe.first_slot)]
+    stream_ids = {chunk.transfer_id for chunk in stream}
+    for chunk in stream:
+        engine.submit(chunk)
+    probes: list[tuple[float, float, float]] = []
+    results: list[TransferResult] = []
+    while len(probes) < probe.bench.args.latency_probes and engine.num_pending > 0:
+        probes.append(probe.run(engine))
+        results.extend(engine.poll())
+        time.sleep(0.001)  # let the stream run between probes
+    results.extend(engine.wait_all())
+    check_results(results)
+    low = [result for result in results if result.transfer_id in stream_ids]
+    low_start_s, low_end_s = min(r.start_s for r in low), max(r.end_s for r in low)
+    return [lat for start, end, lat in probes if start >= low_start_s and end <= low_end_s]
+
+
+def fill_random_host(bench: Bench) -> None:
+    """Distinct bytes in every host slot, so a misplaced resume block shows."""
+    generator = torch.Generator().manual_seed(bench.args.seed + 1)
+    host = host_bytes(bench)
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8, generator=generator))
+
+
+SECTIONS: list[Section] = [
+    section_throughput,
+    section_swap_in_latency,
+    section_prefetch_streams,
+]
 
 
 def derive_ratios(report: dict[str, Any]) -> dict[str, Any]:
     return {
-        "swap_out_vs_memcpy": report["swap_out_gbps"] / report["memcpy_out_gbps"],
-        "swap_in_vs_memcpy": report["swap_in_gbps"] / report["memcpy_in_gbps"],
+        "swap_out_vs_memcpy": report["swap_out_gb_per_s"] / report["memcpy_out_gb_per_s"],
+        "swap_in_vs_memcpy": report["swap_in_gb_per_s"] / report["memcpy_in_gb_per_s"],
     }
 
 
@@ -331,12 +449,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report.update(section(bench))
         report.update(section_policy_cost())
         report.update(derive_ratios(report))
-        verdict = "verified" if report["round_trip_verified"] else "MISMATCH"
-        print(f"  round trip of every block (per-block checksums): {verdict}")
+        verified = report["round_trip_verified"] and report["resume_verified"]
+        verdict = "verified" if verified else "MISMATCH"
+        print(f"  round trip and resumes of every block (per-block checksums): {verdict}")
         print_table(report)
         print(json.dumps(report))
-        if not report["round_trip_verified"]:
-            raise SystemExit("round trip corrupted bytes")
+        if not verified:
+            raise SystemExit("a round trip or a resume corrupted bytes")
         return report
     finally:
         bench.engine.close()

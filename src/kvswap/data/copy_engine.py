@@ -8,8 +8,9 @@ clock, `time.perf_counter` seconds), success and the destination slots that
 must not be trusted.
 
 Two queues (see `copy_workers` for how they run):
-  HIGH  swap-in CPU_TO_GPU, NVME_TO_CPU restore, prefetch  - always goes first
-  LOW   swap-out GPU_TO_CPU, CPU_TO_NVME demotion           - yields to HIGH
+  HIGH  swap-in CPU_TO_GPU, NVME_TO_CPU restore, prefetch  - always goes first,
+        on `prefetch_streams` lanes (CUDA streams / CPU threads) in parallel
+  LOW   swap-out GPU_TO_CPU, CPU_TO_NVME demotion           - one lane, yields to HIGH
 
 A result's start_s is when its worker began the chunk (CPU path) or when the
 GPU began its first copy (CUDA path); a LOW chunk's duration includes the time
@@ -42,14 +43,19 @@ from kvswap.data.copy_workers import LinkArbiter, QueueWorker
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
+from kvswap.errors import KvSwapError
 
 # How often a waiter checks that the worker it waits on is still alive.
 _LIVENESS_CHECK_S = 0.5
+# More parallel swap-ins than this only add contention: a PCIe link has one or
+# two copy engines per direction, and a host memory bus saturates with a few.
+MAX_PREFETCH_STREAMS = 8
 
 
 class LocalCopyEngine(CopyEngine):
     """Two prioritised copy queues over real pools: CUDA streams + events when the
-    device pool is on a GPU, worker threads otherwise (and for every NVMe leg)."""
+    device pool is on a GPU, worker threads otherwise (and for every NVMe leg).
+    The HIGH queue runs on `prefetch_streams` lanes at once."""
 
     def __init__(
         self,
@@ -57,12 +63,24 @@ class LocalCopyEngine(CopyEngine):
         host_pool: HostPool | None,
         disk_pool: DiskPool | None = None,
         *,
+        prefetch_streams: int = 1,
         max_in_flight_high_chunks: int = 4,
         max_in_flight_low_chunks: int = 1,
     ) -> None:
         """`host_pool` None: a GPU-only store (no CPU tier); every chunk is refused.
-        `max_in_flight_*_chunks`: CUDA path only, chunks queued on a stream at
-        once. LOW stays at 1 so a HIGH chunk never waits behind more than one."""
+        `prefetch_streams`: HIGH chunks (swap-in, restore, prefetch) that move at
+        once, 1..MAX_PREFETCH_STREAMS (the config's `prefetch_stream_count`).
+        `max_in_flight_*_chunks`: CUDA path only, chunks queued on the queue's
+        streams at once; HIGH's are shared out over its streams (ceil(n / streams)
+        each). LOW stays at 1 so a HIGH chunk never waits behind more than one."""
+        _check_prefetch_streams(prefetch_streams)
+        # Checked here, before any lane's thread starts, so a refusal leaks none.
+        for name, depth in (
+            ("max_in_flight_high_chunks", max_in_flight_high_chunks),
+            ("max_in_flight_low_chunks", max_in_flight_low_chunks),
+        ):
+            if depth < 1:
+                raise ValueError(f"{name} must be >= 1, got {depth}")
         block_bytes = device_pool.layout.block_bytes
         if host_pool is not None and host_pool.layout.block_bytes != block_bytes:
             raise ValueError(
@@ -78,16 +96,24 @@ class LocalCopyEngine(CopyEngine):
         self._pools = Pools(device=device_pool, host=host_pool, disk=disk_pool)
         self._use_cuda = device_pool.is_cuda
         self._arbiter = LinkArbiter()
-        streams = _make_streams(device_pool.device) if self._use_cuda else {}
-        max_in_flight = {
-            Priority.HIGH: max_in_flight_high_chunks,
-            Priority.LOW: max_in_flight_low_chunks,
-        }
+        self.prefetch_streams = prefetch_streams
+        # CUDA: a stream per lane. CPU (and tests without a GPU): None lanes, each a
+        # thread that copies itself. The stream path cannot run on the CPU-only
+        # development machine; tests/unit/test_copy_engine.py drives its issue/wait
+        # order with a fake stream and runs it for real only where CUDA exists.
+        high_lanes: list[torch.cuda.Stream | None] = [None] * prefetch_streams
+        low_lane: torch.cuda.Stream | None = None
+        if self._use_cuda:
+            high_streams, low_lane = _make_streams(device_pool.device, prefetch_streams)
+            high_lanes = list(high_streams)
+        high_depth = -(-max_in_flight_high_chunks // prefetch_streams)  # ceil
         self._workers = {
-            priority: QueueWorker(
-                priority, self._pools, self._arbiter, streams.get(priority), depth
-            )
-            for priority, depth in max_in_flight.items()
+            Priority.HIGH: QueueWorker(
+                Priority.HIGH, self._pools, self._arbiter, high_lanes, high_depth
+            ),
+            Priority.LOW: QueueWorker(
+                Priority.LOW, self._pools, self._arbiter, [low_lane], max_in_flight_low_chunks
+            ),
         }
         # Submitted and not yet reported, in submit order.
         self._pending: dict[int, tuple[TransferChunk, Future[TransferResult]]] = {}
@@ -160,6 +186,8 @@ class LocalCopyEngine(CopyEngine):
             try:
                 return future.result(timeout=_LIVENESS_CHECK_S)
             except FutureTimeoutError:
+                # Lanes that die fail their chunks themselves; this is the last
+                # resort should every lane of the queue be gone without doing so.
                 if not worker.is_alive() and not future.done():
                     return failed_result(chunk, time.perf_counter(), "copy worker exited")
 
@@ -207,14 +235,30 @@ class LocalCopyEngine(CopyEngine):
         return self._pools.disk.num_slots
 
 
-def _make_streams(device: torch.device) -> dict[Priority, torch.cuda.Stream]:
-    """One stream per queue; HIGH gets the device's highest stream priority
-    (CUDA priorities: numerically lower = scheduled first)."""
+def _check_prefetch_streams(prefetch_streams: int) -> None:
+    valid = isinstance(prefetch_streams, int) and not isinstance(prefetch_streams, bool)
+    if not valid or not 1 <= prefetch_streams <= MAX_PREFETCH_STREAMS:
+        raise KvSwapError(
+            f"copy engine: prefetch_streams {prefetch_streams!r} is invalid; "
+            f"expected an integer from 1 to {MAX_PREFETCH_STREAMS}"
+        )
+
+
+def _make_streams(
+    device: torch.device, num_high_streams: int
+) -> tuple[list[torch.cuda.Stream], torch.cuda.Stream]:
+    """`num_high_streams` HIGH streams at the device's highest stream priority and
+    one LOW stream at its lowest (CUDA priorities: numerically lower = scheduled
+    first). Several HIGH streams let one chunk's launch and DMA setup overlap
+    another's data phase, and use a second copy engine where the GPU has one.
+    Written for CUDA; not exercised on the CPU-only development machine."""
     priority_range = getattr(torch.cuda.Stream, "priority_range", None)
     # Without the query, out-of-range priorities are clamped to the device's range.
     range_ends = priority_range() if priority_range is not None else (0, -1)
     highest, lowest = min(range_ends), max(range_ends)
-    return {
-        Priority.HIGH: torch.cuda.Stream(device=device, priority=highest),  # type: ignore[no-untyped-call]
-        Priority.LOW: torch.cuda.Stream(device=device, priority=lowest),  # type: ignore[no-untyped-call]
-    }
+    high = [
+        torch.cuda.Stream(device=device, priority=highest)  # type: ignore[no-untyped-call]
+        for _ in range(num_high_streams)
+    ]
+    low = torch.cuda.Stream(device=device, priority=lowest)  # type: ignore[no-untyped-call]
+    return high, low

@@ -1,25 +1,34 @@
-"""The threads behind `LocalCopyEngine`: one worker per priority queue.
+"""The threads behind `LocalCopyEngine`: one queue per priority, a thread per lane.
 
-    control thread             HIGH worker                    LOW worker
+    control thread             HIGH lanes (1..8 threads)      LOW lane (1 thread)
     submit(HIGH) -- arbiter.high_submitted()
-                   --------->  chunk: copy, copy, copy        before each block:
-                               arbiter.high_finished() ---->  wait_until_no_high()
-                               future.set_result(...)          copy one block
+                   --------->  one FIFO, each lane takes the  before each block:
+                               next chunk: copy, copy, copy   wait_until_no_high()
+                               arbiter.high_finished() ---->  copy one block
+                               future.set_result(...)
 
-CPU path (no GPU, and every NVMe leg): the worker copies block by block itself
-(tensor copies and file I/O release the GIL). A LOW worker, before each
+A lane is a thread with (CUDA) its own copy stream. HIGH has
+`prefetch_streams` lanes sharing one FIFO, so that many swap-in / prefetch
+chunks move at once; LOW has one. The control plane never submits a chunk
+whose source is another pending chunk's destination (a source must be a
+ready copy), so HIGH chunks may finish in any order.
+
+CPU path (no GPU, and every NVMe leg): a lane copies block by block itself
+(tensor copies and file I/O release the GIL). The LOW lane, before each
 block, yields while any HIGH chunk is pending or running, so on the shared
 memory bus / disk a swap-in waits for at most one LOW block.
 
-CUDA path (GPU legs when the device pool is on a GPU): the worker issues a
-chunk on its queue's stream (`CudaChunk`) and keeps up to `max_in_flight`
-chunks queued there before waiting for the oldest. LOW runs with one in
-flight: its next chunk is issued only after the previous one finished, so a
-HIGH chunk never queues behind more than one LOW chunk on the copy engines.
-HIGH may keep several in flight so back-to-back swap-ins leave no gap.
+CUDA path (GPU legs when the device pool is on a GPU): a lane issues a chunk
+on its stream (`CudaChunk`) and keeps up to `max_in_flight` chunks queued
+there before waiting for the oldest. LOW runs with one in flight: its next
+chunk is issued only after the previous one finished, so a HIGH chunk never
+queues behind more than one LOW chunk on the copy engines.
 
-A worker never dies with a waiter: whatever a copy raises becomes a failed
-`TransferResult` carrying the error text.
+Lanes sleep on the queue (or on a CUDA event) when idle; none spins. A lane
+never dies with a waiter: whatever a copy raises becomes a failed
+`TransferResult` carrying the error text, and if a lane's thread dies anyway
+(a bug), it fails the chunks it held; the last lane of a queue to go fails
+everything still queued, so no waiter and no yielding LOW block hangs.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +49,7 @@ from kvswap.data.cuda_copies import CudaChunk
 from kvswap.data.disk_pool import DiskSlotError
 
 _MAX_ERRORS_IN_TEXT = 3
+_EXITED = "copy worker exited"
 
 
 class LinkArbiter:
@@ -84,87 +95,144 @@ class _Finished:
 
 
 class QueueWorker:
-    """One priority queue: a FIFO of jobs and the thread that runs them in order."""
+    """One priority queue: a FIFO of jobs and one thread per lane taking from it.
+
+    `lanes`: one entry per thread, its CUDA stream, or None for a thread that
+    copies on the CPU itself. `max_in_flight`: per lane, chunks issued on its
+    stream before it waits for the oldest (CUDA path only)."""
 
     def __init__(
         self,
         priority: Priority,
         pools: Pools,
         arbiter: LinkArbiter,
-        stream: torch.cuda.Stream | None,
+        lanes: Sequence[torch.cuda.Stream | None],
         max_in_flight: int,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if not lanes:
+            raise ValueError("a queue worker needs at least one lane")
         self.priority = priority
         self._pools = pools
         self._arbiter = arbiter
-        self._stream = stream
         self._max_in_flight = max_in_flight
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvswap-copy-{priority.name.lower()}", daemon=True
-        )
-        self._thread.start()
+        # Guards _num_running against put(): a job is either queued while a lane
+        # still runs, or failed at once; never stranded in a queue nobody reads.
+        self._lock = threading.Lock()
+        self._num_running = len(lanes)
+        name = priority.name.lower()
+        self._threads = [
+            threading.Thread(
+                target=self._serve, args=(lane,), name=f"kvswap-copy-{name}-{index}", daemon=True
+            )
+            for index, lane in enumerate(lanes)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self._threads)
 
     def put(self, job: Job) -> None:
-        self._jobs.put(job)
+        with self._lock:
+            if self._num_running > 0:
+                self._jobs.put(job)
+                return
+            self._settle(job, failed_result(job.chunk, time.perf_counter(), _EXITED), None)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """True while any lane's thread runs."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def stop(self) -> None:
-        """Finish the jobs already queued, then exit."""
-        self._jobs.put(None)
+        """Finish the jobs already queued, then exit: one end marker per lane, after
+        every job, and a lane exits on the first it takes."""
+        for _thread in self._threads:
+            self._jobs.put(None)
 
     def join(self) -> None:
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
-    def _run(self) -> None:
+    def _serve(self, lane: torch.cuda.Stream | None) -> None:
+        held: list[Job] = []  # taken from the queue by this lane, result not yet set
+        reason = _EXITED
+        try:
+            self._run(lane, held)
+        except BaseException as exc:
+            # Only the type: str(exc) is what may have failed in the first place.
+            reason = f"{_EXITED} ({type(exc).__name__})"
+            raise
+        finally:
+            self._exit(held, reason)
+
+    def _exit(self, held: list[Job], reason: str) -> None:
+        now_s = time.perf_counter()
+        for job in list(held):
+            self._settle(job, failed_result(job.chunk, now_s, reason), held)
+        with self._lock:
+            self._num_running -= 1
+            if self._num_running > 0:
+                return
+            # The last lane is gone: nothing will take what is still queued.
+            while True:
+                try:
+                    queued = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if queued is not None:
+                    self._settle(queued, failed_result(queued.chunk, now_s, reason), None)
+
+    def _settle(self, job: Job, result: TransferResult, held: list[Job] | None) -> None:
+        """Report `job` exactly once: out of `held`, off the arbiter, result set."""
+        if held is not None:
+            held.remove(job)
+        if self.priority is Priority.HIGH:
+            self._arbiter.high_finished()
+        job.future.set_result(result)
+
+    def _run(self, lane: torch.cuda.Stream | None, held: list[Job]) -> None:
         in_flight: deque[_Started] = deque()
         while True:
             try:
                 # Block for new work only when nothing is in flight.
                 job = self._jobs.get(block=not in_flight)
             except queue.Empty:
-                self._finish(in_flight.popleft())
+                self._finish(in_flight.popleft(), held)
                 continue
             if job is None:
                 while in_flight:
-                    self._finish(in_flight.popleft())
+                    self._finish(in_flight.popleft(), held)
                 return
-            if not self._runs_on_stream(job):
+            held.append(job)
+            if not _runs_on_stream(job, lane):
                 while in_flight:  # report earlier chunks before a long synchronous one
-                    self._finish(in_flight.popleft())
-            in_flight.append(self._start(job))
+                    self._finish(in_flight.popleft(), held)
+            in_flight.append(self._start(job, lane))
             while len(in_flight) >= self._max_in_flight or (
                 in_flight and isinstance(in_flight[-1], _Finished)
             ):
-                self._finish(in_flight.popleft())
+                self._finish(in_flight.popleft(), held)
 
-    def _runs_on_stream(self, job: Job) -> bool:
-        return self._stream is not None and job.chunk.direction in GPU_DIRECTIONS
-
-    def _start(self, job: Job) -> _Started:
+    def _start(self, job: Job, lane: torch.cuda.Stream | None) -> _Started:
         start_s = time.perf_counter()
         try:
-            if self._stream is not None and self._runs_on_stream(job):
-                return CudaChunk(job, self._pools, self._stream)
+            if lane is not None and _runs_on_stream(job, lane):
+                return CudaChunk(job, self._pools, lane)
             return _Finished(job, self._run_blocks(job.chunk))
         except BaseException as exc:  # last resort: never leave a waiter hanging
             return _Finished(job, failed_result(job.chunk, start_s, error_text(exc)))
 
-    def _finish(self, started: _Started) -> None:
-        job = started.job
+    def _finish(self, started: _Started, held: list[Job]) -> None:
         try:
             result = started.wait()
         except BaseException as exc:
             # An asynchronous copy failed: no block of the chunk can be trusted.
-            result = failed_result(job.chunk, time.perf_counter(), error_text(exc))
-        finally:
-            if self.priority is Priority.HIGH:
-                self._arbiter.high_finished()
-        job.future.set_result(result)
+            result = failed_result(started.job.chunk, time.perf_counter(), error_text(exc))
+        self._settle(started.job, result, held)
 
     def _run_blocks(self, chunk: TransferChunk) -> TransferResult:
         """CPU path: block by block; a LOW worker yields to HIGH before each block."""
@@ -196,6 +264,10 @@ class QueueWorker:
             error=_join_errors(errors),
             failed_dst_slots=tuple(failed_dst_slots),
         )
+
+
+def _runs_on_stream(job: Job, lane: torch.cuda.Stream | None) -> bool:
+    return lane is not None and job.chunk.direction in GPU_DIRECTIONS
 
 
 def _join_errors(errors: list[str]) -> str | None:
