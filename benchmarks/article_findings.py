@@ -1,8 +1,9 @@
 """The article's five findings, measured side by side in one run of the simulator.
 
 Each finding runs the article's configuration (8B model, article-40gb hardware:
-40 GB GPU, PCIe 4.0 at 25 GB/s, its watermarks and chunks) with and without the
-one change, on the same seeded workloads, and reports worse / better:
+40 GB GPU, PCIe 4.0 at 25 GB/s with ONE copy engine shared by both directions,
+its watermarks and chunks) with and without the one change, on the same seeded
+workloads, and reports worse / better:
 
     1  swap_out_chunk_blocks 512 vs 8         P99 token latency
     2  swap_out_high_watermark 1.0 vs 0.85    synchronous stalls (P99 in the note)
@@ -12,8 +13,10 @@ one change, on the same seeded workloads, and reports worse / better:
 
 Findings 1-3 use a decode-heavy multi-turn chat (the token-latency tail is set
 by conversations swapped back in), 4-5 a burst of sessions that keeps the
-scheduler preempting and resuming (see kvswap.sim.findings). P99 values are
-means over the seeds, counts are sums. Prints a table, then one JSON line.
+scheduler preempting and resuming (see kvswap.sim.findings). Finding 1 is also
+run on the same machine with one copy engine per direction (in its note). Each
+row names the profile and copy engines it ran on. P99 values are means over the
+seeds, counts are sums. Prints a table, then one JSON line.
 
     .venv/bin/python benchmarks/article_findings.py              # ~5 minutes on 2 cores
     .venv/bin/python benchmarks/article_findings.py --quick      # test scale, ~30 s
@@ -54,6 +57,7 @@ def render(rows: list[Finding]) -> str:
             f"{f.number:<3}{f.title:<40}{f.metric[:33]:<34}{f.worse_value:>10.1f}"
             f"{f.better_value:>10.1f}{ratio:>8}  {'yes' if f.reproduced else 'NO'}"
         )
+        lines.append(f"   on: {f.hardware}")
         if f.note:
             lines.append(f"   note: {f.note}")
     return "\n".join(lines)
@@ -80,7 +84,9 @@ def main() -> None:
                 "preemptions": s["preemptions"], "sink_block_swap_ins": s["sink_block_swap_ins"],
                 "re_swaps": s["re_swaps"], "throughput_tok_s": s["throughput_tok_s"],
                 "swap_wait_share": s["swap_wait_share"],
-                "swap_in_blocked_by_swap_out": s["swap_in_blocked_by_swap_out"]}
+                "swap_in_blocked_by_swap_out": s["swap_in_blocked_by_swap_out"],
+                "swap_in_blocked_by_link": s["swap_in_blocked_by_link"],
+                "hardware": s["hardware"], "copy_engines": s["copy_engines"]}
                for s in summaries]
         for name, summaries in {**{f"chat/{k}": v for k, v in chat.items()},
                                 **{f"burst/{k}": v for k, v in burst.items()}}.items()

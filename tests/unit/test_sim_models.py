@@ -11,7 +11,7 @@ from kvswap.bench.report import BenchReport, BenchResult
 from kvswap.control.scheduler import ScheduledSeq
 from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.errors import KvSwapError
-from kvswap.model.shapes import preset_shape
+from kvswap.model.presets import preset_description
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.cost import StepCostModel
@@ -57,27 +57,6 @@ def test_poll_reports_only_chunks_finished_by_now_and_wait_jumps_the_clock() -> 
     assert engine.poll() == []  # a waited-for result is not reported again
 
 
-def test_a_swap_in_waits_for_the_whole_swap_out_chunk_holding_the_link() -> None:
-    # One engine for both directions: the HIGH swap-in arrives while a 512-block LOW
-    # chunk (1 GB, 41 ms) moves and cannot preempt it; behind an 8-block chunk it waits
-    # at most 0.64 ms.
-    for num_blocks, expected_wait_s in ((512, 512 * 2 * MB / 25e9), (8, 8 * 2 * MB / 25e9)):
-        engine = plain_link(shared=True)
-        engine.submit(chunk(1, Direction.GPU_TO_CPU, Priority.LOW, num_blocks))
-        engine.submit(chunk(2, Direction.GPU_TO_CPU, Priority.LOW, num_blocks))
-        engine.submit(chunk(3, Direction.CPU_TO_GPU, Priority.HIGH, 4))
-        swap_in = engine.wait(3)
-        assert math.isclose(swap_in.start_s, expected_wait_s)  # after chunk 1, before chunk 2
-        assert engine.high_blocked_by_low_s == [pytest.approx(expected_wait_s)]
-
-
-def test_separate_engines_never_make_a_swap_in_wait_for_a_swap_out() -> None:
-    engine = plain_link()
-    engine.submit(chunk(1, Direction.GPU_TO_CPU, Priority.LOW, 512))
-    engine.submit(chunk(2, Direction.CPU_TO_GPU, Priority.HIGH, 4))
-    assert engine.wait(2).start_s == 0.0
-
-
 def test_cpu_engine_low_chunks_yield_to_high_between_blocks() -> None:
     engine = plain_link(shared=True, yields=True)
     engine.submit(chunk(1, Direction.GPU_TO_CPU, Priority.LOW, 100))
@@ -117,7 +96,7 @@ def test_pageable_memory_is_slower_and_jittered_but_seeded() -> None:
 
 def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     hw = hardware_preset("article-40gb")
-    model = StepCostModel(preset_shape("article-8b"), "fp16", hw)
+    model = StepCostModel(preset_description("article-8b"), "fp16", hw)
     weights = 8_030_261_248 * 2
     # 8 sequences decoding at 4K context: weights + 8 x 4096 tokens x 128 KiB of KV.
     decode = model.cost(ScheduledSeq(s, (1,), 4095, True) for s in range(8))
@@ -138,8 +117,8 @@ def test_unknown_hardware_lists_the_valid_names() -> None:
 
 
 def test_a_bench_report_replaces_the_link() -> None:
-    def row(op: str, memory: str, gbps: float, num_bytes: int = 256 * MIB) -> BenchResult:
-        return BenchResult(op, memory, num_bytes, gbps, gbps, gbps, 3)  # type: ignore[arg-type]
+    def row(op: str, memory: str, gb_per_s: float, num_bytes: int = 256 * MIB) -> BenchResult:
+        return BenchResult(op, memory, num_bytes, gb_per_s, gb_per_s, gb_per_s, 3)  # type: ignore[arg-type]
 
     gather = BenchResult("gather_chunk", "pinned", 8 * 2 * MIB, 10.0, 10.0, 10.0, 3, 0.5, 8,
                          2 * MIB)  # fmt: skip
@@ -147,6 +126,6 @@ def test_a_bench_report_replaces_the_link() -> None:
                          row("d2h", "pinned", 20.0), row("h2d", "pageable", 12.0), gather),
                          0.0, "2")  # fmt: skip
     hw = hardware_from_report(report, hardware_preset("article-40gb"), source="x.json")
-    assert (hw.h2d_gbps, hw.d2h_gbps, hw.pageable_bandwidth_fraction) == (24.0, 20.0, 0.5)
+    assert (hw.h2d_gb_per_s, hw.d2h_gb_per_s, hw.pageable_bandwidth_fraction) == (24.0, 20.0, 0.5)
     assert hw.transfer_overhead_s == pytest.approx(16 * MIB / 10e9 - 16 * MIB / 20e9)
-    assert not hw.shared_copy_engine and hw.hbm_gbps == 1555.0
+    assert not hw.shared_copy_engine and hw.hbm_gb_per_s == 1555.0

@@ -1,11 +1,15 @@
 """The simulator's copy engine: the `CopyEngine` contract on modelled links.
 
-    GPU_TO_CPU  --> d2h link  }  one "pcie" link instead when the profile's
-    CPU_TO_GPU  --> h2d link  }  copy engine is shared by both directions
-    CPU_TO_NVME --> nvme link    (one drive: reads and writes queue together)
-    NVME_TO_CPU --> nvme link
+    separate engines (shared_copy_engine False)   one engine (shared_copy_engine True)
+    GPU_TO_CPU  --> "gpu_to_cpu" link             GPU_TO_CPU --+
+    CPU_TO_GPU  --> "cpu_to_gpu" link             CPU_TO_GPU --+--> "pcie" link
+    CPU_TO_NVME --> "nvme" link (one drive: reads and writes queue together)
+    NVME_TO_CPU --> "nvme" link
 
-Each link has the two priority queues of the real engine (see `link.py`).
+Each link has the two priority queues of the real engine (see `link.py`). On
+one shared engine a swap-in (HIGH) that arrives while a swap-out chunk (LOW)
+is on the link waits for that whole chunk, however big: the seed article's first
+pitfall. With an engine per direction it never waits for a swap-out.
 A chunk's time on its link is overhead + bytes / bandwidth, where pageable
 host memory lowers the GPU legs' bandwidth and stretches each chunk by a
 seeded exponential jitter. Times are on the simulator's `VirtualClock`:
@@ -71,8 +75,12 @@ class ModelledCopyEngine(CopyEngine):
         self._jobs: dict[int, tuple[Link, LinkJob]] = {}
         self._done: dict[int, TransferResult] = {}
         # Per LOW chunk (swap-out, demotion) that held its link while a HIGH chunk
-        # (swap-in, restore, sync eviction) waited: the longest such wait.
+        # (swap-in, restore, sync eviction) waited: the longest such wait; all links
+        # together, and per link name (to tell the PCIe stall from the NVMe one).
         self.high_blocked_by_low_s: list[float] = []
+        self.high_blocked_by_low_s_by_link: dict[str, list[float]] = {
+            link.name: [] for link in self._all_links
+        }
 
     # ---------------------------------------------------------------- contract
 
@@ -126,13 +134,13 @@ class ModelledCopyEngine(CopyEngine):
         """(overhead, data time) of one chunk before jitter."""
         hw = self.hardware
         if direction is Direction.CPU_TO_NVME:
-            return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gbps * GB)
+            return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gb_per_s * GB)
         if direction is Direction.NVME_TO_CPU:
-            return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gbps * GB)
-        gbps = hw.d2h_gbps if direction is Direction.GPU_TO_CPU else hw.h2d_gbps
+            return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gb_per_s * GB)
+        gb_per_s = hw.d2h_gb_per_s if direction is Direction.GPU_TO_CPU else hw.h2d_gb_per_s
         if not self.pinned_host:
-            gbps *= hw.pageable_bandwidth_fraction
-        return hw.transfer_overhead_s, num_bytes / (gbps * GB)
+            gb_per_s *= hw.pageable_bandwidth_fraction
+        return hw.transfer_overhead_s, num_bytes / (gb_per_s * GB)
 
     def _jittered(self, direction: Direction) -> bool:
         return direction in _GPU_LEGS and not self.pinned_host and self.hardware.pageable_jitter > 0
@@ -154,6 +162,7 @@ class ModelledCopyEngine(CopyEngine):
                 chunk = job.chunk
                 if job.blocked_high_s > 0:
                     self.high_blocked_by_low_s.append(job.blocked_high_s)
+                    self.high_blocked_by_low_s_by_link[link.name].append(job.blocked_high_s)
                 del self._jobs[chunk.transfer_id]
                 self._done[chunk.transfer_id] = TransferResult(
                     chunk.transfer_id, True, chunk.num_bytes, job.start_s, job.end_s

@@ -1,6 +1,6 @@
-"""The article's five findings, measured side by side in the simulator.
+"""The seed article's five findings, measured side by side in the simulator.
 
-Every finding runs the article's configuration (8B model, 40 GB GPU, PCIe
+Every finding runs the seed article's configuration (8B model, 40 GB GPU, PCIe
 4.0, its watermarks and chunks) twice on the same seeded workloads, changing
 one thing, and reports worse / better as a ratio:
 
@@ -18,14 +18,25 @@ hardware) whatever the swap settings. BURST (findings 4-5) admits sessions
 faster than the GPU holds them, so paused sequences are preempted, prefetched
 and resumed all the time.
 
+Every finding runs on the `article-40gb` profile, whose host<->device copies
+share ONE copy engine (`HardwareProfile.shared_copy_engine`), as the seed article's
+"held the DMA engine" implies; finding 1 is also run with one engine per
+direction, to separate the PCIe stall from the NVMe one.
+
 What the model says about the mechanisms (see benchmarks/article_findings.py):
 1. A HIGH chunk waits for at most the one LOW chunk holding its link (priority
    queues; a DMA chunk is not preempted), so a 1 GiB chunk adds <= 43 ms per
-   swap-in at 25 GB/s. With one copy engine per direction (PCIe is full duplex)
-   a GPU->CPU swap-out never delays a CPU->GPU swap-in at all; the P99 rise
-   comes from the NVMe drive, where a 512-block demotion (~215 ms at 5 GB/s)
-   holds the drive against restores. Finding 1 is also run with one engine
-   shared by both directions (the article's "held the DMA engine").
+   swap-in at 25 GB/s, on a shared engine only: with one engine per direction
+   (PCIe is full duplex) a GPU->CPU swap-out never delays a CPU->GPU swap-in.
+   How often a swap-in meets a big chunk depends on the workload: kvswap offloads
+   a finished turn at once and only its new blocks (a CPU copy of the earlier
+   turns stays valid), so in CHAT most swap-out chunks are ~20 blocks whatever
+   the cap, and the big ones (a first turn's whole prompt, ~190 blocks = ~16 ms,
+   the seed article's "~20 ms") are rare: the link is busy ~3% of the time, so few
+   swap-ins meet one, and the P99 rise on the shared engine is about the one on
+   separate engines. It comes from the NVMe drive, which has the same stall: a
+   512-block demotion (~215 ms at 5 GB/s) holds it against restores, whatever
+   the PCIe engines.
 2. kvswap offloads finished requests at once, so at 100% occupancy most GPU
    victims are clean copies whose eviction is a free drop: few synchronous
    stalls in absolute terms; the cost of 1.0 shows as many more preemptions and
@@ -44,12 +55,13 @@ from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, load_config
 from kvswap.control.policy import PolicyOptions
-from kvswap.sim.hardware import HardwareProfile, hardware_preset
-from kvswap.sim.simulator import SimOptions, Simulator
+from kvswap.progress import StageProgress as Progress
+from kvswap.sim.hardware import HardwareProfile, copy_engines, hardware_preset
+from kvswap.sim.simulator import SimOptions, Simulator, blocked_summary
 from kvswap.workload.request import Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
-#: The article's starting configuration (configs/article-8b-40gb.toml), inline so
+#: The seed article's starting configuration (configs/article-8b-40gb.toml), inline so
 #: the findings do not depend on the working directory.
 ARTICLE_SETTINGS: dict[str, object] = {
     "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 3000, "cpu_kv_capacity_blocks": 12000,
@@ -112,6 +124,7 @@ class Finding:
     better_value: float
     reproduced: bool
     note: str
+    hardware: str  # the profile both runs used, with its copy engines
     worse_summary: dict[str, object] = dataclasses.field(repr=False, compare=False)
     better_summary: dict[str, object] = dataclasses.field(repr=False, compare=False)
 
@@ -127,7 +140,7 @@ class Finding:
             "worse": self.worse_label, "better": self.better_label,
             "worse_value": self.worse_value, "better_value": self.better_value,
             "ratio": None if ratio is None else round(ratio, 3), "reproduced": self.reproduced,
-            "note": self.note,
+            "note": self.note, "hardware": self.hardware,
         }  # fmt: skip
 
 
@@ -146,8 +159,17 @@ def simulate(
     options: SimOptions | None = None,
     **overrides: object,
 ) -> dict[str, object]:
-    hw = hardware if hardware is not None else hardware_preset("article-40gb")
-    return Simulator(article_config(**overrides), hw, options=options).run(workload)
+    """One run's summary, plus `swap_in_blocked_by_link`: the waits swap-out chunks
+    imposed on swap-ins per link ("pcie" or "gpu_to_cpu"/"cpu_to_gpu", "nvme")."""
+    hw = hardware if hardware is not None else ARTICLE_HARDWARE
+    simulator = Simulator(article_config(**overrides), hw, options=options)
+    summary = simulator.run(workload).to_json()
+    summary["copy_engines"] = copy_engines(hw)
+    summary["swap_in_blocked_by_link"] = {
+        name: blocked_summary(delays_s)
+        for name, delays_s in simulator.copy_engine.high_blocked_by_low_s_by_link.items()
+    }
+    return summary
 
 
 def p99_itl_ms(summary: dict[str, object]) -> float:
@@ -165,24 +187,33 @@ def count(key: str) -> Callable[[dict[str, object]], float]:
     return read
 
 
-#: variant -> (article-config overrides, simulator options, one engine for both directions)
-Variant = tuple[dict[str, object], SimOptions, bool]
+#: The seed article's machine: one copy engine shared by both directions (see hardware.py).
+ARTICLE_HARDWARE = hardware_preset("article-40gb")
+#: The same machine with one copy engine per direction: finding 1's contrast.
+SEPARATE_ENGINES_HARDWARE = dataclasses.replace(
+    ARTICLE_HARDWARE, name="article-40gb/separate-engines", shared_copy_engine=False
+)
+
+#: variant -> (article-config overrides, simulator options, hardware profile)
+Variant = tuple[dict[str, object], SimOptions, HardwareProfile]
+_CHUNK_512: dict[str, object] = {"swap_out_chunk_blocks": 512}
 CHAT_VARIANTS: dict[str, Variant] = {
-    "article": ({}, SimOptions(), False),
-    "chunk_512": ({"swap_out_chunk_blocks": 512}, SimOptions(), False),
-    "high_watermark_1.0": ({"swap_out_high_watermark": 1.0}, SimOptions(), False),
-    "pageable": ({}, SimOptions(pinned_host=False), False),
-    "article_shared_engine": ({}, SimOptions(), True),
-    "chunk_512_shared_engine": ({"swap_out_chunk_blocks": 512}, SimOptions(), True),
+    "article": ({}, SimOptions(), ARTICLE_HARDWARE),
+    "chunk_512": (_CHUNK_512, SimOptions(), ARTICLE_HARDWARE),
+    "high_watermark_1.0": ({"swap_out_high_watermark": 1.0}, SimOptions(), ARTICLE_HARDWARE),
+    "pageable": ({}, SimOptions(pinned_host=False), ARTICLE_HARDWARE),
+    "article_separate_engines": ({}, SimOptions(), SEPARATE_ENGINES_HARDWARE),
+    "chunk_512_separate_engines": (_CHUNK_512, SimOptions(), SEPARATE_ENGINES_HARDWARE),
 }
 BURST_VARIANTS: dict[str, Variant] = {
-    "article": ({}, SimOptions(), False),
-    "no_sink_protection": ({}, SimOptions(policy=PolicyOptions(sink_protection=False)), False),
-    "min_residency_0": ({"min_residency_steps": 0}, SimOptions(), False),
-}
+    "article": ({}, SimOptions(), ARTICLE_HARDWARE),
+    "no_sink_protection": (
+        {}, SimOptions(policy=PolicyOptions(sink_protection=False)), ARTICLE_HARDWARE,
+    ),
+    "min_residency_0": ({"min_residency_steps": 0}, SimOptions(), ARTICLE_HARDWARE),
+}  # fmt: skip
 
 Summaries = dict[str, list[dict[str, object]]]  # variant -> one summary per seed
-Progress = Callable[[str], None]
 
 
 def run_variants(
@@ -193,13 +224,10 @@ def run_variants(
     progress: Progress | None = None,
 ) -> Summaries:
     """Every variant on the workload of each seed (the same workloads for all)."""
-    article_hw = hardware_preset("article-40gb")
-    shared_hw = dataclasses.replace(article_hw, shared_copy_engine=True)
     results: Summaries = {}
     for seed in seeds:
         workload = dataclasses.replace(scale, seed=seed).workload()
-        for name, (overrides, options, shared) in variants.items():
-            hw = shared_hw if shared else article_hw
+        for name, (overrides, options, hw) in variants.items():
             summary = simulate(workload, hardware=hw, options=options, **overrides)
             results.setdefault(name, []).append(summary)
             if progress is not None:
@@ -215,17 +243,31 @@ def total(key: str) -> Callable[[list[dict[str, object]]], float]:
     return lambda summaries: sum(count(key)(s) for s in summaries)
 
 
-def blocked_ms(summaries: list[dict[str, object]]) -> float:
-    out = 0.0
+def blocked_ms(
+    summaries: list[dict[str, object]], link: str | None = None, key: str = "total_ms"
+) -> float:
+    """Swap-in waits imposed by swap-out chunks, summed over seeds (`key` "max_ms":
+    the worst); on every link, or on `link` alone (0 where the run had no such link)."""
+    values = []
     for summary in summaries:
         blocked = summary["swap_in_blocked_by_swap_out"]
+        if link is not None:
+            by_link = summary["swap_in_blocked_by_link"]
+            assert isinstance(by_link, dict)
+            blocked = by_link.get(link, {key: 0.0})
         assert isinstance(blocked, dict)
-        out += float(blocked["total_ms"])
-    return out
+        values.append(float(blocked[key]))
+    return max(values, default=0.0) if key == "max_ms" else sum(values)
+
+
+def hardware_label(summaries: list[dict[str, object]]) -> str:
+    """The profile a variant ran on, with its copy engines (from `simulate`)."""
+    first = summaries[0]
+    return f"{first['hardware']} ({first['copy_engines']})"
 
 
 def findings(chat: Summaries, burst: Summaries) -> list[Finding]:
-    """The five findings from `run_variants` outputs (shared-engine runs optional)."""
+    """The five findings from `run_variants` outputs (separate-engine runs optional)."""
 
     def pair(
         number: int, title: str, metric: str, read: Callable[[list[dict[str, object]]], float],
@@ -233,8 +275,11 @@ def findings(chat: Summaries, burst: Summaries) -> list[Finding]:
     ) -> Finding:  # fmt: skip
         w, b = read(results[worse]), read(results["article"])
         reproduced = w > b * REPRODUCED_RATIO if b else w > 0
+        hardware = hardware_label(results["article"])
+        if hardware_label(results[worse]) != hardware:
+            raise ValueError(f"finding {number}: {worse!r} and 'article' ran on other hardware")
         return Finding(number, title, metric, worse, "article", w, b, reproduced, note,
-                       results[worse][0], results["article"][0])  # fmt: skip
+                       hardware, results[worse][0], results["article"][0])  # fmt: skip
 
     p99_note = (
         f"P99 {mean_p99(chat['high_watermark_1.0']):.1f} vs {mean_p99(chat['article']):.1f} ms"
@@ -257,15 +302,23 @@ def findings(chat: Summaries, burst: Summaries) -> list[Finding]:
 
 
 def _chunk_note(results: Summaries) -> str:
+    big, small = results["chunk_512"], results["article"]
+    pcie = "pcie" if "pcie" in small[0]["swap_in_blocked_by_link"] else "cpu_to_gpu"  # type: ignore[operator]
     note = (
-        f"swap-ins blocked by a swap-out chunk: {blocked_ms(results['chunk_512']):.0f} ms "
-        f"vs {blocked_ms(results['article']):.0f} ms in total (separate engines per direction)"
+        f"swap-ins waited behind swap-out chunks on the {pcie} link "
+        f"{blocked_ms(big, pcie):.0f} vs {blocked_ms(small, pcie):.0f} ms in total "
+        f"(worst {blocked_ms(big, pcie, 'max_ms'):.1f} vs {blocked_ms(small, pcie, 'max_ms'):.1f}"
+        f" ms), behind NVMe demotions {blocked_ms(big, 'nvme'):.0f} vs "
+        f"{blocked_ms(small, 'nvme'):.0f} ms"
     )
-    if "chunk_512_shared_engine" in results:
+    if "chunk_512_separate_engines" in results:
+        big_sep, small_sep = (
+            results["chunk_512_separate_engines"],
+            results["article_separate_engines"],
+        )
         note += (
-            f"; one shared engine: {blocked_ms(results['chunk_512_shared_engine']):.0f} vs "
-            f"{blocked_ms(results['article_shared_engine']):.0f} ms, P99 "
-            f"{mean_p99(results['chunk_512_shared_engine']):.1f} vs "
-            f"{mean_p99(results['article_shared_engine']):.1f} ms"
+            f"; {hardware_label(big_sep)}: P99 {mean_p99(big_sep):.1f} vs "
+            f"{mean_p99(small_sep):.1f} ms, NVMe waits {blocked_ms(big_sep, 'nvme'):.0f} vs "
+            f"{blocked_ms(small_sep, 'nvme'):.0f} ms"
         )
     return note

@@ -1,4 +1,4 @@
-"""One modelled copy link: two priority queues sharing a wire, on virtual time.
+"""One modelled copy link (one copy engine): two priority queues sharing a wire.
 
     submit --> HIGH queue (swap-in, prefetch) --+
                                                 +--> link: one job at a time
@@ -10,6 +10,8 @@ jitter factor >= 1 for pageable memory). A started job is never preempted, as
 a DMA transfer is not: a HIGH job that arrives while a LOW chunk holds the
 link waits for that whole chunk. That is why a 1 GiB swap-out chunk delays
 swap-ins by ~40 ms on PCIe 4.0 and a 16 MiB one by under a millisecond.
+The owner decides what shares a link: with one copy engine for both
+directions the swap-outs and the swap-ins are submitted to the same `Link`.
 
 `yields_per_block` models kvswap's CPU copy engine instead: its LOW worker
 checks for HIGH work before every block, so a LOW job runs as per-block
