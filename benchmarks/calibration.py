@@ -32,7 +32,7 @@ from kvswap.config import load_config
 from kvswap.control.scheduler import ScheduledSeq, StepPlan
 from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.engine.engine import Engine, EngineOptions
-from kvswap.model.shapes import preset_shape
+from kvswap.model.presets import preset_description
 from kvswap.sim.hardware import hardware_from_report, hardware_preset
 from kvswap.sim.simulator import Simulator
 from kvswap.units import GIB, MIB
@@ -40,7 +40,7 @@ from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
 CONFIG: dict[str, object] = {
     "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 30, "cpu_kv_capacity_blocks": 256,
-    "evict_protected_blocks": 2, "max_num_seqs": 8, "device": "cpu", "preset": "small",
+    "protected_sink_blocks": 2, "max_num_seqs": 8, "device": "cpu", "preset": "small",
     "dtype": "fp32",
 }  # fmt: skip
 
@@ -99,7 +99,7 @@ def _line(xs: tuple[int, ...], ys: list[float]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
-def measure_chunk_overhead(engine: Engine, link_gbps: float) -> float:
+def measure_chunk_overhead(engine: Engine, link_gb_per_s: float) -> float:
     """Seconds one chunk costs beyond its bytes on the real CPU copy engine (submit,
     worker hand-off, completion): median of 1-block GPU->CPU round trips."""
     block_bytes = engine.layout.block_bytes
@@ -111,7 +111,7 @@ def measure_chunk_overhead(engine: Engine, link_gbps: float) -> float:
         engine.copy_engine.submit(chunk)
         engine.copy_engine.wait(chunk.transfer_id)
         times.append(time.perf_counter() - start_s)
-    return max(0.0, statistics.median(times[5:]) - block_bytes / (link_gbps * 1e9))
+    return max(0.0, statistics.median(times[5:]) - block_bytes / (link_gb_per_s * 1e9))
 
 
 def main() -> None:
@@ -127,7 +127,7 @@ def main() -> None:
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         user_tokens_per_turn=32, system_prompt_tokens=32, seed=0,
     ))  # fmt: skip
-    shape = preset_shape("small")
+    shape = preset_description("small")
     assert shape.num_params is not None
     with Engine(config, EngineOptions("small")) as engine:
         block_bytes = engine.layout.block_bytes
@@ -140,18 +140,18 @@ def main() -> None:
             max_bytes=16 * MIB,
         )
         link = hardware_from_report(bench, hardware_preset("article-40gb"), source="bench")
-        chunk_overhead_s = measure_chunk_overhead(engine, link.d2h_gbps)
-        measured = engine.run(workload)  # fmt: skip
+        chunk_overhead_s = measure_chunk_overhead(engine, link.d2h_gb_per_s)
+        measured = engine.run(workload).to_json()  # fmt: skip
     weights_bytes = shape.num_params * 4
     hardware = dataclasses.replace(
         link, name="this-machine", description="this machine's CPU, measured",
         transfer_overhead_s=chunk_overhead_s,
         gpu_mem_bytes=weights_bytes + 2 * GIB, host_mem_bytes=4 * GIB, gpu_reserve_bytes=0,
-        hbm_gbps=compute["bytes_per_s"] / 1e9, peak_tflops=compute["flops_per_s"] / 1e12,
+        hbm_gb_per_s=compute["bytes_per_s"] / 1e9, peak_tflops=compute["flops_per_s"] / 1e12,
         mem_efficiency=1.0, compute_efficiency=1.0, step_overhead_s=compute["overhead_s"],
         seq_overhead_s=compute["seq_overhead_s"],
     )  # fmt: skip
-    predicted = Simulator(config, hardware, shape=shape).run(workload)
+    predicted = Simulator(config, hardware, shape=shape).run(workload).to_json()
     rows = [
         ("throughput_tok_s", "throughput (tok/s)"),
         ("swap_wait_share", "swap-wait share"),
@@ -160,13 +160,13 @@ def main() -> None:
         ("num_steps", "steps"),
         ("duration_s", "duration (s)"),
     ]
-    print(f"link (memcpy) {hardware.d2h_gbps:.2f} GB/s, chunk overhead "
+    print(f"link (memcpy) {hardware.d2h_gb_per_s:.2f} GB/s, chunk overhead "
           f"{hardware.transfer_overhead_s * 1e6:.0f} us; compute: overhead "
           f"{compute['overhead_s'] * 1e3:.1f} ms + {compute['seq_overhead_s'] * 1e3:.1f} ms per "
           f"sequence, {compute['flops_per_s'] / 1e9:.1f} GFLOP/s, "
           f"weights streamed at {compute['bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
     print(f"{'figure':<22}{'measured':>16}{'predicted':>16}{'predicted/measured':>20}")
-    figures: dict[str, object] = {"compute": compute, "link_gbps": hardware.d2h_gbps,
+    figures: dict[str, object] = {"compute": compute, "link_gb_per_s": hardware.d2h_gb_per_s,
                                   "transfer_overhead_s": hardware.transfer_overhead_s}  # fmt: skip
     for key, label in rows:
         m, p = float(measured[key]), float(predicted[key])  # type: ignore[arg-type]

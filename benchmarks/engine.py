@@ -26,7 +26,7 @@ from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
-COMMON: dict[str, object] = {"kv_block_tokens": 16, "evict_protected_blocks": 2, "device": "cpu"}
+COMMON: dict[str, object] = {"kv_block_tokens": 16, "protected_sink_blocks": 2, "device": "cpu"}
 
 
 def vocab_size(model: str) -> int:
@@ -42,7 +42,7 @@ def serve(model: str, workload: Workload, **settings: object) -> dict[str, Any]:
     """Run the workload; the summary gains `ttft_ms_by_request` (from admission)."""
     config = load_config(environ={}, overrides={**COMMON, **settings})
     with Engine(config, EngineOptions(model=model)) as engine:
-        summary = engine.run(workload)
+        summary = engine.run(workload).to_json()
         # From admission (queueing excluded) to the first token, per request.
         summary["ttft_ms_by_request"] = {
             seq_id: 1e3 * (run.first_token_s - run.admitted_s)

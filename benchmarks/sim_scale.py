@@ -47,7 +47,7 @@ def main() -> None:
     load_s = time.perf_counter() - start_s
     config = load_config(None, overrides=CONFIG)
     simulator = Simulator(config, hardware_preset(args.hardware))
-    summary = simulator.run(workload)
+    summary = simulator.run(workload).to_json()
     wall_s = float(summary["wall_s"])  # type: ignore[arg-type]
     steps = int(summary["num_steps"])  # type: ignore[call-overload]
     figures = {

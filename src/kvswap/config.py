@@ -5,7 +5,7 @@ so a value can be written three ways and mean the same thing:
 
     [swap]                           # sectioned TOML
     swap_out_high_watermark = 0.85
-    swap_out_high_watermark = 0.85   # flat TOML, as in the article's template
+    swap_out_high_watermark = 0.85   # flat TOML, as in the seed article's template
     KVSWAP_SWAP_OUT_HIGH_WATERMARK=0.85   # environment
 
 Precedence, lowest first: defaults, the TOML file, `KVSWAP_*` variables, CLI
@@ -77,22 +77,26 @@ class CacheSection(_Section):
 
 
 class SwapSection(_Section):
-    """The residency policy and the swapper's knobs (the article's names)."""
+    """The residency policy and the swapper's knobs (the seed article's names)."""
 
     swap_out_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
-    swap_in_low_watermark: float = Field(default=0.65, ge=0.0, lt=1.0)
-    evict_protected_blocks: int = Field(default=8, ge=0)
+    # Where swap-out stops, and the admission ceiling (the seed: swap_in_low_watermark).
+    swap_out_low_watermark: float = Field(default=0.65, ge=0.0, lt=1.0)
+    # A sequence's first blocks (attention sinks) that never leave the GPU while it
+    # holds them (the seed: evict_protected_blocks).
+    protected_sink_blocks: int = Field(default=8, ge=0)
     min_residency_steps: int = Field(default=64, ge=0)
     swap_out_chunk_blocks: int = Field(default=8, ge=1)
     swap_in_chunk_blocks: int = Field(default=4, ge=1)
-    prefetch_stream_count: int = Field(default=2, ge=1, le=16)
+    # HIGH-priority copy streams (CUDA) or worker threads (CPU) for swap-in/prefetch.
+    prefetch_stream_count: int = Field(default=2, ge=1, le=8)
     cpu_demote_high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
     cpu_demote_low_watermark: float = Field(default=0.80, ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
     def _low_below_high(self) -> SwapSection:
         pairs = (
-            ("swap_in_low_watermark", "swap_out_high_watermark"),
+            ("swap_out_low_watermark", "swap_out_high_watermark"),
             ("cpu_demote_low_watermark", "cpu_demote_high_watermark"),
         )
         for low_name, high_name in pairs:
@@ -191,9 +195,9 @@ class TierCapacities:
 def validate_capacities(config: KvSwapConfig, capacities: TierCapacities) -> None:
     """Rules that need block counts: chunk vs tier sizes, protected blocks vs GPU tier."""
     swap = config.swap
-    if capacities.num_gpu_blocks and swap.evict_protected_blocks > capacities.num_gpu_blocks:
+    if capacities.num_gpu_blocks and swap.protected_sink_blocks > capacities.num_gpu_blocks:
         raise ConfigError(
-            f"evict_protected_blocks = {swap.evict_protected_blocks}: the GPU tier holds only "
+            f"protected_sink_blocks = {swap.protected_sink_blocks}: the GPU tier holds only "
             f"{capacities.num_gpu_blocks} blocks; allowed: 0..{capacities.num_gpu_blocks}"
         )
     if capacities.num_gpu_blocks and swap.swap_out_chunk_blocks > capacities.num_gpu_blocks:
@@ -244,6 +248,19 @@ FIELD_SECTIONS: dict[str, str] = {
 }
 
 
+#: The seed article's names that were renamed to say what they mean: old -> new. The
+#: old names stay accepted in TOML, `KVSWAP_*` variables and flags, so the seed article's
+#: template (configs/article-8b-40gb.toml) loads unchanged.
+RENAMED_FIELDS: dict[str, str] = {
+    "swap_in_low_watermark": "swap_out_low_watermark",
+    "evict_protected_blocks": "protected_sink_blocks",
+}
+#: every accepted spelling -> the field it sets
+FIELD_SPELLINGS: dict[str, str] = {
+    **{field: field for field in FIELD_SECTIONS},
+    **RENAMED_FIELDS,
+}
+
 _CAPACITY_TWINS: dict[str, str] = {}
 for _tier in ("gpu", "cpu", "nvme"):
     _CAPACITY_TWINS[f"{_tier}_kv_capacity_blocks"] = f"{_tier}_kv_capacity_bytes"
@@ -276,16 +293,17 @@ def load_config(
     if path is not None:
         layers.append((str(path), read_toml(Path(path))))
     env_values = source_values(
-        environ if environ is not None else os.environ, ENV_PREFIX, FIELD_SECTIONS
+        environ if environ is not None else os.environ, ENV_PREFIX, FIELD_SPELLINGS
     )
     if env_values:
         layers.append(("environment", env_values))
     if overrides:
         layers.append(("command line", {k: v for k, v in overrides.items() if v is not None}))
+    origin_names: dict[str, str] = {}
     merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     origin: dict[str, str] = {}
     for source, values in layers:
-        flat = _flatten(values, source)
+        flat = _flatten(values, source, origin_names)
         for key, value in flat.items():
             twin = _CAPACITY_TWINS.get(key)
             if twin is not None and twin not in flat:
@@ -295,31 +313,35 @@ def load_config(
     try:
         return KvSwapConfig.model_validate(merged)
     except ValidationError as error:
-        raise ConfigError(_one_line(error, origin)) from None
+        raise ConfigError(_one_line(error, origin, origin_names)) from None
 
 
-def _flatten(values: dict[str, Any], source: str) -> dict[str, Any]:
-    """Accept both `[section] key = v` and top-level `key = v`; reject unknown names."""
+def _flatten(values: dict[str, Any], source: str, spelled: dict[str, str]) -> dict[str, Any]:
+    """Accept both `[section] key = v` and top-level `key = v`, old names included
+    (`spelled` records field -> the name the user wrote); reject unknown names."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in _SECTIONS and isinstance(value, dict):
             valid = list(_SECTIONS[key].model_fields)
             for inner_key, inner_value in value.items():
-                if inner_key not in valid:
+                field = FIELD_SPELLINGS.get(inner_key)
+                if field not in valid:
                     raise ConfigError(
                         f"{source}: unknown key {key}.{inner_key!r}{suggest(inner_key, valid)}; "
                         f"[{key}] allows: {', '.join(valid)}"
                     )
-                flat[inner_key] = inner_value
-        elif key in FIELD_SECTIONS:
-            flat[key] = value
+                flat[field] = inner_value
+                spelled[field] = inner_key
+        elif key in FIELD_SPELLINGS:
+            flat[FIELD_SPELLINGS[key]] = value
+            spelled[FIELD_SPELLINGS[key]] = key
         else:
             known = list(FIELD_SECTIONS) + list(_SECTIONS)
             raise ConfigError(f"{source}: unknown key {key!r}{suggest(key, known)}")
     return flat
 
 
-def _one_line(error: ValidationError, origin: Mapping[str, str]) -> str:
+def _one_line(error: ValidationError, origin: Mapping[str, str], spelled: Mapping[str, str]) -> str:
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
     field = next((part for part in reversed(loc) if part in FIELD_SECTIONS), ".".join(loc))
@@ -328,4 +350,6 @@ def _one_line(error: ValidationError, origin: Mapping[str, str]) -> str:
         return message
     where = f" (from {origin[field]})" if field in origin else ""
     value = first.get("input")
-    return f"{field} = {value!r}{where}: {message}"
+    name = spelled.get(field, field)
+    shown = field if name == field else f"{name} (now {field})"
+    return f"{shown} = {value!r}{where}: {message}"

@@ -58,3 +58,8 @@ def format_bytes(num_bytes: float) -> str:
             return f"{int(value)} B" if suffix == "B" else f"{value:.2f} {suffix}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """The smallest integer >= numerator / denominator (blocks for tokens, slots for bytes)."""
+    return -(-numerator // denominator)

@@ -13,12 +13,12 @@ from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
-# Four two-turn sessions over a shared system prompt; tiny model, 8-token blocks.
+# Six two-turn sessions over a shared system prompt; tiny model, 8-token blocks.
 SPEC = SyntheticSpec(
-    num_sessions=4,
+    num_sessions=6,
     turns_per_session=2,
-    prompt_tokens=40,
-    output_tokens=12,
+    prompt_tokens=16,
+    output_tokens=24,
     user_tokens_per_turn=8,
     system_prompt_tokens=16,
     vocab_size=256,
@@ -26,19 +26,26 @@ SPEC = SyntheticSpec(
 )
 BASE: dict[str, object] = {
     "kv_block_tokens": 8,
-    "evict_protected_blocks": 1,
+    "protected_sink_blocks": 1,
     "min_residency_steps": 4,
     "swap_out_chunk_blocks": 2,
     "swap_in_chunk_blocks": 2,
     "max_num_seqs": 4,
     "device": "cpu",
 }
+# Admission keeps unevictable blocks under the low watermark; at 0.95 of a 10-block
+# pool three sequences run at once and outgrow it, so preemption really happens.
+PRESSURE: dict[str, object] = {
+    "gpu_kv_capacity_blocks": 10,
+    "swap_out_low_watermark": 0.95,
+    "swap_out_high_watermark": 1.0,
+}
 
 
 def run(workload: Workload, **settings: object) -> dict[str, Any]:
     config = load_config(environ={}, overrides={**BASE, **settings})
     with Engine(config, EngineOptions(model="tiny")) as engine:
-        return engine.run(workload)
+        return engine.run(workload).to_json()
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +58,18 @@ def reference() -> dict[str, Any]:
 
 
 def test_a_gpu_pool_four_times_too_small_gives_the_same_outputs(reference: dict[str, Any]) -> None:
-    # Peak demand is 4 sessions x 9 blocks; the GPU holds 10.
-    summary = run(generate_synthetic(SPEC), gpu_kv_capacity_blocks=10, cpu_kv_capacity_blocks=64)
+    # Peak demand is 6 sessions x 9 blocks; the GPU holds 10.
+    summary = run(generate_synthetic(SPEC), **PRESSURE, cpu_kv_capacity_blocks=64)
     assert summary["preemptions"] > 0
     assert summary["bytes_gpu_to_cpu"] > 0 and summary["bytes_cpu_to_gpu"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
-    assert summary["requests_completed"] == reference["requests_completed"] == 8
+    assert summary["requests_completed"] == reference["requests_completed"] == 12
 
 
 def test_recompute_preemption_gives_the_same_outputs(reference: dict[str, Any]) -> None:
     summary = run(
         generate_synthetic(SPEC),
-        gpu_kv_capacity_blocks=10,
+        **PRESSURE,
         cpu_kv_capacity_blocks=0,
         preemption="recompute",
     )
@@ -180,7 +187,7 @@ def test_a_corrupt_nvme_slab_is_recomputed_never_served(tmp_path: Path) -> None:
         },
     )  # fmt: skip
     with Engine(config, EngineOptions(model="tiny")) as engine:
-        summary = engine.run(workload, observers=[CorruptSlabAfterStep(engine, 10)])
+        summary = engine.run(workload, observers=[CorruptSlabAfterStep(engine, 10)]).to_json()
     assert summary["bytes_nvme_to_cpu"] > 0
     assert summary["lost_blocks"] > 0
     assert summary["failed_transfers"] > 0

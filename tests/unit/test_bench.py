@@ -25,7 +25,7 @@ from kvswap.bench.report import (
     BenchReport,
     BenchResult,
     format_result,
-    link_gbps,
+    link_gb_per_s,
     load_report,
     save_report,
 )
@@ -51,8 +51,8 @@ def cpu_run() -> tuple[BenchReport, list[str]]:
     return report, messages
 
 
-def _row(op: str, memory: str, num_bytes: int, gbps: float, **gather: Any) -> BenchResult:
-    return BenchResult(op, memory, num_bytes, gbps, gbps * 0.9, gbps * 1.1, 3, **gather)  # type: ignore[arg-type]
+def _row(op: str, memory: str, num_bytes: int, gb_per_s: float, **gather: Any) -> BenchResult:
+    return BenchResult(op, memory, num_bytes, gb_per_s, gb_per_s * 0.9, gb_per_s * 1.1, 3, **gather)  # type: ignore[arg-type]
 
 
 def _report(device: str, *rows: BenchResult) -> BenchReport:
@@ -85,7 +85,7 @@ def test_cpu_run_rows_and_memory_labels(cpu_run: tuple[BenchReport, list[str]]) 
     assert not any(r.op in ("h2d", "d2h") for r in report.results)
     for result in report.results:
         assert result.num_repeats == 2
-        assert 0 < result.gbps_min <= result.gbps_median <= result.gbps_max
+        assert 0 < result.gb_per_s_min <= result.gb_per_s_median <= result.gb_per_s_max
 
 
 def test_gather_chunk_rows_carry_a_positive_ratio(cpu_run: tuple[BenchReport, list[str]]) -> None:
@@ -130,7 +130,15 @@ def test_to_json_dict_schema(cpu_run: tuple[BenchReport, list[str]]) -> None:
     json.dumps(doc)  # plain JSON types only
     assert doc["device"] == "cpu" and doc["note"] == report.note
     assert {"device_name", "torch_version", "created_unix_s", "results"} <= doc.keys()
-    base_keys = {"op", "memory", "bytes", "gbps_median", "gbps_min", "gbps_max", "num_repeats"}
+    base_keys = {
+        "op",
+        "memory",
+        "bytes",
+        "gb_per_s_median",
+        "gb_per_s_min",
+        "gb_per_s_max",
+        "num_repeats",
+    }
     for row in doc["results"]:
         if row["op"] == "gather_chunk":
             assert row.keys() == base_keys | {"ratio_to_memcpy", "num_blocks", "block_bytes"}
@@ -183,8 +191,14 @@ def _valid_doc() -> dict[str, Any]:
         (lambda d: _edit_row(d, 0, memory="shared"), "memory is 'shared'"),
         (lambda d: _edit_row(d, 0, bytes=0), "bytes must be a whole number > 0"),
         (lambda d: _edit_row(d, 0, bytes="1MiB"), "bytes must be"),
-        (lambda d: _edit_row(d, 0, gbps_median="fast"), "gbps_median must be a finite number"),
-        (lambda d: _edit_row(d, 0, gbps_min=99.0), "gbps_min <= gbps_median <= gbps_max"),
+        (
+            lambda d: _edit_row(d, 0, gb_per_s_median="fast"),
+            "gb_per_s_median must be a finite number",
+        ),
+        (
+            lambda d: _edit_row(d, 0, gb_per_s_min=99.0),
+            "gb_per_s_min <= gb_per_s_median <= gb_per_s_max",
+        ),
         (lambda d: _edit_row(d, 0, num_blocks=2), "only allowed on gather_chunk rows"),
         (lambda d: _edit_row(d, 1, num_blocks=None), r"results\[1\]: num_blocks"),
         (lambda d: _edit_row(d, 1, ratio_to_memcpy=None), "ratio_to_memcpy"),
@@ -209,7 +223,7 @@ def _edit_row(doc: dict[str, Any], index: int, **changes: Any) -> dict[str, Any]
 def test_valid_document_loads(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_valid_doc()), encoding="utf-8")
-    assert link_gbps(load_report(path), "d2h") == 20.0
+    assert link_gb_per_s(load_report(path), "d2h") == 20.0
 
 
 def test_load_missing_file(tmp_path: Path) -> None:
@@ -235,7 +249,7 @@ def test_load_binary_file(tmp_path: Path) -> None:
         load_report(path)
 
 
-def test_link_gbps_uses_largest_pinned_transfer_on_cuda() -> None:
+def test_link_gb_per_s_uses_largest_pinned_transfer_on_cuda() -> None:
     report = _report(
         "cuda",
         _row("h2d", "pinned", MIB, 10.0),
@@ -253,29 +267,29 @@ def test_link_gbps_uses_largest_pinned_transfer_on_cuda() -> None:
             block_bytes=2 * MIB,
         ),
     )
-    assert link_gbps(report, "h2d") == 25.0
-    assert link_gbps(report, "d2h") == 24.0
+    assert link_gb_per_s(report, "h2d") == 25.0
+    assert link_gb_per_s(report, "d2h") == 24.0
 
 
-def test_link_gbps_on_cpu_uses_largest_memcpy_preferring_the_pool_buffer() -> None:
+def test_link_gb_per_s_on_cpu_uses_largest_memcpy_preferring_the_pool_buffer() -> None:
     report = _report(
         "cpu",
         _row("memcpy", "pageable", 256 * MIB, 12.0),
         _row("memcpy", "mmap", 256 * MIB, 11.0),
         _row("memcpy", "mmap", 16 * MIB, 30.0),
     )
-    assert link_gbps(report, "h2d") == 11.0
-    assert link_gbps(report, "d2h") == 11.0
+    assert link_gb_per_s(report, "h2d") == 11.0
+    assert link_gb_per_s(report, "d2h") == 11.0
 
 
-def test_link_gbps_errors() -> None:
+def test_link_gb_per_s_errors() -> None:
     cuda_without_pinned = _report("cuda", _row("h2d", "pageable", MIB, 5.0))
     with pytest.raises(KvSwapError, match="no pinned h2d rows"):
-        link_gbps(cuda_without_pinned, "h2d")
+        link_gb_per_s(cuda_without_pinned, "h2d")
     with pytest.raises(KvSwapError, match="no memcpy rows"):
-        link_gbps(_report("cpu"), "d2h")
+        link_gb_per_s(_report("cpu"), "d2h")
     with pytest.raises(KvSwapError, match="link direction"):
-        link_gbps(cuda_without_pinned, "sideways")  # type: ignore[arg-type]
+        link_gb_per_s(cuda_without_pinned, "sideways")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -333,4 +347,4 @@ def test_cuda_rows_use_pinned_buffer_and_pageable() -> None:
     assert [r.num_blocks for r in gathers] == [4, 8]
     assert all(r.memory == "pinned" and (r.ratio_to_memcpy or 0) > 0 for r in gathers)
     assert len(messages) == len(report.results)
-    assert link_gbps(report, "h2d") > 0 and link_gbps(report, "d2h") > 0
+    assert link_gb_per_s(report, "h2d") > 0 and link_gb_per_s(report, "d2h") > 0

@@ -20,8 +20,8 @@ def test_the_article_template_loads_unchanged() -> None:
     assert config.cache.cpu_kv_capacity_blocks == 12000
     assert config.cache.nvme_kv_capacity_blocks == 40000
     assert config.swap.swap_out_high_watermark == 0.85
-    assert config.swap.swap_in_low_watermark == 0.65
-    assert config.swap.evict_protected_blocks == 8
+    assert config.swap.swap_out_low_watermark == 0.65
+    assert config.swap.protected_sink_blocks == 8
     assert config.swap.swap_out_chunk_blocks == 8
     assert config.swap.swap_in_chunk_blocks == 4
     assert config.swap.prefetch_stream_count == 2
@@ -86,7 +86,7 @@ def test_high_watermark_of_one_is_allowed_but_warned() -> None:
             "larger than the GPU tier",
         ),
         ({"cpu_kv_capacity_blocks": 2, "swap_in_chunk_blocks": 4}, "larger than the CPU tier"),
-        ({"gpu_kv_capacity_blocks": 4}, "evict_protected_blocks = 8"),
+        ({"gpu_kv_capacity_blocks": 4}, "protected_sink_blocks = 8"),
         ({"nvme_kv_capacity_blocks": 4}, "needs nvme_dir"),
         ({"cpu_kv_capacity_blocks": 4, "cpu_kv_capacity_bytes": "1GiB"}, "both set"),
     ],
@@ -132,3 +132,40 @@ def test_a_capacity_in_one_unit_replaces_a_lower_layers_other_unit(tmp_path: Pat
     assert config.tier_capacities(1024).num_cpu_blocks == 1024
     config = load_config(path, environ={}, defaults={"cpu_kv_capacity_bytes": "1MiB"})
     assert config.cache.cpu_kv_capacity_bytes is None
+
+
+def test_the_seeds_names_are_aliases_of_the_names_that_say_what_they_mean(
+    tmp_path: Path,
+) -> None:
+    # swap_in_low_watermark is where swap-OUT stops; evict_protected_blocks counts the
+    # protected sink blocks. Both old names still work in TOML, sections, env and flags.
+    flat = tmp_path / "flat.toml"
+    flat.write_text("swap_in_low_watermark = 0.5\nevict_protected_blocks = 3\n")
+    sectioned = tmp_path / "sectioned.toml"
+    sectioned.write_text("[swap]\nswap_in_low_watermark = 0.5\nevict_protected_blocks = 3\n")
+    for path in (flat, sectioned):
+        config = load_config(path, environ={})
+        assert config.swap.swap_out_low_watermark == 0.5
+        assert config.swap.protected_sink_blocks == 3
+    env = {"KVSWAP_SWAP_IN_LOW_WATERMARK": "0.4", "KVSWAP_EVICT_PROTECTED_BLOCKS": "2"}
+    config = load_config(None, environ=env)
+    assert (config.swap.swap_out_low_watermark, config.swap.protected_sink_blocks) == (0.4, 2)
+    config = load_config(None, environ={}, overrides={"evict_protected_blocks": 5})
+    assert config.swap.protected_sink_blocks == 5
+    # A bad value under the old name says both names.
+    with pytest.raises(ConfigError, match=r"swap_in_low_watermark \(now swap_out_low_watermark\)"):
+        load_config(None, environ={}, overrides={"swap_in_low_watermark": 1.5})
+
+
+def test_help_shows_the_new_flag_and_the_old_one_it_replaces() -> None:
+    import argparse
+
+    from kvswap.commands.common import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, ["swap"])
+    text = parser.format_help()
+    assert "--swap-out-low-watermark" in text and "--swap-in-low-watermark" in text
+    assert "replaces the seed's --evict-protected-blocks" in text
+    args = parser.parse_args(["--evict-protected-blocks", "4"])
+    assert config_from_args(args).swap.protected_sink_blocks == 4

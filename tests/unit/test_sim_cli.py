@@ -46,7 +46,7 @@ def test_simulate_json_has_the_run_keys_and_writes_a_time_series(
         assert key in summary
     assert summary["requests_completed"] == 12 and summary["hardware"] == "article-40gb"
     points = json.loads(series.read_text())["points"]
-    assert points and {"usage_mean_by_tier", "gbps_by_direction", "swap_wait_share"} <= set(
+    assert points and {"usage_mean_by_tier", "gb_per_s_by_direction", "swap_wait_share"} <= set(
         points[0]
     )
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
-from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier
 from tests.manual_engine import ManualCopyEngine
 
@@ -16,7 +17,7 @@ def test_a_victim_whose_stale_cpu_copy_is_still_being_demoted_stays_on_the_gpu()
     swapper = Swapper(
         StoreLayout(4, 2, 1, 2, 0),
         PolicyOptions(sink_protection=False, min_residency_steps=0),
-        SwapSettings(block_bytes=100, high_watermark=0.5, low_watermark=0.0,
+        SwapSettings(block_bytes=100, swap_out_high_watermark=0.5, swap_out_low_watermark=0.0,
                      swap_out_chunk_blocks=2, swap_in_chunk_blocks=2,
                      cpu_demote_high_watermark=0.75, cpu_demote_low_watermark=0.5),
         engine,

@@ -19,7 +19,7 @@ from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
 SMALL = {
     "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 120, "cpu_kv_capacity_blocks": 400,
-    "evict_protected_blocks": 2, "min_residency_steps": 8, "max_num_seqs": 8,
+    "protected_sink_blocks": 2, "min_residency_steps": 8, "max_num_seqs": 8,
 }  # fmt: skip
 HAND_TRACE = (
     '{"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3]}\n'
@@ -48,8 +48,8 @@ def chat(seed: int = 0) -> object:
 
 
 def test_same_seed_same_run_and_the_engine_keys() -> None:
-    first = small_sim().run(chat())  # type: ignore[arg-type]
-    second = small_sim().run(chat())  # type: ignore[arg-type]
+    first = small_sim().run(chat()).to_json()  # type: ignore[arg-type]
+    second = small_sim().run(chat()).to_json()  # type: ignore[arg-type]
     for volatile in ("wall_s", "simulated_s_per_wall_s"):
         first.pop(volatile), second.pop(volatile)
     assert first == second
@@ -61,7 +61,7 @@ def test_same_seed_same_run_and_the_engine_keys() -> None:
 
 
 def test_the_virtual_clock_accounts_swap_waits() -> None:
-    summary = small_sim(gpu_kv_capacity_blocks=60).run(chat(1))  # type: ignore[arg-type]
+    summary = small_sim(gpu_kv_capacity_blocks=60).run(chat(1)).to_json()  # type: ignore[arg-type]
     assert 0 < float(summary["swap_wait_s"]) < float(summary["duration_s"])  # type: ignore[arg-type]
 
 
@@ -116,7 +116,7 @@ def test_trace_prompts_share_exactly_their_hash_blocks(tmp_path: Path) -> None:
     first, second = trace_prompt(rows[0]), trace_prompt(rows[1])
     assert len(first) == 1500 and first[:1000] == second and first[1024] == 3
     sim = small_sim(gpu_kv_capacity_blocks=400, kv_block_tokens=16)
-    summary = sim.run(load_trace_workload(path))
+    summary = sim.run(load_trace_workload(path)).to_json()
     hits = summary["prefix_hit_tokens"]
     assert isinstance(hits, dict) and sum(hits.values()) == 992 + 1024  # all but the last token
 
@@ -128,5 +128,5 @@ def test_a_generated_trace_round_trips_and_simulates(tmp_path: Path) -> None:
     path = tmp_path / "gen.jsonl"
     write_trace(rows, path)
     assert read_trace_rows(path) == rows
-    summary = small_sim().run(load_trace_workload(path))
+    summary = small_sim().run(load_trace_workload(path)).to_json()
     assert summary["requests_completed"] == 12

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
-from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Priority, Tier
 from tests.manual_engine import ManualCopyEngine
 
@@ -31,8 +32,8 @@ def make(
         ),
         SwapSettings(
             block_bytes=100,
-            high_watermark=high,
-            low_watermark=low,
+            swap_out_high_watermark=high,
+            swap_out_low_watermark=low,
             swap_out_chunk_blocks=out_chunk,
             swap_in_chunk_blocks=in_chunk,
             cpu_demote_high_watermark=0.75,
@@ -145,7 +146,7 @@ def test_cold_cpu_copies_are_demoted_to_nvme_past_the_cpu_watermark() -> None:
     assert swapper.store.tiers[Tier.NVME].num_used_slots == 2
     # Resuming brings NVMe blocks up through the CPU.
     swapper.set_running(1, True)
-    assert swapper.wait_ready([1]) == []
+    assert swapper.wait_ready([1]).not_ready == ()
     assert all(b.ready_copy(Tier.GPU) for b in swapper.store.sequence_blocks(1))
     swapper.check_integrity()
 

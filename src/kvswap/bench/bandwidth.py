@@ -42,6 +42,7 @@ from kvswap.bench.report import (
 )
 from kvswap.data.pinned import PinnedBuffer, available_host_bytes
 from kvswap.errors import KvSwapError
+from kvswap.progress import StageProgress as Progress
 from kvswap.units import GIB, MIB, format_bytes
 
 MIN_TRANSFER_BYTES = MIB
@@ -59,8 +60,6 @@ _MEMORY_BUDGET_FRACTION = 0.8
 _MIN_POOL_BLOCKS = 64
 _POOL_BLOCKS_PER_CHUNK_BLOCK = 4
 _MIN_TIMED_S = 1e-9  # a copy timed at 0 s (clock resolution) would divide by zero
-
-Progress = Callable[[str], None]
 
 
 def transfer_sizes_bytes(*, full: bool = False, max_bytes: int | None = None) -> tuple[int, ...]:
@@ -178,15 +177,15 @@ class _Run:
 def _summarise(
     op: BenchOp, memory: BenchMemory, num_bytes: int, seconds: list[float]
 ) -> BenchResult:
-    gbps = sorted(num_bytes / elapsed_s / 1e9 for elapsed_s in seconds)
+    gb_per_s = sorted(num_bytes / elapsed_s / 1e9 for elapsed_s in seconds)
     return BenchResult(
         op=op,
         memory=memory,
         num_bytes=num_bytes,
-        gbps_median=statistics.median(gbps),
-        gbps_min=gbps[0],
-        gbps_max=gbps[-1],
-        num_repeats=len(gbps),
+        gb_per_s_median=statistics.median(gb_per_s),
+        gb_per_s_min=gb_per_s[0],
+        gb_per_s_max=gb_per_s[-1],
+        num_repeats=len(gb_per_s),
     )
 
 
@@ -294,11 +293,11 @@ def _gather_row(
     chunk_staging = None if staging is None else staging[:num_blocks]
     gather_s, plain_s = _time_gather(run, pool, chunk_staging, dst, generator)
     gathered = _summarise("gather_chunk", memory, num_bytes, gather_s)
-    plain_gbps = statistics.median(num_bytes / elapsed_s / 1e9 for elapsed_s in plain_s)
+    plain_gb_per_s = statistics.median(num_bytes / elapsed_s / 1e9 for elapsed_s in plain_s)
     run.emit(
         dataclasses.replace(
             gathered,
-            ratio_to_memcpy=gathered.gbps_median / plain_gbps,
+            ratio_to_memcpy=gathered.gb_per_s_median / plain_gb_per_s,
             num_blocks=num_blocks,
             block_bytes=block_bytes,
         )

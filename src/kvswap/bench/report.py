@@ -6,7 +6,7 @@ checks every field and names the file and the field when something is wrong.
     {"schema_version": 1, "device": "cuda", "device_name": "...", "note": null,
      "torch_version": "...", "created_unix_s": 1.7e9,
      "results": [{"op": "d2h", "memory": "pinned", "bytes": 16777216,
-                  "gbps_median": 24.1, "gbps_min": 23.9, "gbps_max": 24.3,
+                  "gb_per_s_median": 24.1, "gb_per_s_min": 23.9, "gb_per_s_max": 24.3,
                   "num_repeats": 5}, ...]}
 
 `gather_chunk` rows also carry `ratio_to_memcpy`, `num_blocks` and `block_bytes`.
@@ -48,9 +48,9 @@ class BenchResult:
     op: BenchOp
     memory: BenchMemory
     num_bytes: int
-    gbps_median: float
-    gbps_min: float
-    gbps_max: float
+    gb_per_s_median: float
+    gb_per_s_min: float
+    gb_per_s_max: float
     num_repeats: int
     ratio_to_memcpy: float | None = None
     num_blocks: int | None = None
@@ -85,9 +85,9 @@ def _result_to_json(result: BenchResult) -> dict[str, Any]:
         "op": result.op,
         "memory": result.memory,
         "bytes": result.num_bytes,
-        "gbps_median": result.gbps_median,
-        "gbps_min": result.gbps_min,
-        "gbps_max": result.gbps_max,
+        "gb_per_s_median": result.gb_per_s_median,
+        "gb_per_s_min": result.gb_per_s_min,
+        "gb_per_s_max": result.gb_per_s_max,
         "num_repeats": result.num_repeats,
     }
     if result.op == "gather_chunk":
@@ -101,8 +101,8 @@ def format_result(result: BenchResult) -> str:
     """One human line per row, e.g. for progress on stderr."""
     line = (
         f"{result.op} {result.memory} {format_bytes(result.num_bytes)}: "
-        f"{result.gbps_median:.2f} GB/s (min {result.gbps_min:.2f}, max {result.gbps_max:.2f}, "
-        f"{result.num_repeats} repeats)"
+        f"{result.gb_per_s_median:.2f} GB/s (min {result.gb_per_s_min:.2f}, "
+        f"max {result.gb_per_s_max:.2f}, {result.num_repeats} repeats)"
     )
     if result.ratio_to_memcpy is not None:
         line += (
@@ -176,24 +176,32 @@ def _parse_report(raw: object) -> BenchReport:
     )
 
 
+#: Keys of reports written before the rates were renamed (GB/s, not gigabits): old -> new.
+_OLD_RATE_KEYS = {"gbps_min": "gb_per_s_min", "gbps_median": "gb_per_s_median",
+                  "gbps_max": "gb_per_s_max"}  # fmt: skip
+
+
 def _result_from_json(raw: object, index: int) -> BenchResult:
     where = f"results[{index}]"
     row = _as_object(raw, where)
+    for old, new in _OLD_RATE_KEYS.items():
+        if old in row and new not in row:
+            row = {**row, new: row[old]}
     op = _choice(row, "op", _OPS, where)
     memory = _choice(row, "memory", _MEMORIES, where)
     num_bytes = _positive_int(row, "bytes", where)
-    gbps_min = _number(row, "gbps_min", where)
-    gbps_median = _number(row, "gbps_median", where)
-    gbps_max = _number(row, "gbps_max", where)
-    if not gbps_min <= gbps_median <= gbps_max:
-        raise _SchemaError(f"{where}: needs gbps_min <= gbps_median <= gbps_max")
+    gb_per_s_min = _number(row, "gb_per_s_min", where)
+    gb_per_s_median = _number(row, "gb_per_s_median", where)
+    gb_per_s_max = _number(row, "gb_per_s_max", where)
+    if not gb_per_s_min <= gb_per_s_median <= gb_per_s_max:
+        raise _SchemaError(f"{where}: needs gb_per_s_min <= gb_per_s_median <= gb_per_s_max")
     result = BenchResult(
         op=cast(BenchOp, op),
         memory=cast(BenchMemory, memory),
         num_bytes=num_bytes,
-        gbps_median=gbps_median,
-        gbps_min=gbps_min,
-        gbps_max=gbps_max,
+        gb_per_s_median=gb_per_s_median,
+        gb_per_s_min=gb_per_s_min,
+        gb_per_s_max=gb_per_s_max,
         num_repeats=_positive_int(row, "num_repeats", where),
     )
     if op != "gather_chunk":
@@ -209,9 +217,9 @@ def _result_from_json(raw: object, index: int) -> BenchResult:
         op=result.op,
         memory=result.memory,
         num_bytes=num_bytes,
-        gbps_median=gbps_median,
-        gbps_min=gbps_min,
-        gbps_max=gbps_max,
+        gb_per_s_median=gb_per_s_median,
+        gb_per_s_min=gb_per_s_min,
+        gb_per_s_max=gb_per_s_max,
         num_repeats=result.num_repeats,
         ratio_to_memcpy=_number(row, "ratio_to_memcpy", where),
         num_blocks=num_blocks,
@@ -255,7 +263,7 @@ def _positive_int(doc: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def link_gbps(report: BenchReport, direction: LinkDirection) -> float:
+def link_gb_per_s(report: BenchReport, direction: LinkDirection) -> float:
     """The host<->device bandwidth (GB/s) the ledger and simulator should assume.
 
     CUDA report: the median of the largest pinned transfer in `direction` (the
@@ -277,4 +285,4 @@ def link_gbps(report: BenchReport, direction: LinkDirection) -> float:
         )
     # Ties on size: a pool-backed row (pinned or mmap) beats a pageable one.
     best = max(rows, key=lambda r: (r.num_bytes, r.memory != "pageable"))
-    return best.gbps_median
+    return best.gb_per_s_median

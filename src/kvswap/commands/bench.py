@@ -86,7 +86,7 @@ def render(report: BenchReport) -> str:
         if row.num_blocks is not None and row.block_bytes is not None:
             size = f"{row.num_blocks}x{format_bytes(row.block_bytes).replace(' ', '')}"
         lines.append(
-            f"{row.op:<13}{row.memory:<10}{size:>12}{row.gbps_median:>13.2f}"
-            f"{row.gbps_min:>8.2f}{row.gbps_max:>8.2f}{ratio:>11}"
+            f"{row.op:<13}{row.memory:<10}{size:>12}{row.gb_per_s_median:>13.2f}"
+            f"{row.gb_per_s_min:>8.2f}{row.gb_per_s_max:>8.2f}{ratio:>11}"
         )
     return "\n".join(lines)

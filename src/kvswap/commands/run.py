@@ -21,7 +21,7 @@ from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 RUN_DEFAULTS: dict[str, object] = {
     "gpu_kv_capacity_blocks": 30,
     "cpu_kv_capacity_blocks": 256,
-    "evict_protected_blocks": 2,
+    "protected_sink_blocks": 2,
     "max_num_seqs": 8,
 }
 
@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
             args, config, block_bytes=engine.layout.block_bytes,
             kv_metrics=engine.swapper.metrics, run_info=run_info,
         ) as monitoring:  # fmt: skip
-            summary = engine.run(workload, monitoring.progress, monitoring.observers)
-            summary = monitoring.finish(summary)
+            result = engine.run(workload, monitoring.progress, monitoring.observers)
+            summary = monitoring.finish(result.to_json())
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -141,9 +141,9 @@ def render(summary: dict[str, Any]) -> str:
         ("token latency ms", pct("itl_ms")),
         ("swap-wait share", f"{100 * summary['swap_wait_share']:.2f} % of step time"),
         ("GPU -> CPU", f"{format_bytes(summary['bytes_gpu_to_cpu'])} "
-         f"at {summary['gpu_to_cpu_gbps']:.2f} GB/s"),
+         f"at {summary['gpu_to_cpu_gb_per_s']:.2f} GB/s"),
         ("CPU -> GPU", f"{format_bytes(summary['bytes_cpu_to_gpu'])} "
-         f"at {summary['cpu_to_gpu_gbps']:.2f} GB/s"),
+         f"at {summary['cpu_to_gpu_gb_per_s']:.2f} GB/s"),
         ("CPU -> NVMe / back", f"{format_bytes(summary['bytes_cpu_to_nvme'])} / "
          f"{format_bytes(summary['bytes_nvme_to_cpu'])}"),
         ("pinned pool peak", f"{100 * summary['pinned_pool_utilization_peak']:.1f} %"),
@@ -160,5 +160,7 @@ def render(summary: dict[str, Any]) -> str:
     findings = summary.get("diagnosis", [])
     lines += [f"diagnosis: {f['symptom']} ({f['figure']}); {f['advice']}" for f in findings]
     if not findings:
-        lines.append("diagnosis: no warning sign (swap-wait, link, latency, pinned pool)")
+        lines.append(
+            "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool)"
+        )
     return "\n".join(lines)

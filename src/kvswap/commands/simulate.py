@@ -27,7 +27,7 @@ from kvswap.units import format_bytes
 from kvswap.workload.mooncake import read_trace_rows
 from kvswap.workload.request import Workload
 
-#: Below --config: the article's CPU and NVMe tiers (the GPU tier is sized from the
+#: Below --config: the seed article's CPU and NVMe tiers (the GPU tier is sized from the
 #: hardware unless configured). The simulator never touches nvme_dir.
 SIM_DEFAULTS: dict[str, object] = {
     "cpu_kv_capacity_blocks": 12000,
@@ -136,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
     with build_monitoring(
         args, config, block_bytes=simulator.setup.block_bytes,
         kv_metrics=simulator.swapper.metrics, run_info=run_info,
-        link_gbps=min(hardware.h2d_gbps, hardware.d2h_gbps),
+        link_gb_per_s=min(hardware.h2d_gb_per_s, hardware.d2h_gb_per_s),
     ) as monitoring:  # fmt: skip
-        summary = simulator.run(workload, monitoring.progress, monitoring.observers)
-        summary = monitoring.finish(summary)
+        result = simulator.run(workload, monitoring.progress, monitoring.observers)
+        summary = monitoring.finish(result.to_json())
         if args.timeseries is not None:
             _write_json(args.timeseries, monitoring.recorder.series().to_json())
     print(json.dumps(summary, indent=2) if args.json else render_simulation(summary))

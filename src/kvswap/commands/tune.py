@@ -1,4 +1,4 @@
-"""`kvswap tune`: walk the article's tuning order in the simulator, write the result."""
+"""`kvswap tune`: walk the seed article's tuning order in the simulator, write the result."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "tune",
         help="tune watermark, swap-out chunk and prefetch streams in the simulator",
-        description="Walk the article's tuning order one knob at a time in the simulator (block "
-        "size fixed; high watermark from 0.95 down; swap-out chunk; prefetch streams), print "
-        "each step, explain each choice and write the recommended configuration as TOML.",
+        description="Walk the seed article's tuning order one knob at a time in the "
+        "simulator (block size fixed; high watermark from 0.95 down; swap-out chunk; "
+        "prefetch streams), print each step, explain each choice and write the recommended "
+        "configuration as TOML.",
     )
     add_simulation_arguments(parser)
     parser.set_defaults(**TUNE_WORKLOAD_DEFAULTS)

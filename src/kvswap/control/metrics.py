@@ -36,7 +36,7 @@ class KVMetrics:
         self.seconds_by_direction[direction] += seconds
         self.transfers_by_direction[direction] += 1
 
-    def gbps(self, direction: Direction) -> float:
+    def gb_per_s(self, direction: Direction) -> float:
         """Mean throughput while transfers in `direction` were running (GB/s, 1e9 B/s)."""
         seconds = self.seconds_by_direction[direction]
         return self.bytes_by_direction[direction] / seconds / 1e9 if seconds > 0 else 0.0

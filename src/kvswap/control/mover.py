@@ -4,6 +4,7 @@ The mover is the only code that turns a decision ("copy these blocks down")
 into `TransferChunk`s and, when results come back, into copy state:
 
     plan:     source copy  num_readers += 1      destination copy  ready = False
+              (`reserve`; `unreserve` gives a source back that was not used)
     submit:   the chunk goes to the copy engine
     complete: source copy  num_readers -= 1      destination copy  ready = True
               (or dropped: failure, stale source, stale destination)
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvswap.control.blocks import Block, Copy
+from kvswap.control.metrics import KVMetrics
 from kvswap.control.store import BlockStore
 from kvswap.control.transfer import (
     CopyEngine,
@@ -28,7 +30,6 @@ from kvswap.control.transfer import (
     TransferChunk,
     TransferResult,
 )
-from kvswap.control.metrics import KVMetrics
 
 
 @dataclass
@@ -46,8 +47,13 @@ class Mover:
         metrics: KVMetrics,
         block_bytes: int,
         on_arrival: Callable[[Block, Tier], None],
+        *,
+        swap_in_chunk_blocks: int,
+        swap_out_chunk_blocks: int,
     ):
         self.store = store
+        self.swap_in_chunk_blocks = swap_in_chunk_blocks
+        self.swap_out_chunk_blocks = swap_out_chunk_blocks
         self.engine = engine
         self.metrics = metrics
         self.block_bytes = block_bytes
@@ -58,6 +64,30 @@ class Mover:
         self.writing: dict[tuple[int, Tier], int] = {}
         self.num_gpu_evictions_pending = 0
 
+    def reserve(self, block: Block, src_tier: Tier, dst: Copy) -> tuple[Block, Copy]:
+        """Mark `block`'s `src_tier` copy as read by a planned transfer at once, so
+        nothing done before the chunk is submitted can drop it."""
+        block.copies[src_tier].num_readers += 1
+        self.store.rerank(block)
+        return block, dst
+
+    def unreserve(self, block: Block, src_tier: Tier) -> None:
+        """Give back a source reserved for a transfer that will not be submitted."""
+        block.copies[src_tier].num_readers -= 1
+        self.store.rerank(block)
+
+    @property
+    def has_inflight(self) -> bool:
+        return bool(self.inflight)
+
+    def chunk_blocks(self, direction: Direction, priority: Priority) -> int:
+        """Swap-in and prefetch (up the hierarchy, HIGH) move in swap-in chunks;
+        everything else in swap-out chunks."""
+        upward = direction in (Direction.CPU_TO_GPU, Direction.NVME_TO_CPU)
+        if priority is Priority.HIGH and upward:
+            return self.swap_in_chunk_blocks
+        return self.swap_out_chunk_blocks
+
     def submit(
         self,
         direction: Direction,
@@ -65,11 +95,11 @@ class Mover:
         pairs: Sequence[tuple[Block, Copy]],
         *,
         evict: bool,
-        chunk_blocks: int,
     ) -> list[int]:
         """Copy each block's `direction.src_tier` copy into the given destination copy,
-        in chunks of at most `chunk_blocks`. Returns the transfer ids. Sources are
-        already reserved (`num_readers` counted) by the caller when it planned them."""
+        in chunks of at most `chunk_blocks(direction, priority)`. Returns the transfer
+        ids. Sources are already reserved (`reserve`) when they were planned."""
+        chunk_blocks = self.chunk_blocks(direction, priority)
         ids: list[int] = []
         for start in range(0, len(pairs), chunk_blocks):
             part = pairs[start : start + chunk_blocks]

@@ -1,11 +1,13 @@
 """Which GPU copy leaves first: LRU, plus sink protection, minimum residency, cost.
 
-The store calls `update(block, step)` whenever something the policy looks at
-changes (references, copies, access), `forget(block)` when the GPU copy goes,
-`advance(step)` once per decode step, and `pop_victim()` / `peek_victims()`
-when it needs room. Every call is O(1) (amortised): candidates live in a few
-LRU-ordered dicts, one per cost rank, and blocks inside their minimum
-residency window wait in a FIFO that `advance` drains. No call scans all
+The store calls `update(block)` whenever something the policy looks at
+changes (references, copies), `touch(block)` when a step reads it,
+`on_swapped_in(block)` when its GPU copy arrives (the residency window
+starts), `forget(block)` when the GPU copy goes; the swapper calls
+`advance(step)` once per decode step and `pop_victim()` when it needs room.
+Every call is O(1) (amortised): candidates live in a few LRU-ordered dicts,
+one per cost rank, and blocks inside their minimum residency window wait in
+a FIFO that `advance` drains. No call scans all
 blocks, so 100k blocks cost the same per decision as 10.
 
 Cost ranks (cheapest victim first) when cost awareness is on:
@@ -26,7 +28,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.transfer import Tier
 
@@ -40,19 +41,6 @@ class PolicyOptions:
     sink_protection: bool = True
     min_residency_steps: int = 64
     cost_aware: bool = True
-
-    @classmethod
-    def from_config(cls, config: KvSwapConfig) -> PolicyOptions:
-        """The policy for a configuration: sink protection iff blocks are protected."""
-        swap = config.swap
-        return cls(
-            sink_protection=swap.evict_protected_blocks > 0,
-            min_residency_steps=swap.min_residency_steps,
-        )
-
-    @classmethod
-    def plain_lru(cls) -> PolicyOptions:
-        return cls(sink_protection=False, min_residency_steps=0, cost_aware=False)
 
 
 class RankedLru:
@@ -68,13 +56,19 @@ class RankedLru:
     def place(self, block: Block, rank: int | None, *, refresh: bool) -> None:
         """Put `block` at `rank` (None: not a candidate). An unchanged rank keeps its
         LRU position unless `refresh`, which makes it the most recently used."""
-        old = self.rank_of.get(block.block_id)
-        if old == rank and not refresh:
+        block_id = block.block_id
+        old = self.rank_of.get(block_id)
+        if old == rank:
+            if refresh and rank is not None:
+                self.lists[rank].move_to_end(block_id)
             return
-        self.remove(block)
-        if rank is not None:
-            self.lists[rank][block.block_id] = block
-            self.rank_of[block.block_id] = rank
+        if old is not None:
+            del self.lists[old][block_id]
+        if rank is None:
+            del self.rank_of[block_id]
+        else:
+            self.lists[rank][block_id] = block
+            self.rank_of[block_id] = rank
 
     def remove(self, block: Block) -> None:
         old = self.rank_of.pop(block.block_id, None)
@@ -141,6 +135,8 @@ class ResidencyPolicy:
 
     def update(self, block: Block) -> None:
         """Re-rank `block` after a change; O(1). Its LRU position holds if its rank does."""
+        if Tier.GPU not in block.copies and block.block_id not in self._lru.rank_of:
+            return  # the common case for a block below the GPU: nothing to rank
         self._lru.place(block, self._rank(block), refresh=False)
 
     def forget(self, block: Block) -> None:
@@ -188,6 +184,8 @@ class CpuResidencyPolicy:
 
     def update(self, block: Block) -> None:
         """Re-rank after a change and mark as most recently used; O(1)."""
+        if Tier.CPU not in block.copies and block.block_id not in self._lru.rank_of:
+            return  # the common case for a GPU-only block: nothing to rank
         self._lru.place(block, self._rank(block), refresh=True)
 
     def forget(self, block: Block) -> None:

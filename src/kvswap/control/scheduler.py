@@ -20,14 +20,12 @@ Preempted sequences resume first, their blocks prefetched on the HIGH queue.
 from __future__ import annotations
 
 import enum
-import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.config import KvSwapConfig
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Tier
+from kvswap.units import ceil_div
 
 
 class Preemption(enum.Enum):
@@ -41,15 +39,6 @@ class SchedulerSettings:
     max_num_batched_tokens: int = 2048
     preemption: Preemption = Preemption.SWAP
 
-    @classmethod
-    def from_config(cls, config: KvSwapConfig) -> SchedulerSettings:
-        engine = config.engine
-        return cls(
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            preemption=Preemption(engine.preemption),
-        )
-
 
 @dataclass
 class SequenceRun:
@@ -59,6 +48,7 @@ class SequenceRun:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     arrival_s: float
+    cache_salt: str | None = None  # tenants share prefix KV only under the same salt
     output_ids: list[int] = field(default_factory=list)
     admitted_s: float | None = None  # first time it was scheduled (queueing ends)
     first_token_s: float | None = None
@@ -107,12 +97,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, swapper: Swapper, settings: SchedulerSettings, clock_s: Callable[[], float]):
+    def __init__(self, swapper: Swapper, settings: SchedulerSettings):
         self.swapper = swapper
-        self.store = swapper.store
         self.settings = settings
-        self._clock_s = clock_s
-        self.block_tokens = swapper.store.block_tokens
+        self.block_tokens = swapper.block_tokens
         self.runs: dict[int, SequenceRun] = {}
         self.waiting: deque[int] = deque()
         self.preempted: deque[int] = deque()
@@ -126,14 +114,20 @@ class Scheduler:
     # ----------------------------------------------------------------- intake
 
     def add_request(
-        self, seq_id: int, prompt_ids: Sequence[int], max_new_tokens: int, arrival_s: float
+        self,
+        seq_id: int,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        arrival_s: float,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. One that can never fit the GPU tier is rejected with a
         reason (the others keep running)."""
-        run = SequenceRun(seq_id, tuple(prompt_ids), max_new_tokens, arrival_s)
+        run = SequenceRun(seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt)
         self.runs[seq_id] = run
-        needed = -(-(len(prompt_ids) + max_new_tokens) // self.block_tokens)
-        capacity = self.store.tiers[Tier.GPU].num_slots - self.store.layout.protected_blocks
+        needed = ceil_div(len(prompt_ids) + max_new_tokens, self.block_tokens)
+        capacity = self.swapper.num_gpu_blocks - self.swapper.protected_blocks
         if not prompt_ids:
             run.rejected_reason = "empty prompt"
         elif needed > capacity:
@@ -158,20 +152,21 @@ class Scheduler:
         wait_s = 0.0
         seqs: list[ScheduledSeq] = []
         # Each fallback drops one paused sequence's KV, so this ends.
-        for _ in range(len(self.store.sequences) + 1):
+        for _ in range(self.swapper.num_open_sequences + 1):
             self._repair_lost()
             self._resume_preempted()
             self._admit(now_s)
             # Bring every running sequence's blocks up before growing any: running
             # blocks are never eviction candidates, so allocation cannot undo this.
-            for seq_id in reversed(self.swapper.wait_ready(self.running)):
+            waited = self.swapper.wait_ready(self.running)
+            for seq_id in reversed(waited.not_ready):
                 self.running.remove(seq_id)
                 self.swapper.set_running(seq_id, False)
                 self.preempted.appendleft(seq_id)
-            wait_s += self.swapper.last_wait_s
+            wait_s += waited.wait_s
             self._repair_lost()  # a failed NVMe read surfaces during the wait
             seqs = self._allocate_running()
-            if seqs or self.swapper.mover.inflight or not self._fall_back_to_recompute():
+            if seqs or self.swapper.has_transfers_in_flight or not self._fall_back_to_recompute():
                 break
         return StepPlan(self.step, tuple(seqs), wait_s)
 
@@ -198,53 +193,41 @@ class Scheduler:
         self._prefetch_next_resume()
         return done
 
-    def _missing_blocks(self, seq_id: int) -> int:
-        return sum(Tier.GPU not in b.copies for b in self.store.sequence_blocks(seq_id))
-
     def _prefetch_next_resume(self) -> None:
         """Bring the next preempted sequence's blocks up ahead of its resume, but only
-        into free slots it will be allowed to keep: a prefetched block that has to
-        leave again before use is a wasted transfer (and, inside its residency
-        window, a block nobody can evict)."""
-        if not self.preempted or self.preempted[0] not in self.store.sequences:
+        into free slots it will be allowed to keep (inside its residency window a
+        prefetched block is one nobody can evict)."""
+        if not self.preempted or not self.swapper.holds_kv(self.preempted[0]):
             return
         seq_id = self.preempted[0]
-        gpu = self.store.tiers[Tier.GPU]
-        headroom = math.ceil((1.0 - self.swapper.settings.high_watermark) * gpu.num_slots)
-        if self._missing_blocks(seq_id) + headroom <= gpu.num_free_slots:
+        if self.swapper.may_prefetch(seq_id):
             self.swapper.prefetch([seq_id])
 
     # ---------------------------------------------------------------- internal
 
     def _fits(self, num_blocks: int) -> bool:
-        """May a sequence needing `num_blocks` more GPU blocks (re)join the running set?
-
-        Only if the blocks nobody can evict (running, protected, young) stay at or
-        below the low watermark after it joins: the running sequences keep room
-        to grow, so a resumed sequence is not preempted again a few tokens later.
-        The first sequence may always run if it fits at all (no idle deadlock).
-        """
-        gpu = self.store.tiers[Tier.GPU]
-        room = gpu.num_free_slots + self.store.gpu_policy.num_candidates()
-        if not self.running:
-            return num_blocks <= room
-        pinned_blocks = gpu.num_slots - room
-        return pinned_blocks + num_blocks <= self.swapper.settings.low_watermark * gpu.num_slots
+        return self.swapper.may_join_running(num_blocks, batch_is_empty=not self.running)
 
     def _admit(self, now_s: float) -> None:
+        # Blocks promised to requests admitted in this call: they are allocated only
+        # after admission, so the swapper cannot count them yet.
+        promised_blocks = 0
         while self.waiting and len(self.running) < self.settings.max_num_seqs:
             seq_id = self.waiting[0]
             run = self.runs[seq_id]
             if run.arrival_s > now_s or self.preempted:
                 return
             ids = run.all_ids
-            needed = -(-len(ids) // self.block_tokens) + 1
-            if not self._fits(needed):
+            # Its prompt's blocks plus room for the next token (which may still fit
+            # the prompt's last block): the same bill `add_request` accepted.
+            needed = ceil_div(len(ids) + 1, self.block_tokens)
+            if not self._fits(promised_blocks + needed):
                 return
+            promised_blocks += needed
             self.waiting.popleft()
             if run.admitted_s is None:
                 run.admitted_s = now_s
-            hit_tokens = self.swapper.open_sequence(seq_id, ids)
+            hit_tokens = self.swapper.open_sequence(seq_id, ids, cache_salt=run.cache_salt)
             run.prefix_hit_tokens += hit_tokens
             self._count_recompute(run, max(0, run.tokens_to_recompute - hit_tokens))
             run.tokens_to_recompute = 0
@@ -255,11 +238,11 @@ class Scheduler:
     def _resume_preempted(self) -> None:
         while self.preempted and len(self.running) < self.settings.max_num_seqs:
             seq_id = self.preempted[0]
-            if seq_id not in self.store.sequences:  # recompute mode: start over
+            if not self.swapper.holds_kv(seq_id):  # recompute mode: start over
                 self.preempted.popleft()
                 self.waiting.appendleft(seq_id)
                 return
-            if not self._fits(self._missing_blocks(seq_id) + 1):
+            if not self._fits(self.swapper.num_missing_gpu_blocks(seq_id) + 1):
                 return
             self.preempted.popleft()
             self.swapper.set_running(seq_id, True)
@@ -274,7 +257,7 @@ class Scheduler:
                 continue  # preempted below to make room for an older sequence
             run = self.runs[seq_id]
             num_tokens = run.num_tokens
-            done = self.store.sequences[seq_id].num_tokens
+            done = self.swapper.num_tokens_held(seq_id)
             count = min(num_tokens - done, max(1, budget))
             chunk = run.token_slice(done, done + count)
             while not self.swapper.allocate(seq_id, chunk):
@@ -288,8 +271,9 @@ class Scheduler:
             seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == num_tokens))
             if budget <= 0:
                 break
-        scheduled = {item.seq_id for item in seqs}
-        return [item for item in seqs if item.seq_id in scheduled and item.seq_id in self.running]
+        # A victim is always the newest running sequence, at or after the one being
+        # allocated, so no sequence already in `seqs` is ever preempted.
+        return seqs
 
     def _preempt(self, seq_id: int) -> None:
         run = self.runs[seq_id]
@@ -299,7 +283,7 @@ class Scheduler:
         if self.settings.preemption is Preemption.SWAP:
             self.swapper.swap_out_sequence(seq_id)
         else:
-            run.tokens_to_recompute = self.store.sequences[seq_id].num_tokens
+            run.tokens_to_recompute = self.swapper.num_tokens_held(seq_id)
             self.swapper.release(seq_id)
         self.preempted.append(seq_id)
 
@@ -309,11 +293,10 @@ class Scheduler:
         newest paused sequence's KV; it is recomputed later, bit-identically.
         Returns False when there is nothing left to drop."""
         for seq_id in reversed(self.preempted):
-            if seq_id in self.store.sequences:
+            if self.swapper.holds_kv(seq_id):
                 run = self.runs[seq_id]
-                run.tokens_to_recompute = self.store.sequences[seq_id].num_tokens
-                self.swapper.release(seq_id)
-                self.swapper.metrics.evictions_by_reason["fallback_recompute"] += 1
+                run.tokens_to_recompute = self.swapper.num_tokens_held(seq_id)
+                self.swapper.release(seq_id, reason="fallback_recompute")
                 return True
         return False
 
@@ -323,13 +306,13 @@ class Scheduler:
 
     def _repair_lost(self) -> None:
         """Blocks whose every copy failed are recomputed from the first lost one."""
-        if not self.store.has_lost_blocks():
+        if not self.swapper.has_lost_blocks():
             return  # the usual case: no table to scan
         for seq_id in [*self.running, *self.preempted]:
-            if seq_id not in self.store.sequences:
+            if not self.swapper.holds_kv(seq_id):
                 continue
-            first_lost = self.store.first_lost_token(seq_id)
+            first_lost = self.swapper.first_lost_token(seq_id)
             if first_lost is not None:
                 run = self.runs[seq_id]
-                self._count_recompute(run, self.store.sequences[seq_id].num_tokens - first_lost)
-                self.store.truncate(seq_id, first_lost)
+                self._count_recompute(run, self.swapper.num_tokens_held(seq_id) - first_lost)
+                self.swapper.truncate(seq_id, first_lost)

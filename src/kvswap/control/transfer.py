@@ -27,6 +27,11 @@ class Tier(enum.Enum):
     CPU = "cpu"
     NVME = "nvme"
 
+    # Members are singletons compared by identity, so the identity hash is a valid
+    # hash; Enum's default hashes the member's name in Python, and tiers key every
+    # block's copies, which made it a top cost of large simulations.
+    __hash__ = object.__hash__
+
 
 class Direction(enum.Enum):
     """Which way a chunk moves; the value is the metric label."""
@@ -35,6 +40,8 @@ class Direction(enum.Enum):
     CPU_TO_GPU = "cpu_to_gpu"
     CPU_TO_NVME = "cpu_to_nvme"
     NVME_TO_CPU = "nvme_to_cpu"
+
+    __hash__ = object.__hash__  # as for Tier
 
     @property
     def src_tier(self) -> Tier:

@@ -1,8 +1,10 @@
-"""The run summary: the keys of `kvswap run --json` (and `kvswap simulate --json`).
+"""The run summary: one typed record of a run, and the keys of `kvswap run --json`.
 
 Torch-free: built from the scheduler's per-request records and the metrics
 registry, so the engine and the simulator report the same quantities the
-same way.
+same way. `RunSummary.to_json()` is the flat `--json` object (and what
+observers, reports and the diagnosis read); its key names are a public
+format, kept stable.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.transfer import Direction, Tier
@@ -47,12 +49,106 @@ class StepTotals:
     swap_wait_s: float
 
 
+@dataclass(frozen=True)
+class Rejection:
+    request_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did. Latency figures are {p50, p95, p99} in ms; byte and block
+    counts are exact; `backend` holds the driver's own keys (device, model,
+    hardware, simulator figures), merged flat into `to_json()`."""
+
+    requests_completed: int
+    rejections: tuple[Rejection, ...]
+    tokens_generated: int
+    duration_s: float
+    ttft_ms: Mapping[str, float]
+    tpot_ms: Mapping[str, float]
+    itl_ms: Mapping[str, float]
+    num_steps: int
+    swap_wait_s: float
+    swap_wait_share: float
+    bytes_by_direction: Mapping[Direction, int]
+    gb_per_s_by_direction: Mapping[Direction, float]
+    pinned_pool_utilization_peak: float
+    sync_stalls: int
+    preemptions: int
+    prefix_hit_tokens: Mapping[Tier, int]
+    recomputed_tokens: int
+    protected_block_saves: int
+    prefetch_hits: int
+    prefetch_misses: int
+    evictions_by_reason: Mapping[str, int]
+    failed_transfers: int
+    lost_blocks: int
+    peak_blocks_by_tier: Mapping[Tier, int]
+    capacity_blocks_by_tier: Mapping[Tier, int]
+    outputs_digest: str
+    backend: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def requests_rejected(self) -> int:
+        return len(self.rejections)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return round(self.tokens_generated / self.duration_s, 3) if self.duration_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        """The flat `--json` object."""
+        out: dict[str, object] = {
+            "requests_completed": self.requests_completed,
+            "requests_rejected": self.requests_rejected,
+            "rejections": [
+                {"request_id": r.request_id, "reason": r.reason} for r in self.rejections
+            ],
+            "tokens_generated": self.tokens_generated,
+            "duration_s": self.duration_s,
+            "throughput_tok_s": self.throughput_tok_s,
+            "ttft_ms": dict(self.ttft_ms),
+            "tpot_ms": dict(self.tpot_ms),
+            "itl_ms": dict(self.itl_ms),
+            "num_steps": self.num_steps,
+            "swap_wait_s": self.swap_wait_s,
+            "swap_wait_share": self.swap_wait_share,
+        }
+        for direction in Direction:
+            out[f"bytes_{direction.value}"] = self.bytes_by_direction.get(direction, 0)
+        for direction in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU):
+            out[f"{direction.value}_gb_per_s"] = self.gb_per_s_by_direction.get(direction, 0.0)
+        out.update(
+            {
+                "pinned_pool_utilization_peak": self.pinned_pool_utilization_peak,
+                "sync_stalls": self.sync_stalls,
+                "preemptions": self.preemptions,
+                "prefix_hit_tokens": {t.value: self.prefix_hit_tokens.get(t, 0) for t in Tier},
+                "recomputed_tokens": self.recomputed_tokens,
+                "protected_block_saves": self.protected_block_saves,
+                "prefetch_hits": self.prefetch_hits,
+                "prefetch_misses": self.prefetch_misses,
+                "evictions_by_reason": dict(sorted(self.evictions_by_reason.items())),
+                "failed_transfers": self.failed_transfers,
+                "lost_blocks": self.lost_blocks,
+                "peak_blocks_by_tier": {t.value: self.peak_blocks_by_tier[t] for t in Tier},
+                "capacity_blocks_by_tier": {t.value: self.capacity_blocks_by_tier[t] for t in Tier},
+                "outputs_digest": self.outputs_digest,
+            }
+        )
+        out.update(self.backend)
+        return out
+
+
 def build_summary(
-    scheduler: Scheduler, duration_s: float, steps: StepTotals, extra: dict[str, object]
-) -> dict[str, object]:
-    """One flat JSON object; `extra` adds driver-specific keys (device, model, ...)."""
+    scheduler: Scheduler,
+    duration_s: float,
+    steps: StepTotals,
+    backend: Mapping[str, object],
+) -> RunSummary:
+    """The summary of the run `scheduler` just finished."""
     metrics = scheduler.swapper.metrics
-    store = scheduler.store
     runs = [scheduler.runs[seq_id] for seq_id in sorted(scheduler.runs)]
     completed = [r for r in runs if r.rejected_reason is None and r.finish_s is not None]
     ttft_s = [r.first_token_s - r.arrival_s for r in completed if r.first_token_s is not None]
@@ -66,50 +162,41 @@ def build_summary(
         for r in completed
         for earlier, later in zip(r.token_times_s, r.token_times_s[1:], strict=False)
     ]
-    tokens = sum(len(r.output_ids) for r in completed)
-    cpu = store.tiers[Tier.CPU]
-    block_tokens = store.block_tokens
-    summary: dict[str, object] = {
-        "requests_completed": len(completed),
-        "requests_rejected": sum(r.rejected_reason is not None for r in runs),
-        "rejections": [
-            {"request_id": r.seq_id, "reason": r.rejected_reason}
-            for r in runs
-            if r.rejected_reason is not None
-        ],
-        "tokens_generated": tokens,
-        "duration_s": round(duration_s, 6),
-        "throughput_tok_s": round(tokens / duration_s, 3) if duration_s > 0 else 0.0,
-        "ttft_ms": percentiles_ms(ttft_s),
-        "tpot_ms": percentiles_ms(tpot_s),
-        "itl_ms": percentiles_ms(itl_s),
-        "num_steps": steps.num_steps,
-        "swap_wait_s": round(steps.swap_wait_s, 6),
-        "swap_wait_share": round(steps.swap_wait_s / steps.step_s, 6) if steps.step_s else 0.0,
-        "bytes_gpu_to_cpu": metrics.bytes_by_direction[Direction.GPU_TO_CPU],
-        "bytes_cpu_to_gpu": metrics.bytes_by_direction[Direction.CPU_TO_GPU],
-        "bytes_cpu_to_nvme": metrics.bytes_by_direction[Direction.CPU_TO_NVME],
-        "bytes_nvme_to_cpu": metrics.bytes_by_direction[Direction.NVME_TO_CPU],
-        "gpu_to_cpu_gbps": round(metrics.gbps(Direction.GPU_TO_CPU), 3),
-        "cpu_to_gpu_gbps": round(metrics.gbps(Direction.CPU_TO_GPU), 3),
-        "pinned_pool_utilization_peak": (
-            round(cpu.peak_used_slots / cpu.num_slots, 4) if cpu.num_slots else 0.0
+    occupancy = scheduler.swapper.occupancy()
+    cpu = occupancy[Tier.CPU]
+    block_tokens = scheduler.swapper.block_tokens
+    return RunSummary(
+        requests_completed=len(completed),
+        rejections=tuple(
+            Rejection(r.seq_id, r.rejected_reason) for r in runs if r.rejected_reason is not None
         ),
-        "sync_stalls": metrics.sync_stalls,
-        "preemptions": scheduler.num_preemptions,
-        "prefix_hit_tokens": {
-            tier.value: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in Tier
+        tokens_generated=sum(len(r.output_ids) for r in completed),
+        duration_s=round(duration_s, 6),
+        ttft_ms=percentiles_ms(ttft_s),
+        tpot_ms=percentiles_ms(tpot_s),
+        itl_ms=percentiles_ms(itl_s),
+        num_steps=steps.num_steps,
+        swap_wait_s=round(steps.swap_wait_s, 6),
+        swap_wait_share=round(steps.swap_wait_s / steps.step_s, 6) if steps.step_s else 0.0,
+        bytes_by_direction={d: metrics.bytes_by_direction[d] for d in Direction},
+        gb_per_s_by_direction={d: round(metrics.gb_per_s(d), 3) for d in Direction},
+        pinned_pool_utilization_peak=(
+            round(cpu.peak_used_blocks / cpu.num_blocks, 4) if cpu.num_blocks else 0.0
+        ),
+        sync_stalls=metrics.sync_stalls,
+        preemptions=scheduler.num_preemptions,
+        prefix_hit_tokens={
+            tier: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in Tier
         },
-        "recomputed_tokens": sum(r.recomputed_tokens for r in runs),
-        "protected_block_saves": metrics.protected_block_saves,
-        "prefetch_hits": metrics.prefetch_hits,
-        "prefetch_misses": metrics.prefetch_misses,
-        "evictions_by_reason": dict(sorted(metrics.evictions_by_reason.items())),
-        "failed_transfers": metrics.failed_transfers,
-        "lost_blocks": metrics.lost_blocks,
-        "peak_blocks_by_tier": {t.value: store.tiers[t].peak_used_slots for t in Tier},
-        "capacity_blocks_by_tier": {t.value: store.tiers[t].num_slots for t in Tier},
-        "outputs_digest": outputs_digest([(r.seq_id, r.output_ids) for r in completed]),
-    }
-    summary.update(extra)
-    return summary
+        recomputed_tokens=sum(r.recomputed_tokens for r in runs),
+        protected_block_saves=metrics.protected_block_saves,
+        prefetch_hits=metrics.prefetch_hits,
+        prefetch_misses=metrics.prefetch_misses,
+        evictions_by_reason=dict(metrics.evictions_by_reason),
+        failed_transfers=metrics.failed_transfers,
+        lost_blocks=metrics.lost_blocks,
+        peak_blocks_by_tier={t: occupancy[t].peak_used_blocks for t in Tier},
+        capacity_blocks_by_tier={t: occupancy[t].num_blocks for t in Tier},
+        outputs_digest=outputs_digest([(r.seq_id, r.output_ids) for r in completed]),
+        backend=dict(backend),
+    )

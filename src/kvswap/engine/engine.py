@@ -1,47 +1,49 @@
-"""The reference engine: a model, the tiered store, the scheduler, a wall clock.
+"""The reference engine: a model, the tiered store, the driver loop, a wall clock.
 
-    workload --> arrivals --> Scheduler.schedule --> ModelRunner.run --> Scheduler.complete
+    workload --> drive() --> Scheduler.schedule --> Engine.execute (ModelRunner) --> complete
                                   |   (swapper: swap-in, waits)     (swapper: offload, swap-out)
                                   '-- LocalCopyEngine: device pool <-> pinned pool <-> NVMe slab
 
-Everything is allocated once in `__init__` at exactly the configured sizes,
-checked before anything is allocated: the device pool, the pinned host pool,
-the NVMe slab. `close()` releases them (the slab file is removed unless
-`nvme_persist`).
+The engine is the real `Backend` of the one driver loop (`kvswap.drive`):
+a wall clock, the model, the copy engine. Everything is allocated once in
+`__init__` at exactly the configured sizes, checked before anything is
+allocated: the device pool, the pinned host pool, the NVMe slab. `close()`
+releases them (the slab file is removed unless `nvme_persist`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvswap.config import KvSwapConfig
-from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Scheduler, SchedulerSettings
-from kvswap.control.store import StoreLayout
-from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.scheduler import StepPlan
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, slab_bytes
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.pinned import available_host_bytes
+from kvswap.drive.assembly import build_control_plane
+from kvswap.drive.backend import Backend
+from kvswap.drive.loop import drive
+from kvswap.drive.settings import control_settings
+from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
-from kvswap.engine.summary import StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import load_model, resolve_model
-from kvswap.obs.observer import StepObserver, sample_step
-from kvswap.workload.arrivals import ArrivalQueue
+from kvswap.obs.observer import StepObserver
+from kvswap.progress import RequestProgress
 from kvswap.workload.request import Workload
 
-#: Called after every step with (requests finished, requests in the workload).
-Progress = Callable[[int, int], None]
+#: The longest the loop sleeps while idle, so an arrival is noticed promptly.
+IDLE_SLICE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,12 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Engine:
+class Engine(Backend):
     def __init__(self, config: KvSwapConfig, options: EngineOptions):
         self.config = config
         self.device = pick_device(config.engine.device)
-        arch, torch_dtype, _ = resolve_model(options.model, options.dtype)
-        self.layout = KVLayout(
-            arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache.kv_block_tokens,
-            torch_dtype,
-        )  # fmt: skip
+        arch, _, _ = resolve_model(options.model, options.dtype)
+        self.layout = KVLayout.for_model(arch.description, config.cache.kv_block_tokens)
         capacities = config.tier_capacities(self.layout.block_bytes)
         self.capacities = capacities
         self._check_tiers()  # before anything is allocated, weights included
@@ -94,24 +93,17 @@ class Engine:
         )
         self.device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
         self.host_pool, self.disk_pool = host, disk
-        self.copy_engine = LocalCopyEngine(self.device_pool, host, disk)
-        swap = config.swap
-        self.swapper = Swapper(
-            StoreLayout(
-                config.cache.kv_block_tokens, capacities.num_gpu_blocks, capacities.num_cpu_blocks,
-                capacities.num_nvme_blocks, swap.evict_protected_blocks,
-            ),
-            PolicyOptions.from_config(config),
-            SwapSettings.from_config(config, self.layout.block_bytes),
-            self.copy_engine,
-            clock_s=time.perf_counter,
-        )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.swapper,
-            SchedulerSettings.from_config(config),
-            clock_s=time.perf_counter,
+        self.copy_engine = LocalCopyEngine(
+            self.device_pool, host, disk, prefetch_streams=config.swap.prefetch_stream_count
         )
+        settings = control_settings(
+            config, capacities, block_bytes=self.layout.block_bytes,
+            model_fingerprint=arch.description.fingerprint(),
+        )  # fmt: skip
+        self.control = build_control_plane(settings, self.copy_engine, time.perf_counter)
+        self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)
+        self._start_s = time.perf_counter()
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -137,81 +129,40 @@ class Engine:
     def run(
         self,
         workload: Workload,
-        progress: Progress | None = None,
+        progress: RequestProgress | None = None,
         observers: Sequence[StepObserver] = (),
-    ) -> dict[str, object]:
-        """Serve every request of `workload`; returns the run summary. Each observer
-        sees every step's sample, then the summary."""
+    ) -> RunSummary:
+        """Serve every request of `workload`; returns the run summary."""
         if workload.vocab_size > self.arch.vocab_size:
             raise KvSwapError(
                 f"workload {workload.name!r} uses token ids up to {workload.vocab_size - 1} but "
                 f"the model's vocabulary has {self.arch.vocab_size} tokens"
             )
-        scheduler = self.scheduler
-        arrivals = ArrivalQueue(workload)
-        start_s = time.perf_counter()
-        step_s = swap_wait_s = 0.0
-        num_steps = 0
-        while arrivals or scheduler.has_work():
-            now_s = time.perf_counter() - start_s
-            arrivals.admit_due(scheduler, now_s)
-            next_s = arrivals.next_arrival_s()
-            if not scheduler.has_work():
-                if next_s is not None:
-                    time.sleep(max(0.0, min(next_s - now_s, 0.05)))
-                continue
-            step_start_s = time.perf_counter()
-            plan = scheduler.schedule(now_s)
-            if not plan.seqs:
-                if self.swapper.wait_any():
-                    continue  # a transfer finished: room may have appeared
-                if next_s is not None and next_s > now_s:
-                    time.sleep(min(next_s - now_s, 0.05))
-                    continue
-                raise KvSwapError(
-                    "the engine cannot make progress: the GPU tier is held by paused sequences "
-                    "and nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
-                )
-            tables = {
-                item.seq_id: self.swapper.store.gpu_block_table(item.seq_id) for item in plan.seqs
-            }
-            sampled = self.runner.run(plan, tables)
-            done_s = time.perf_counter()
-            finished = scheduler.complete(plan, sampled, done_s - start_s)
-            this_step_s = time.perf_counter() - step_start_s
-            step_s += this_step_s
-            swap_wait_s += plan.swap_wait_s
-            num_steps += 1
-            if observers:
-                sample = sample_step(
-                    scheduler, plan, finished, t_s=done_s - start_s, step_s=this_step_s,
-                    step_total_s=step_s, swap_wait_total_s=swap_wait_s,
-                )  # fmt: skip
-                for observer in observers:
-                    observer.on_step(sample)
-            for seq_id in finished:
-                arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s - start_s)
-            if progress is not None:
-                progress(len(scheduler.finished), len(workload))
-        self.swapper.drain()
-        if progress is not None:
-            progress(len(scheduler.finished), len(workload))
-        duration_s = time.perf_counter() - start_s
-        summary = build_summary(
-            scheduler,
-            duration_s,
-            StepTotals(num_steps, step_s, swap_wait_s),
-            {
-                "device": self.device.type,
-                "model": self.model_name,
-                "preemption": self.config.engine.preemption,
-                "block_bytes": self.layout.block_bytes,
-                **self._pool_sizes(),
-            },
-        )
-        for observer in observers:
-            observer.on_finish(summary)
-        return summary
+        return drive(self.control, self, workload, progress=progress, observers=observers)
+
+    # ------------------------------------------------------------------ Backend
+
+    def start(self) -> None:
+        self._start_s = time.perf_counter()
+
+    def now_s(self) -> float:
+        return time.perf_counter() - self._start_s
+
+    def idle_until(self, t_s: float) -> None:
+        time.sleep(max(0.0, min(t_s - self.now_s(), IDLE_SLICE_S)))
+
+    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+        tables = {item.seq_id: self.swapper.gpu_block_table(item.seq_id) for item in plan.seqs}
+        return self.runner.run(plan, tables)
+
+    def summary_extras(self, duration_s: float) -> Mapping[str, object]:
+        return {
+            "device": self.device.type,
+            "model": self.model_name,
+            "preemption": self.config.engine.preemption,
+            "block_bytes": self.layout.block_bytes,
+            **self._pool_sizes(),
+        }
 
     def _pool_sizes(self) -> dict[str, object]:
         """Configured vs resident bytes of the pinned pool: they must be equal."""

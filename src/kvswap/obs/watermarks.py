@@ -25,7 +25,7 @@ class Watermarks:
         swap = config.swap
         return cls(
             gpu_high=swap.swap_out_high_watermark,
-            gpu_low=swap.swap_in_low_watermark,
+            gpu_low=swap.swap_out_low_watermark,
             cpu_high=swap.cpu_demote_high_watermark,
             cpu_low=swap.cpu_demote_low_watermark,
         )

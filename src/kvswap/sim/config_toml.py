@@ -1,5 +1,5 @@
 """Write a configuration as TOML that `kvswap run --config` and `kvswap simulate
---config` read back unchanged: the article's flat key names for the cache,
+--config` read back unchanged: the seed article's flat key names for the cache,
 watermark and transfer knobs, then the [model], [tiers], [engine] and
 [simulator] sections. Tier sizes are written in blocks, as resolved for the
 hardware (a GPU tier sized from the GPU's memory becomes explicit)."""
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from kvswap.config import KvSwapConfig, TierCapacities
 
 _FLAT_SWAP_KEYS = (
-    "swap_out_high_watermark", "swap_in_low_watermark", "evict_protected_blocks",
+    "swap_out_high_watermark", "swap_out_low_watermark", "protected_sink_blocks",
     "min_residency_steps", "swap_out_chunk_blocks", "swap_in_chunk_blocks",
     "prefetch_stream_count", "cpu_demote_high_watermark", "cpu_demote_low_watermark",
 )  # fmt: skip

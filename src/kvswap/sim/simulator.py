@@ -1,12 +1,13 @@
 """The discrete-event simulator: the engine's loop with a cost model for a model.
 
-    workload --> arrivals --> Scheduler.schedule --> StepCostModel --> Scheduler.complete
+    workload --> drive() --> Scheduler.schedule --> StepCostModel --> Scheduler.complete
                                   |  (swap-in, waits)         clock += step   (offload, swap-out)
                                   '-- ModelledCopyEngine: links on the VirtualClock
 
-The scheduler, swapper, store and policy are the engine's own objects
-(`kvswap.control`), built from the same config; only the data plane is
-modelled. Nothing is computed: a sampled token is a placeholder that depends
+The simulator is the modelled `Backend` of the one driver loop
+(`kvswap.drive`); the scheduler, swapper, store and policy are the engine's
+own objects, built by the same assembly from the same config; only the data
+plane is modelled. Nothing is computed: a sampled token is a placeholder that depends
 on (sequence, position) only, so later turns of a conversation still extend
 their own history. Time is virtual: a step lasts what the cost model says, a
 wait for a transfer jumps to its modelled end, an idle gap jumps to the next
@@ -16,27 +17,28 @@ arrival. Same seed, same run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Scheduler, SchedulerSettings
-from kvswap.control.swapper import Swapper, SwapSettings
+from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier, TransferChunk
-from kvswap.engine.summary import StepTotals, build_summary
-from kvswap.errors import KvSwapError
-from kvswap.model.shapes import ModelShape
-from kvswap.obs.observer import StepObserver, sample_step
+from kvswap.drive.assembly import build_control_plane
+from kvswap.drive.backend import Backend
+from kvswap.drive.loop import drive
+from kvswap.drive.settings import control_settings
+from kvswap.drive.summary import RunSummary
+from kvswap.model.description import ModelDescription
+from kvswap.obs.observer import StepObserver
+from kvswap.progress import RequestProgress
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.cost import StepCostModel
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.setup import resolve_setup
-from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
-
-Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class SwapInTap:
     def __call__(self, chunk: TransferChunk) -> None:
         if chunk.direction is not Direction.CPU_TO_GPU or self.swapper is None:
             return
-        record = self.swapper.mover.inflight.get(chunk.transfer_id)
+        record = self.swapper.mover.inflight.get(chunk.transfer_id)  # read-only look
         step = self.scheduler.step if self.scheduler is not None else 0
         for block in record.blocks if record is not None else ():
             self.blocks_swapped_in += 1
@@ -92,13 +94,13 @@ class SwapInTap:
             self._last_swap_in_step[block.block_id] = step
 
 
-class Simulator:
+class Simulator(Backend):
     def __init__(
         self,
         config: KvSwapConfig,
         hardware: HardwareProfile,
         *,
-        shape: ModelShape | None = None,
+        shape: ModelDescription | None = None,
         options: SimOptions | None = None,
     ):
         options = options if options is not None else SimOptions()
@@ -113,95 +115,52 @@ class Simulator:
             seed=config.simulator.seed if options.seed is None else options.seed,
             on_submit=self.tap,
         )  # fmt: skip
-        policy = options.policy if options.policy is not None else PolicyOptions.from_config(config)
-        self.swapper = Swapper(
-            setup.layout, policy, SwapSettings.from_config(config, setup.block_bytes),
-            self.copy_engine, clock_s=self.clock,
+        settings = control_settings(
+            config, setup.capacities, block_bytes=setup.block_bytes,
+            model_fingerprint=setup.shape.fingerprint(setup.dtype), policy=options.policy,
         )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.swapper,
-            SchedulerSettings.from_config(config),
-            clock_s=self.clock,
-        )
+        self.control = build_control_plane(settings, self.copy_engine, self.clock)
+        self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
+        self._vocab_size = 0
+        self._wall_start_s = time.perf_counter()
         self.tap.swapper, self.tap.scheduler = self.swapper, self.scheduler
         self.cost = StepCostModel(setup.shape, setup.dtype, hardware)
 
     def run(
         self,
         workload: Workload,
-        progress: Progress | None = None,
+        progress: RequestProgress | None = None,
         observers: Sequence[StepObserver] = (),
-    ) -> dict[str, object]:
+    ) -> RunSummary:
         """Serve every request of `workload` in virtual time; returns the summary
         (the keys of `kvswap run --json` plus the simulator's own)."""
-        wall_start_s = time.perf_counter()
-        clock, scheduler, vocab = self.clock, self.scheduler, workload.vocab_size
-        arrivals = ArrivalQueue(workload)
-        step_s = swap_wait_s = 0.0
-        num_steps = num_stalled = 0
-        while arrivals or scheduler.has_work():
-            now_s = clock.now_s
-            arrivals.admit_due(scheduler, now_s)
-            next_s = arrivals.next_arrival_s()
-            if not scheduler.has_work():
-                if next_s is not None:
-                    clock.advance_to(next_s)
-                continue
-            step_start_s = clock.now_s
-            plan = scheduler.schedule(now_s)
-            if not plan.seqs:
-                if self.swapper.wait_any():
-                    continue  # a transfer finished: room may have appeared
-                if next_s is not None and next_s > now_s:
-                    clock.advance_to(next_s)
-                    continue
-                # schedule() may have released a paused sequence's KV (its recompute
-                # fallback) after its last attempt: try again while that can help.
-                num_stalled += 1
-                if num_stalled <= len(scheduler.preempted) + len(scheduler.running) + 1:
-                    continue
-                raise KvSwapError(
-                    "the simulation cannot make progress: the GPU tier is held by paused "
-                    "sequences and nothing can move; add CPU or NVMe capacity or lower "
-                    "max_num_seqs"
-                )
-            num_stalled = 0
-            clock.advance(self.cost.step_s(plan.seqs))
-            sampled = {
-                item.seq_id: placeholder_token(
-                    item.seq_id, item.start_position + len(item.token_ids), vocab
-                )
-                for item in plan.seqs
-                if item.samples
-            }
-            done_s = clock.now_s
-            finished = scheduler.complete(plan, sampled, done_s)
-            this_step_s = clock.now_s - step_start_s
-            step_s += this_step_s
-            swap_wait_s += plan.swap_wait_s
-            num_steps += 1
-            if observers:
-                sample = sample_step(
-                    scheduler, plan, finished, t_s=done_s, step_s=this_step_s,
-                    step_total_s=step_s, swap_wait_total_s=swap_wait_s,
-                )  # fmt: skip
-                for observer in observers:
-                    observer.on_step(sample)
-            for seq_id in finished:
-                arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
-            if progress is not None:
-                progress(len(scheduler.finished), len(workload))
-        self.swapper.drain()
-        summary = self._summary(num_steps, step_s, swap_wait_s, time.perf_counter() - wall_start_s)
-        for observer in observers:
-            observer.on_finish(summary)
-        return summary
+        self._vocab_size = workload.vocab_size
+        return drive(self.control, self, workload, progress=progress, observers=observers)
 
-    def _summary(
-        self, num_steps: int, step_s: float, swap_wait_s: float, wall_s: float
-    ) -> dict[str, object]:
+    # ------------------------------------------------------------------ Backend
+
+    def start(self) -> None:
+        self._wall_start_s = time.perf_counter()
+
+    def now_s(self) -> float:
+        return self.clock.now_s
+
+    def idle_until(self, t_s: float) -> None:
+        self.clock.advance_to(t_s)
+
+    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+        self.clock.advance(self.cost.step_s(plan.seqs))
+        return {
+            item.seq_id: placeholder_token(
+                item.seq_id, item.start_position + len(item.token_ids), self._vocab_size
+            )
+            for item in plan.seqs
+            if item.samples
+        }
+
+    def summary_extras(self, duration_s: float) -> Mapping[str, object]:
+        wall_s = time.perf_counter() - self._wall_start_s
         setup, scheduler = self.setup, self.scheduler
-        duration_s = self.clock.now_s
         cpu_pool_bytes = setup.capacities.num_cpu_blocks * setup.block_bytes
         pinned_bytes = cpu_pool_bytes if self.options.pinned_host else 0
         prompt_tokens = sum(
@@ -210,36 +169,29 @@ class Simulator:
         hits = self.swapper.metrics.prefix_hit_blocks_by_tier
         block_tokens = setup.config.cache.kv_block_tokens
         busy = self.copy_engine.busy_s_by_link()
-        return build_summary(
-            scheduler,
-            duration_s,
-            StepTotals(num_steps, step_s, swap_wait_s),
-            {
-                "device": "simulated",
-                "hardware": setup.hardware.name,
-                "model": setup.shape.name,
-                "preemption": setup.config.engine.preemption,
-                "block_bytes": setup.block_bytes,
-                "host_memory": "pinned" if self.options.pinned_host else "pageable",
-                "pinned_pool_configured_bytes": pinned_bytes,
-                "pinned_pool_resident_bytes": pinned_bytes,
-                "prefix_hit_rate_by_tier": {
-                    tier.value: round(hits[tier] * block_tokens / prompt_tokens, 6)
-                    if prompt_tokens
-                    else 0.0
-                    for tier in Tier
-                },
-                "link_utilization": {
-                    name: round(seconds / duration_s, 6) if duration_s > 0 else 0.0
-                    for name, seconds in busy.items()
-                },
-                "swap_in_blocked_by_swap_out": blocked_summary(
-                    self.copy_engine.high_blocked_by_low_s
-                ),
-                "blocks_swapped_in": self.tap.blocks_swapped_in,
-                "sink_block_swap_ins": self.tap.sink_block_swap_ins,
-                "re_swaps": self.tap.re_swaps,
-                "wall_s": round(wall_s, 3),
-                "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
+        return {
+            "device": "simulated",
+            "hardware": setup.hardware.name,
+            "model": setup.shape.name,
+            "preemption": setup.config.engine.preemption,
+            "block_bytes": setup.block_bytes,
+            "host_memory": "pinned" if self.options.pinned_host else "pageable",
+            "pinned_pool_configured_bytes": pinned_bytes,
+            "pinned_pool_resident_bytes": pinned_bytes,
+            "prefix_hit_rate_by_tier": {
+                tier.value: round(hits[tier] * block_tokens / prompt_tokens, 6)
+                if prompt_tokens
+                else 0.0
+                for tier in Tier
             },
-        )
+            "link_utilization": {
+                name: round(seconds / duration_s, 6) if duration_s > 0 else 0.0
+                for name, seconds in busy.items()
+            },
+            "swap_in_blocked_by_swap_out": blocked_summary(self.copy_engine.high_blocked_by_low_s),
+            "blocks_swapped_in": self.tap.blocks_swapped_in,
+            "sink_block_swap_ins": self.tap.sink_block_swap_ins,
+            "re_swaps": self.tap.re_swaps,
+            "wall_s": round(wall_s, 3),
+            "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
+        }

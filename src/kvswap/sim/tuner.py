@@ -1,4 +1,4 @@
-"""`kvswap tune`: the article's tuning order, one knob at a time, in the simulator.
+"""`kvswap tune`: the seed article's tuning order, one knob at a time, in the simulator.
 
     1. block size        fixed first: every other knob is counted in blocks
     2. high watermark    0.95 down in 0.05 steps (above the low watermark)
@@ -12,7 +12,7 @@ changed from the best configuration so far. The choice, per knob:
 - among them, the lowest P99 token latency wins; P99s within 2% of the
   lowest tie, and a tie goes to the lower host<->device link utilisation
   (within 1 point), then to the knob's safer end: the higher watermark (more
-  KV stays on the GPU), the chunk nearest 16 MiB (the article's 8-32 MB),
+  KV stays on the GPU), the chunk nearest 16 MiB (the seed article's 8-32 MB),
   the fewer streams.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig
 from kvswap.errors import ConfigError
+from kvswap.progress import TrialProgress
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.setup import resolve_setup
 from kvswap.sim.simulator import SimOptions, Simulator
@@ -35,9 +36,6 @@ STREAM_CANDIDATES = (1, 2, 4)
 THROUGHPUT_TOLERANCE = 0.02
 P99_TOLERANCE = 0.02
 LINK_TOLERANCE = 0.01
-
-#: Called after each simulation: (trials done, trials planned, one-line description).
-TuneProgress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ def measure(
     config: KvSwapConfig, hardware: HardwareProfile, workload: Workload, options: SimOptions,
     knob: str, value: float,
 ) -> Trial:  # fmt: skip
-    summary = Simulator(config, hardware, options=options).run(workload)
+    summary = Simulator(config, hardware, options=options).run(workload).to_json()
     itl, links = summary["itl_ms"], summary["link_utilization"]
     assert isinstance(itl, dict) and isinstance(links, dict)
     pcie = [float(share) for name, share in links.items() if name != "nvme"]
@@ -138,12 +136,12 @@ def tune(
     workload: Workload,
     *,
     options: SimOptions | None = None,
-    progress: TuneProgress | None = None,
+    progress: TrialProgress | None = None,
 ) -> TuneResult:
     options = options if options is not None else SimOptions()
     setup = resolve_setup(config, hardware)  # fails before any simulation
     block_bytes = setup.block_bytes
-    low = config.swap.swap_in_low_watermark
+    low = config.swap.swap_out_low_watermark
     watermarks = [w for w in WATERMARK_CANDIDATES if w > low]
     max_chunk = setup.capacities.num_gpu_blocks
     chunks = sorted(

@@ -1,0 +1,133 @@
+"""GPU eviction: the watermarks, the synchronous fallback, and CPU slots for what leaves.
+
+Swap-out is the cheap direction (nobody waits for it), so it runs ahead of
+need: past the high watermark, from the policy's coldest candidates down to
+the low watermark, on the LOW queue. When the GPU is full and nothing can
+leave in time, `ensure_gpu_slots` waits for a swap-out: a counted
+`sync_stall`, never a crash or an overwrite. Clean blocks (a ready copy
+below) are dropped for free; dirty ones are copied down and freed on
+completion (the mover does that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.mover import Mover
+from kvswap.control.settings import SwapSettings
+from kvswap.control.store import BlockStore
+from kvswap.control.transfer import Direction, Priority, Tier
+
+
+class Evictor:
+    def __init__(
+        self,
+        store: BlockStore,
+        mover: Mover,
+        metrics: KVMetrics,
+        settings: SwapSettings,
+        clock_s: Callable[[], float],
+    ):
+        self.store = store
+        self.mover = mover
+        self.metrics = metrics
+        self.settings = settings
+        self._clock_s = clock_s
+
+    def ensure_gpu_slots(self, num_blocks: int) -> bool:
+        """Make `num_blocks` GPU slots free now, evicting synchronously if needed."""
+        gpu = self.store.tiers[Tier.GPU]
+        if gpu.num_free_slots >= num_blocks:
+            return True
+        victims: list[Block] = []
+        expected_free = gpu.num_free_slots + self.mover.num_gpu_evictions_pending
+        while expected_free < num_blocks:
+            victim = self.store.gpu_policy.pop_victim()
+            if victim is None:
+                break
+            victims.append(victim)
+            expected_free += 1
+        self.evict(victims, reason="sync", priority=Priority.HIGH)
+        if gpu.num_free_slots < num_blocks and self.mover.num_gpu_evictions_pending:
+            self.metrics.sync_stalls += 1
+            start_s = self._clock_s()
+            for transfer_id, record in list(self.mover.inflight.items()):
+                if record.evict and record.chunk.direction is Direction.GPU_TO_CPU:
+                    self.mover.wait(transfer_id)
+                if gpu.num_free_slots >= num_blocks:
+                    break
+            self.metrics.swap_wait_s += self._clock_s() - start_s
+        return gpu.num_free_slots >= num_blocks
+
+    def swap_out_past_watermark(self) -> None:
+        gpu = self.store.tiers[Tier.GPU]
+        if gpu.num_slots == 0:
+            return
+        used = gpu.num_used_slots - self.mover.num_gpu_evictions_pending
+        if used < self.settings.swap_out_high_watermark * gpu.num_slots:
+            return
+        target = self.settings.swap_out_low_watermark * gpu.num_slots
+        victims: list[Block] = []
+        while used > target:
+            victim = self.store.gpu_policy.pop_victim()
+            if victim is None:
+                break
+            victims.append(victim)
+            used -= 1
+        self.evict(victims, reason="watermark")
+
+    def evict(
+        self, victims: list[Block], *, reason: str, priority: Priority = Priority.LOW
+    ) -> None:
+        """Drop clean GPU copies now; copy dirty ones down and free them on completion."""
+        pairs: list[tuple[Block, Copy]] = []
+        for block in victims:
+            self.store.gpu_policy.forget(block)
+            if block.has_ready_copy_below(Tier.GPU):
+                self.store.drop_copy(block, Tier.GPU)
+                self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
+                continue
+            if Tier.CPU in block.copies:
+                # A stale CPU copy still read by a demotion in flight: the block gets
+                # no second CPU copy, and stays until that transfer ends.
+                self.store.rerank(block)
+                continue
+            cpu = self.cpu_slot(block)
+            if cpu is not None:
+                pairs.append(self.mover.reserve(block, Tier.GPU, cpu))
+                self.metrics.evictions_by_reason[f"{reason}_swap_out"] += 1
+            elif block.ref_count == 0:
+                self.store.delete_block(block)  # an unreferenced cache entry with nowhere to go
+                self.metrics.evictions_by_reason[f"{reason}_discard"] += 1
+            else:
+                self.store.rerank(block)  # stays; nowhere below has room
+        self.mover.submit(Direction.GPU_TO_CPU, priority, pairs, evict=True)
+
+    @staticmethod
+    def evictable_now(block: Block) -> bool:
+        gpu = block.copies.get(Tier.GPU)
+        return gpu is not None and not gpu.is_busy and block.num_running_refs == 0
+
+    def cpu_slot(self, block: Block) -> Copy | None:
+        """A CPU copy for `block`. When the pinned pool is full (its normal state)
+        a cold CPU copy that costs nothing to drop makes room; an unreferenced
+        cache entry is discarded only to save a referenced block, never to make
+        room for another cache entry."""
+        copy = self.store.place(block, Tier.CPU, ready=False)
+        while copy is None:
+            victim = self.store.cpu_policy.pop_victim(max_rank=2)
+            if victim is None:
+                return None
+            if victim.ready_copy(Tier.NVME) is None and victim.ref_count == 0:
+                if block.ref_count == 0:
+                    self.store.rerank(victim)  # stays: one cache entry for another is no gain
+                    return None
+                self.store.delete_block(victim)
+                self.metrics.evictions_by_reason["cpu_discard"] += 1
+            else:
+                self.store.drop_copy(victim, Tier.CPU)
+                self.metrics.evictions_by_reason["cpu_drop"] += 1
+            copy = self.store.place(block, Tier.CPU, ready=False)
+        return copy

@@ -1,0 +1,1 @@
+"""Torch-free: assemble a control plane from settings, and THE driver loop over a Backend."""

@@ -1,0 +1,43 @@
+"""What the driver loop needs from a data plane: a clock, idling, and one step.
+
+    loop                         Backend
+    ----                         -------
+    start()                  ->  the run's time origin (wall clock or virtual 0)
+    now_s()                  ->  seconds since start
+    idle_until(t_s)          ->  nothing to run before t_s: sleep, or jump the clock
+    execute(plan)            ->  compute the step; the sampled token per sampling seq
+    summary_extras(duration) ->  the backend's own summary keys (device, model, ...)
+
+The engine implements it with the model and a wall clock, the simulator with
+a cost model and a virtual clock. Idling may return early (the engine
+sleeps in short slices to notice arrivals); the loop simply asks again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+from kvswap.control.scheduler import StepPlan
+
+
+class Backend(ABC):
+    @abstractmethod
+    def start(self) -> None:
+        """The run begins now (called once, before the first `now_s`)."""
+
+    @abstractmethod
+    def now_s(self) -> float:
+        """Seconds since `start`."""
+
+    @abstractmethod
+    def idle_until(self, t_s: float) -> None:
+        """Nothing can run before `t_s` (seconds since start)."""
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+        """Run one step; returns seq id -> sampled token for the items that sample."""
+
+    @abstractmethod
+    def summary_extras(self, duration_s: float) -> Mapping[str, object]:
+        """The backend's keys for the run summary."""

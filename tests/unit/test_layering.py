@@ -1,0 +1,54 @@
+"""The control plane's dependencies point one way.
+
+`kvswap.control` decides in ids, counts and hashes: it imports the standard
+library, itself, and the two leaf modules `kvswap.units` / `kvswap.errors`,
+never torch, the data plane, the engine, the simulator, the monitoring or the
+pydantic configuration (settings reach it as plain records from `kvswap.drive`).
+The check reads every import statement of every control module, so a lazy
+import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvswap.control
+
+CONTROL_DIR = Path(kvswap.control.__file__).parent
+ALLOWED_KVSWAP = ("kvswap.control", "kvswap.units", "kvswap.errors")
+FORBIDDEN_OTHERS = ("torch", "numpy", "pydantic")
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_control_imports_only_itself_and_leaf_modules() -> None:
+    offenders = []
+    for path in sorted(CONTROL_DIR.glob("*.py")):
+        for name in imported_modules(path):
+            root = name.split(".")[0]
+            if root == "kvswap" and not name.startswith(ALLOWED_KVSWAP):
+                offenders.append(f"{path.name}: {name}")
+            if root in FORBIDDEN_OTHERS:
+                offenders.append(f"{path.name}: {name}")
+    assert offenders == []
+
+
+def test_drive_and_simulator_run_without_torch() -> None:
+    code = (
+        "import sys, kvswap.control.swapper, kvswap.control.scheduler, kvswap.ledger, "
+        "kvswap.config, kvswap.drive.loop, kvswap.drive.assembly, kvswap.drive.settings, "
+        "kvswap.workload.arrivals, kvswap.sim.simulator;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
