@@ -3,13 +3,21 @@ rule fires on a healthy run (synthetic, and a real one on the tiny model)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvswap.commands import simulate as simulate_command
 from kvswap.config import load_config
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.obs.diagnosis import (
+    TAIL_CAUSES,
+    TAIL_MIXED,
     Finding,
     diagnose,
     diagnose_change,
@@ -18,12 +26,17 @@ from kvswap.obs.diagnosis import (
     pinned_pool_full,
     swap_in_stalls,
     swap_wait_high,
+    tail_attribution,
     too_much_swap_out,
 )
-from kvswap.obs.timeseries import TimeSeriesRecorder
+from kvswap.obs.observer import StepSample
+from kvswap.obs.tail import PREFILL, SWAP_WAIT
+from kvswap.obs.timeseries import TimeSeries, TimeSeriesRecorder
 from kvswap.workload.synthetic import generate_synthetic
 
-from .obs_fakes import TINY_SETTINGS, TINY_SPEC, Step, one_torch_thread, record
+from .obs_fakes import TINY_SETTINGS, TINY_SPEC, Step, one_torch_thread, record, samples
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # 300 steps of 10 ms: the first and last thirds are steps 0-99 and 200-299.
 N = 300
@@ -40,7 +53,7 @@ def rules(found: list[Finding]) -> list[str]:
 
 def test_a_healthy_run_raises_nothing() -> None:
     summary, series = record(healthy())
-    assert diagnose(summary, series, link_gbps=25.0) == []
+    assert diagnose(summary, series, link_gb_per_s=25.0) == []
     trend = latency_trend(series)
     assert trend is not None and trend.p50_ratio == trend.p99_ratio == 1.0
 
@@ -84,33 +97,33 @@ def test_too_few_latencies_give_no_verdict() -> None:
     assert diagnose(summary, series) == []
 
 
-def write_heavy(first: int, last: int, gbps: float = 0.8) -> list[Step]:
-    """Steps first..last-1 move `gbps` GB/s GPU->CPU (10 ms steps)."""
+def write_heavy(first: int, last: int, gb_per_s: float = 0.8) -> list[Step]:
+    """Steps first..last-1 move `gb_per_s` GB/s GPU->CPU (10 ms steps)."""
     steps = healthy()
     for i in range(first, last):
-        moved = {**SWAP_IN, "gpu_to_cpu": int(gbps * 1e9 * 0.01)}
+        moved = {**SWAP_IN, "gpu_to_cpu": int(gb_per_s * 1e9 * 0.01)}
         steps[i] = Step(moved=moved)
     return steps
 
 
 def test_write_throughput_above_60_percent_of_the_link_for_long_is_too_much_swap_out() -> None:
     summary, series = record(write_heavy(100, 250))  # half the run at 80% of a 1 GB/s link
-    finding = too_much_swap_out(summary, series, link_gbps=1.0)
+    finding = too_much_swap_out(summary, series, link_gb_per_s=1.0)
     assert finding is not None
     assert "above 0.60 GB/s" in finding.figure and "(50%)" in finding.figure
-    assert finding.values["peak_gbps"] > 0.6
+    assert finding.values["peak_gb_per_s"] > 0.6
     assert "gpu_to_cpu" in finding.metric
-    assert rules(diagnose(summary, series, link_gbps=1.0)) == ["too_much_swap_out"]
+    assert rules(diagnose(summary, series, link_gb_per_s=1.0)) == ["too_much_swap_out"]
     # The same traffic on the article's 25 GB/s default link is far below 60%.
     assert too_much_swap_out(summary, series) is None
     # The link can come from the run's summary (the simulator's hardware).
-    finding = too_much_swap_out({**summary, "link_gbps": 1.0}, series)
+    finding = too_much_swap_out({**summary, "link_gb_per_s": 1.0}, series)
     assert finding is not None and "the run's hardware" in finding.figure
 
 
 def test_a_short_write_burst_is_not_for_long() -> None:
     summary, series = record(write_heavy(100, 120))  # 7% of the run
-    assert too_much_swap_out(summary, series, link_gbps=1.0) is None
+    assert too_much_swap_out(summary, series, link_gb_per_s=1.0) is None
 
 
 def test_swap_wait_above_ten_percent_means_prefetch_or_eviction_is_wrong() -> None:
@@ -164,9 +177,149 @@ def test_a_real_healthy_run_raises_nothing() -> None:
     config = load_config(environ={}, overrides=settings)
     recorder = TimeSeriesRecorder()
     with one_torch_thread(), Engine(config, EngineOptions(model="tiny")) as engine:
-        summary = engine.run(generate_synthetic(TINY_SPEC), observers=[recorder])
+        result = engine.run(generate_synthetic(TINY_SPEC), observers=[recorder])
+    summary = result.to_json()  # the --json object the diagnosis reads
     assert summary["preemptions"] == 0 and summary["requests_completed"] == 12
     assert summary["bytes_gpu_to_cpu"] == summary["bytes_cpu_to_gpu"] == 0
     series = recorder.series()
     assert series.points and series.itl.count > 0
     assert diagnose(summary, series) == []
+
+
+# ----------------------------------------------------------- rule 6: the tail by cause
+# 300 steps emitting 4 tokens each; every 20th step is slow (60 ms): its 60 tokens are 5%
+# of the run, so they are the tail and the run's P99 is 60 ms against a 10 ms P50.
+SLOW_STEPS = range(0, N, 20)
+
+
+def slow_step(swap_wait_s: float = 0.0) -> Step:
+    return Step(step_s=0.06, swap_wait_s=swap_wait_s, moved=dict(SWAP_IN), latencies_s=(0.06,) * 4)
+
+
+def tail_run(
+    slow: Callable[[int], Step], mark: Callable[[int, StepSample], StepSample] | None = None
+) -> tuple[dict[str, Any], TimeSeries]:
+    """(summary, series) of the healthy run with SLOW_STEPS replaced by `slow(i)`; `mark`
+    edits the samples (prefill tokens, sync stalls) the series is recorded from."""
+    steps = healthy()
+    for i in SLOW_STEPS:
+        steps[i] = slow(i)
+    summary, _ = record(steps)
+    recorder = TimeSeriesRecorder()
+    for i, sample in enumerate(samples(steps)):
+        recorder.on_step(mark(i, sample) if mark is not None else sample)
+    return summary, recorder.series()
+
+
+def test_a_tail_from_steps_that_waited_for_swap_in_is_swap_in_blocking() -> None:
+    # 10 ms of each slow step waits: 4% of step time, below rule 4's 10%.
+    summary, series = tail_run(lambda i: slow_step(swap_wait_s=0.01))
+    finding = tail_attribution(summary, series)
+    assert finding is not None and finding.cause == TAIL_CAUSES[SWAP_WAIT][0]
+    assert finding.figure.startswith("of 60 tokens at or above P99 59.9 ms (5.9x P50 10.1 ms)")
+    assert "100% from steps that waited for a swap-in or stalled (5% of all tokens)" in (
+        finding.figure
+    )
+    # One latency value per class: the histograms' exact extremes make these exact.
+    assert "P99 60.0 ms with a swap wait vs 10.0 ms without" in finding.figure
+    assert finding.values["share_of_tail_tokens_waiting"] == 1.0
+    assert finding.values["p99_ms_with_swap_wait"] == 60.0
+    assert finding.values["p99_ms_without_swap_wait"] == 10.0
+    assert rules(diagnose(summary, series)) == ["tail_attribution"]
+
+
+def test_a_sync_stall_counts_as_waiting_even_without_swap_wait_seconds() -> None:
+    def stalls(i: int, sample: StepSample) -> StepSample:
+        # Cumulative, as drivers report it: one more stall at every slow step.
+        return replace(sample, sync_stalls=sum(1 for s in SLOW_STEPS if s <= i))
+
+    summary, series = tail_run(lambda i: slow_step(), stalls)
+    finding = tail_attribution(summary, series)
+    assert finding is not None and finding.values["share_of_tail_tokens_waiting"] == 1.0
+    assert series.tail is not None and series.tail.num_steps_by_class[SWAP_WAIT] == 15
+
+
+def test_a_tail_from_prefill_chunks_is_not_blamed_on_swap_in() -> None:
+    def prefill(i: int, sample: StepSample) -> StepSample:
+        return replace(sample, num_prefill_tokens=2048 if i in SLOW_STEPS else 0)
+
+    summary, series = tail_run(lambda i: slow_step(), prefill)
+    finding = tail_attribution(summary, series)
+    assert finding is not None and finding.cause == TAIL_CAUSES[PREFILL][0]
+    assert "0% from steps that waited" in finding.figure
+    assert "100% from steps with a prefill chunk" in finding.figure
+    assert "P99 n/a with a swap wait vs 59.9 ms without" in finding.figure
+    assert "p99_ms_with_swap_wait" not in finding.values
+    assert "max_num_batched_tokens" in finding.advice
+
+
+def test_a_tail_split_between_causes_names_the_split() -> None:
+    slow = list(SLOW_STEPS)  # 6 steps wait, 5 prefill, 4 are just slow
+
+    def prefill(i: int, sample: StepSample) -> StepSample:
+        return replace(sample, num_prefill_tokens=512 if i in slow[6:11] else 0)
+
+    summary, series = tail_run(lambda i: slow_step(0.01 if i in slow[:6] else 0.0), prefill)
+    finding = tail_attribution(summary, series)
+    assert finding is not None and finding.cause == TAIL_MIXED[0]
+    assert "40% from steps that waited" in finding.figure and "27% from plain" in finding.figure
+
+
+def test_the_tail_rule_is_silent_without_a_tail_without_swap_in_or_on_plain_slow_steps() -> None:
+    assert tail_attribution(*record(healthy())) is None  # P99 = P50
+    no_swap_in = [Step(step_s=0.06, latencies_s=(0.06,) * 4) if i in SLOW_STEPS else Step()
+                  for i in range(N)]  # fmt: skip
+    assert tail_attribution(*record(no_swap_in)) is None
+    # Slow steps that neither waited nor prefilled: not this rule's to explain.
+    assert tail_attribution(*tail_run(lambda i: slow_step())) is None
+    # A series read from an older report carries no per-step classes.
+    summary, series = tail_run(lambda i: slow_step(swap_wait_s=0.01))
+    old = series.to_json()
+    del old["tail_latencies"]
+    assert tail_attribution(summary, TimeSeries.from_json(old)) is None
+    assert tail_attribution(summary, TimeSeries.from_json(series.to_json())) is not None
+
+
+# The article's configuration on a shortened workload (24 two-turn sessions of 100
+# output tokens instead of 64 x 3 x 200): it still swaps and keeps its tail.
+ARTICLE = [
+    "simulate", "--config", str(ROOT / "configs" / "article-8b-40gb.toml"),
+    "--hardware", "article-40gb", "--num-sessions", "24", "--turns", "2",
+    "--output-tokens", "100", "--json", "--quiet",
+]  # fmt: skip
+
+
+def simulate(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="kvswap")
+    simulate_command.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+    summary: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return summary
+
+
+def test_the_article_configuration_has_a_tail_and_the_diagnosis_names_its_cause(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    summary = simulate(ARTICLE, capsys)
+    assert summary["itl_ms"]["p99"] > 5 * summary["itl_ms"]["p50"]  # the symptom
+    assert summary["bytes_cpu_to_gpu"] > 0  # it swapped in
+    (finding,) = [f for f in summary["diagnosis"] if f["rule"] == "tail_attribution"]
+    values = finding["values"]
+    assert {"share_of_tail_tokens_waiting", "p99_ms_with_swap_wait",
+            "p99_ms_without_swap_wait"} <= set(values)  # fmt: skip
+    assert "at or above P99" in finding["figure"] and "with a swap wait vs" in finding["figure"]
+    # What the per-step facts say about this configuration: its ~200 ms tokens come from
+    # decode steps sharing the step with a 2048-token prefill chunk, not from swap-ins.
+    assert values["share_of_tail_tokens_prefill"] >= 0.5
+    assert finding["cause"] == TAIL_CAUSES[PREFILL][0]
+
+
+def test_the_article_configuration_with_small_prefill_chunks_has_no_tail_to_explain(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The finding's advice applied: P99 within 2x P50 although the run still swaps in."""
+    summary = simulate([*ARTICLE, "--max-num-batched-tokens", "128"], capsys)
+    assert summary["bytes_cpu_to_gpu"] > 0
+    assert summary["itl_ms"]["p99"] < 2 * summary["itl_ms"]["p50"]
+    assert "tail_attribution" not in [f["rule"] for f in summary["diagnosis"]]

@@ -41,7 +41,7 @@ def synthetic_report(label: str, chunk_blocks: int, wait_s: float) -> RunReport:
         series=series,
         findings=tuple(diagnose(summary, series)),
         watermarks=Watermarks.from_config(config),
-        link_gbps=None,
+        link_gb_per_s=None,
     )
 
 

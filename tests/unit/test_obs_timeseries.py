@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
-from kvswap.engine.summary import percentiles_ms
+from kvswap.drive.summary import percentiles_ms
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.rates import TrailingRate, format_rate
+from kvswap.obs.tail import DECODE, PREFILL, STEP_CLASSES, SWAP_WAIT, TailLatencies, TailRecorder
 from kvswap.obs.timeseries import TimeSeries, TimeSeriesRecorder
 
 from .obs_fakes import Step, samples
@@ -71,14 +73,14 @@ def test_window_figures_throughput_share_and_occupancy() -> None:
     for sample in samples(steps):
         recorder.on_step(sample)
     first, second = recorder.series().points
-    assert first.gbps("gpu_to_cpu") == pytest.approx(0.1)
+    assert first.gb_per_s("gpu_to_cpu") == pytest.approx(0.1)
     assert first.swap_wait_share == pytest.approx(0.2)
     assert first.usage_mean_by_tier["gpu"] == pytest.approx(0.8)
     assert second.usage_mean_by_tier["gpu"] == pytest.approx(0.4)
     merged = first.merge(second)
     assert merged.usage_mean_by_tier["gpu"] == pytest.approx(0.6)
     assert merged.usage_max_by_tier["gpu"] == pytest.approx(0.8)
-    assert merged.gbps("gpu_to_cpu") == pytest.approx(0.1)
+    assert merged.gb_per_s("gpu_to_cpu") == pytest.approx(0.1)
 
 
 def test_series_round_trips_through_json() -> None:
@@ -92,6 +94,79 @@ def test_series_round_trips_through_json() -> None:
     assert again.ttft.count == 30
     p50 = series.to_json()["itl_ms"]
     assert isinstance(p50, dict) and p50["p50"] == pytest.approx(10.0, rel=0.01)
+
+
+def test_counting_the_tail_includes_the_quantile_bucket() -> None:
+    histogram = LogHistogram()
+    histogram.add_all([0.010] * 95 + [0.0101] * 2 + [0.050] * 3)
+    p99_s = histogram.quantile_s(0.99)
+    assert p99_s is not None and p99_s == pytest.approx(0.050)
+    assert histogram.count_at_or_above_s(p99_s) == 3
+    assert histogram.count_at_or_above_s(0.010) == 100  # 10.1 ms shares 10 ms's 2% bucket
+    assert LogHistogram().count_at_or_above_s(0.01) == 0
+
+
+def test_tail_latencies_are_filed_by_what_their_step_did() -> None:
+    # Steps 0-9: decode; 10-11: swap wait; 12: a sync stall; 13-14: a prefill chunk.
+    run = samples([Step(swap_wait_s=0.004 if i in (10, 11) else 0.0) for i in range(15)])
+    run = [
+        replace(s, sync_stalls=1 if i >= 12 else 0, num_prefill_tokens=300 if i >= 13 else 0)
+        for i, s in enumerate(run)
+    ]
+    recorder = TimeSeriesRecorder()
+    for sample in run:
+        recorder.on_step(sample)
+    tail = recorder.series().tail
+    assert tail is not None
+    assert tail.num_steps_by_class == {SWAP_WAIT: 3, PREFILL: 2, DECODE: 10}
+    assert {c: tail.histogram(c).count for c in STEP_CLASSES} == {
+        SWAP_WAIT: 12,
+        PREFILL: 8,
+        DECODE: 40,
+    }
+    # The series is a snapshot: later steps do not reach it.
+    recorder.on_step(replace(run[-1], step=15))
+    assert tail.num_steps_by_class[PREFILL] == 2
+    # JSON and merging keep every count.
+    again = TailLatencies.from_json(tail.to_json())
+    assert again.attribution() == tail.attribution()
+    doubled = tail.merged(again)
+    assert doubled.num_steps_by_class[SWAP_WAIT] == 6 and doubled.histogram(DECODE).count == 80
+    assert tail.histogram(DECODE).count == 40  # merged() copies
+
+
+def test_the_tail_attribution_reads_shares_and_percentiles_by_class() -> None:
+    recorder = TailRecorder()
+    base = samples([Step()])[0]
+    for i in range(200):  # every 50th step waits, and its tokens take 80 ms
+        waits = i % 50 == 0
+        recorder.on_step(replace(base, step=i, swap_wait_s=0.07 if waits else 0.0,
+                                 token_latencies_s=(0.08 if waits else 0.01,) * 4))  # fmt: skip
+    attribution = recorder.latencies().attribution()
+    assert attribution is not None
+    assert attribution.num_tokens == 800 and attribution.num_tail_tokens == 16
+    assert attribution.share_of_tail_tokens_waiting == 1.0
+    assert attribution.share_of_tokens(SWAP_WAIT) == pytest.approx(0.02)
+    assert attribution.p99_ms_with_swap_wait == pytest.approx(80.0)
+    assert attribution.p99_ms_without_swap_wait == pytest.approx(10.0)
+    assert attribution.tail_ratio == pytest.approx(8.0, rel=0.02)  # 2% buckets
+    summary = attribution.to_json()
+    assert summary["share_of_tail_tokens_waiting"] == 1.0 and summary["num_tail_tokens"] == 16
+    assert summary["p99_ms_with_swap_wait"] == 80.0
+    assert TailLatencies.empty().attribution() is None
+
+
+def test_tail_memory_stays_bounded_on_a_long_run() -> None:
+    rng = random.Random(3)
+    recorder = TailRecorder()
+    base = samples([Step()])[0]
+    for i in range(20_000):
+        latencies = tuple(rng.lognormvariate(-4, 1.0) for _ in range(4))
+        recorder.on_step(replace(base, step=i, token_latencies_s=latencies,
+                                 swap_wait_s=0.001 if i % 7 == 0 else 0.0))  # fmt: skip
+    tail = recorder.latencies()
+    assert sum(tail.histogram(c).count for c in STEP_CLASSES) == 80_000
+    assert sum(len(tail.histogram(c).counts) for c in STEP_CLASSES) < 1_500
 
 
 def test_trailing_rate_covers_the_last_window() -> None:

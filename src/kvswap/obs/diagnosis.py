@@ -1,4 +1,4 @@
-"""The article's diagnosis, automated: which of the four numbers says what is wrong.
+"""The seed article's diagnosis, automated: which of the four numbers says what is wrong.
 
 Pure functions over a run summary (the --json object) and its `TimeSeries`.
 Each rule returns a `Finding` naming the metric and the figure behind it, or
@@ -18,11 +18,19 @@ None when the run does not show the symptom. The rules and their terms:
 1. P99 rising while P50 holds -> swap-in stalls (only if the run swapped in).
 2. P50 and P99 rising together -> the link is saturated (only if KV moved).
 3. GPU->CPU (write) throughput above 60% of the link for long -> too much
-   swap-out. The link is `link_gbps`, else the summary's `link_gbps`, else the
+   swap-out. The link is `link_gb_per_s`, else the summary's `link_gb_per_s`, else the
    article's PCIe 4.0 x16 figure (25 GB/s); the finding states which.
 4. Swap-wait share of step time above 10% over the run -> prefetch or eviction
    is wrong.
 5. Pinned pool (CPU tier) occupancy above 90% for long -> add or enlarge NVMe.
+6. P99 at least `tail_ratio` (2x) the P50 over the whole run, in a run that swapped in
+   -> the tail by cause (obs/tail.py): which steps the tokens at or above P99 came
+   from. At least `tail_cause_share` (half) of them from steps that waited for a
+   swap-in or had a sync stall: swap-in blocking; from steps that also computed a
+   prefill chunk: prefill, not swap-in; neither half held: the split. Silent when
+   plain decode steps hold half the tail (uniformly slow steps, or sequences paused
+   between tokens: rules 1 and 2 and the preemption count speak to those). Rule 1
+   sees the tail grow over time; this one says who is in it, growing or not.
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.ledger import DEFAULT_LINK_GBPS
+from kvswap.ledger import DEFAULT_LINK_GB_PER_S
 from kvswap.obs.jsonvalues import float_map, int_map, number, number_or
 from kvswap.obs.quantiles import LogHistogram
+from kvswap.obs.tail import DECODE, PREFILL, SWAP_WAIT, TailAttribution
 from kvswap.obs.timeseries import SeriesPoint, TimeSeries
 
 STALL_CAUSE = "some decode steps wait for swap-ins (a stall in the tail, not a slower link)"
@@ -57,6 +66,9 @@ class Thresholds:
     pinned_pool_usage: float = 0.90
     sustained_share: float = 0.20
     min_sustained_windows: int = 3
+    tail_ratio: float = 2.0
+    min_tail_tokens: int = 5
+    tail_cause_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -227,40 +239,42 @@ def link_saturated(
     )
 
 
-def resolve_link_gbps(summary: Mapping[str, object], link_gbps: float | None) -> tuple[float, str]:
-    """(GB/s, where it came from): the argument, the summary's `link_gbps`, or the default."""
-    if link_gbps is not None:
-        return link_gbps, "given"
-    from_summary = number(summary, "link_gbps")
+def resolve_link_gb_per_s(
+    summary: Mapping[str, object], link_gb_per_s: float | None
+) -> tuple[float, str]:
+    """(GB/s, where it came from): the argument, the summary's `link_gb_per_s`, or the default."""
+    if link_gb_per_s is not None:
+        return link_gb_per_s, "given"
+    from_summary = number(summary, "link_gb_per_s")
     if from_summary is not None and from_summary > 0:
         return from_summary, "the run's hardware"
-    return DEFAULT_LINK_GBPS, "the article's PCIe 4.0 x16 figure; pass the measured link"
+    return DEFAULT_LINK_GB_PER_S, "the seed article's PCIe 4.0 x16 figure; pass the measured link"
 
 
 def too_much_swap_out(
     summary: Mapping[str, object],
     series: TimeSeries,
     t: Thresholds = Thresholds(),
-    link_gbps: float | None = None,
+    link_gb_per_s: float | None = None,
 ) -> Finding | None:
-    link, source = resolve_link_gbps(summary, link_gbps)
-    limit_gbps = t.write_link_share * link
-    stretch = longest_stretch(series.points, lambda p: p.gbps("gpu_to_cpu"), limit_gbps)
+    link, source = resolve_link_gb_per_s(summary, link_gb_per_s)
+    limit_gb_per_s = t.write_link_share * link
+    stretch = longest_stretch(series.points, lambda p: p.gb_per_s("gpu_to_cpu"), limit_gb_per_s)
     if not stretch.is_long(t):
         return None
     return Finding(
         rule="too_much_swap_out",
         symptom=f"write throughput above {100 * t.write_link_share:.0f}% of the link for long",
         metric='kvswap_transfer_bytes_total{direction="gpu_to_cpu"} (rate)',
-        figure=f"GPU->CPU above {limit_gbps:.2f} GB/s ({100 * t.write_link_share:.0f}% of "
+        figure=f"GPU->CPU above {limit_gb_per_s:.2f} GB/s ({100 * t.write_link_share:.0f}% of "
         f"{link:.1f} GB/s, {source}) for {stretch.longest_s:.2f} s of {stretch.duration_s:.2f} s "
         f"({100 * stretch.share:.0f}%), peak {stretch.peak:.2f} GB/s",
         cause="too much swap-out: the GPU tier keeps overflowing",
         advice="raise GPU KV capacity (gpu_kv_capacity_blocks) or swap_out_high_watermark",
         values={
-            "link_gbps": link,
-            "limit_gbps": limit_gbps,
-            "peak_gbps": stretch.peak,
+            "link_gb_per_s": link,
+            "limit_gb_per_s": limit_gb_per_s,
+            "peak_gb_per_s": stretch.peak,
             "above_s": stretch.longest_s,
             "duration_s": stretch.duration_s,
         },
@@ -314,20 +328,105 @@ def pinned_pool_full(
     )
 
 
+#: Rule 6 per class of step holding the tail: (cause, advice).
+TAIL_CAUSES: dict[str, tuple[str, str]] = {
+    SWAP_WAIT: (
+        "swap-in blocking: the slowest tokens come from steps that waited for a swap-in "
+        "or stalled on a synchronous swap-out",
+        STALL_ADVICE,
+    ),
+    PREFILL: (
+        "prefill chunks, not swap-ins: the slowest tokens come from decode steps that also "
+        "computed a prompt chunk",
+        "lower max_num_batched_tokens so a prompt chunk stretches each decode step less",
+    ),
+}
+TAIL_MIXED = (
+    "no single cause: the slowest tokens split between swap waits, prefill chunks and "
+    "plain decode steps",
+    "address the largest share first (swap waits: prefetch_stream_count, "
+    "swap_out_chunk_blocks; prefill chunks: max_num_batched_tokens)",
+)
+
+
+def tail_figure(a: TailAttribution) -> str:
+    with_ms, without_ms = a.p99_ms_with_swap_wait, a.p99_ms_without_swap_wait
+    return (
+        f"of {a.num_tail_tokens} tokens at or above P99 {a.p99_ms:.1f} ms "
+        f"({a.tail_ratio:.1f}x P50 {a.p50_ms:.1f} ms): "
+        f"{100 * a.share_of_tail(SWAP_WAIT):.0f}% from steps that waited for a swap-in or "
+        f"stalled ({100 * a.share_of_tokens(SWAP_WAIT):.0f}% of all tokens), "
+        f"{100 * a.share_of_tail(PREFILL):.0f}% from steps with a prefill chunk, "
+        f"{100 * a.share_of_tail(DECODE):.0f}% from plain decode steps; P99 "
+        + (f"{with_ms:.1f} ms" if with_ms is not None else "n/a")
+        + " with a swap wait vs "
+        + (f"{without_ms:.1f} ms" if without_ms is not None else "n/a")
+        + " without"
+    )
+
+
+def tail_summary(series: TimeSeries) -> dict[str, object] | None:
+    """The summary's `tail_attribution` object (`TailAttribution.to_json`); None when the
+    series holds no per-step classes or no token latency."""
+    attribution = series.tail.attribution() if series.tail is not None else None
+    return attribution.to_json() if attribution is not None else None
+
+
+def tail_attribution(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    swapped_in = number_or(summary, "bytes_cpu_to_gpu") + number_or(summary, "bytes_nvme_to_cpu")
+    attribution = series.tail.attribution() if series.tail is not None else None
+    if attribution is None or swapped_in <= 0:
+        return None
+    a = attribution
+    if a.num_tail_tokens < max(1, t.min_tail_tokens) or a.tail_ratio < t.tail_ratio:
+        return None
+    if a.share_of_tail(DECODE) >= t.tail_cause_share:
+        return None  # slow steps that neither waited nor prefilled: rules 1 and 2 speak
+    leader = max((SWAP_WAIT, PREFILL), key=a.share_of_tail)
+    held = a.share_of_tail(leader) >= t.tail_cause_share
+    cause, advice = TAIL_CAUSES[leader] if held else TAIL_MIXED
+    values = {
+        "share_of_tail_tokens_waiting": a.share_of_tail_tokens_waiting,
+        "share_of_tail_tokens_prefill": a.share_of_tail(PREFILL),
+        "share_of_tail_tokens_decode": a.share_of_tail(DECODE),
+        "share_of_tokens_waiting": a.share_of_tokens(SWAP_WAIT),
+        "p50_ms": a.p50_ms,
+        "p99_ms": a.p99_ms,
+        "num_tail_tokens": float(a.num_tail_tokens),
+        "sync_stalls": number_or(summary, "sync_stalls"),
+    }
+    if a.p99_ms_with_swap_wait is not None:
+        values["p99_ms_with_swap_wait"] = a.p99_ms_with_swap_wait
+    if a.p99_ms_without_swap_wait is not None:
+        values["p99_ms_without_swap_wait"] = a.p99_ms_without_swap_wait
+    return Finding(
+        rule="tail_attribution",
+        symptom=f"P99 token latency at least {t.tail_ratio:g}x P50",
+        metric="kvswap_time_per_output_token_seconds (itl_ms, tail_attribution)",
+        figure=tail_figure(a),
+        cause=cause,
+        advice=advice,
+        values=values,
+    )
+
+
 def diagnose(
     summary: Mapping[str, object],
     series: TimeSeries,
     *,
-    link_gbps: float | None = None,
+    link_gb_per_s: float | None = None,
     thresholds: Thresholds = Thresholds(),
 ) -> list[Finding]:
-    """Every rule that fires, in the article's order."""
+    """Every rule that fires, in the seed article's order."""
     found = [
         swap_in_stalls(summary, series, thresholds),
         link_saturated(summary, series, thresholds),
-        too_much_swap_out(summary, series, thresholds, link_gbps),
+        too_much_swap_out(summary, series, thresholds, link_gb_per_s),
         swap_wait_high(summary, series, thresholds),
         pinned_pool_full(summary, series, thresholds),
+        tail_attribution(summary, series, thresholds),
     ]
     return [f for f in found if f is not None]
 

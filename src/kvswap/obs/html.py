@@ -51,8 +51,8 @@ def _pct(key: str) -> Callable[[Mapping[str, object]], str]:
 def _bytes(direction: str) -> Callable[[Mapping[str, object]], str]:
     def cell(summary: Mapping[str, object]) -> str:
         text = format_bytes(integer_or(summary, f"bytes_{direction}"))
-        gbps = lookup(summary, f"{direction}_gbps")
-        return f"{text} at {gbps:.2f} GB/s" if isinstance(gbps, int | float) else text
+        gb_per_s = lookup(summary, f"{direction}_gb_per_s")
+        return f"{text} at {gb_per_s:.2f} GB/s" if isinstance(gb_per_s, int | float) else text
 
     return cell
 

@@ -38,6 +38,10 @@ class StepSample:
     preemptions: int  # cumulative
     token_latencies_s: tuple[float, ...]  # inter-token latencies of tokens emitted this step
     ttfts_s: tuple[float, ...]  # time to first token of requests whose first token came now
+    # Tokens computed beyond one per sampling sequence: prompt chunks and recomputation
+    # sharing the step with the decodes (whose latency they stretch). A default keeps
+    # samples built by hand valid; `sample_step` always fills it.
+    num_prefill_tokens: int = 0
 
 
 class StepObserver(ABC):  # noqa: B024 - both hooks are optional
@@ -63,7 +67,7 @@ def sample_step(
 ) -> StepSample:
     """Build the sample for the step `plan` that just completed at `t_s`."""
     metrics = scheduler.swapper.metrics
-    store = scheduler.store
+    store = scheduler.swapper.store  # the swapper owns it; the scheduler need not re-export it
     latencies: list[float] = []
     ttfts: list[float] = []
     for item in plan.seqs:
@@ -96,4 +100,5 @@ def sample_step(
         preemptions=scheduler.num_preemptions,
         token_latencies_s=tuple(latencies),
         ttfts_s=tuple(ttfts),
+        num_prefill_tokens=sum(len(item.token_ids) - int(item.samples) for item in plan.seqs),
     )

@@ -48,7 +48,7 @@ class PlotRun:
     label: str
     series: TimeSeries
     watermarks: Watermarks
-    link_gbps: float | None = None
+    link_gb_per_s: float | None = None
     write_link_share: float = 0.60  # the diagnosis threshold drawn on the write plot
     swap_wait_limit: float = 0.10
 
@@ -91,8 +91,8 @@ def _usage_pct(tier: str) -> Callable[[SeriesPoint], float]:
     return lambda point: 100 * point.usage_mean_by_tier.get(tier, 0.0)
 
 
-def _gbps(direction: str, scale: float) -> Callable[[SeriesPoint], float]:
-    return lambda point: point.gbps(direction) * scale
+def _gb_per_s(direction: str, scale: float) -> Callable[[SeriesPoint], float]:
+    return lambda point: point.gb_per_s(direction) * scale
 
 
 def _finish(figure: Figure, axes: list[Axes], title: str, runs: Sequence[PlotRun]) -> Figure:
@@ -186,18 +186,20 @@ def link_throughput(runs: Sequence[PlotRun]) -> Figure:
         )
     ]  # fmt: skip
     figure, axes = _figure(len(directions))
-    peak = max((p.gbps(d) for r in runs for p in r.series.points for d in directions), default=0.0)
+    peak = max(
+        (p.gb_per_s(d) for r in runs for p in r.series.points for d in directions), default=0.0
+    )
     scale, unit = rate_unit(peak)
     for ax, direction in zip(axes, directions, strict=True):
         for i, run in enumerate(runs):
             if run.series.points:
-                _stairs(ax, run.series.points, _gbps(direction, scale), color=f"C{i}",
+                _stairs(ax, run.series.points, _gb_per_s(direction, scale), color=f"C{i}",
                         label=run.label)  # fmt: skip
         if direction == "gpu_to_cpu":
             for i, run in enumerate(runs):
-                if run.link_gbps is None:
+                if run.link_gb_per_s is None:
                     continue
-                limit = run.write_link_share * run.link_gbps
+                limit = run.write_link_share * run.link_gb_per_s
                 # Draw the limit only when it is on the data's scale; else it flattens the plot.
                 if limit <= 3 * peak:
                     ax.axhline(limit * scale, color=f"C{i}", linestyle="--", linewidth=1,

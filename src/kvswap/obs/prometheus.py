@@ -59,10 +59,10 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
+from kvswap.control.metrics import KVMetrics
 from kvswap.control.transfer import Direction, Tier
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or
-from kvswap.control.metrics import KVMetrics
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.rates import TrailingRate
 from kvswap.obs.watermarks import Watermarks

@@ -78,7 +78,7 @@ class LogHistogram:
         return value_s
 
     def quantile_s(self, fraction: float) -> float | None:
-        """Nearest-rank quantile (as `engine.summary.percentiles_ms`); None when empty."""
+        """Nearest-rank quantile (as `drive.summary.percentiles_ms`); None when empty."""
         if self.count == 0:
             return None
         rank = max(1, math.ceil(fraction * self.count))
@@ -92,6 +92,13 @@ class LogHistogram:
     def quantile_ms(self, fraction: float) -> float | None:
         value_s = self.quantile_s(fraction)
         return None if value_s is None else value_s * 1e3
+
+    def count_at_or_above_s(self, value_s: float) -> int:
+        """Values in `value_s`'s bucket or above it: "at or above" to the bucket's 2%
+        resolution (a histogram cannot split a bucket). With `value_s` a quantile of this
+        histogram, or of one it is part of, the quantile's own values count."""
+        first = bucket_of(value_s)
+        return sum(n for index, n in self.counts.items() if index >= first)
 
     def cdf(self) -> list[tuple[float, float]]:
         """(latency_s, fraction of latencies <= it) per occupied bucket, ascending."""

@@ -49,9 +49,9 @@ def format_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s:.0f} B/s"
 
 
-def rate_unit(peak_gbps: float) -> tuple[float, str]:
-    """(multiplier from GB/s, unit label) that puts `peak_gbps` on a readable scale."""
-    for threshold_gbps, scale, unit in ((1.0, 1.0, "GB/s"), (1e-3, 1e3, "MB/s")):
-        if peak_gbps >= threshold_gbps:
+def rate_unit(peak_gb_per_s: float) -> tuple[float, str]:
+    """(multiplier from GB/s, unit label) that puts `peak_gb_per_s` on a readable scale."""
+    for threshold_gb_per_s, scale, unit in ((1.0, 1.0, "GB/s"), (1e-3, 1e3, "MB/s")):
+        if peak_gb_per_s >= threshold_gb_per_s:
             return scale, unit
     return 1e6, "kB/s"

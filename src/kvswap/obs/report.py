@@ -2,7 +2,7 @@
 and one comparison page over several runs (`kvswap report A B`).
 
     DIR/report.json        {"version", "label", "run", "config", "summary",
-                            "diagnosis", "watermarks", "link_gbps", "time_series"}
+                            "diagnosis", "watermarks", "link_gb_per_s", "time_series"}
     DIR/*.png              latency CDF, tier occupancy, link throughput, swap-wait share
     DIR/index.html         the page (relative links only: copy DIR anywhere)
 """
@@ -37,10 +37,10 @@ class RunReport:
     series: TimeSeries = field(compare=False)
     findings: tuple[Finding, ...]
     watermarks: Watermarks
-    link_gbps: float | None = None
+    link_gb_per_s: float | None = None
 
     def plot_run(self, label: str | None = None) -> PlotRun:
-        return PlotRun(label or self.label, self.series, self.watermarks, self.link_gbps)
+        return PlotRun(label or self.label, self.series, self.watermarks, self.link_gb_per_s)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -51,7 +51,7 @@ class RunReport:
             "summary": self.summary,
             "diagnosis": [f.to_json() for f in self.findings],
             "watermarks": self.watermarks.to_json(),
-            "link_gbps": self.link_gbps,
+            "link_gb_per_s": self.link_gb_per_s,
             "time_series": self.series.to_json(),
         }
 
@@ -75,7 +75,7 @@ class RunReport:
                 for f in (diagnosis if isinstance(diagnosis, list) else [])
             ),
             watermarks=Watermarks.from_json(as_mapping(data.get("watermarks", {}), where)),
-            link_gbps=number(data, "link_gbps"),
+            link_gb_per_s=number(data, "link_gb_per_s"),
         )
 
 

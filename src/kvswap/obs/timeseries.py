@@ -12,6 +12,8 @@ and the window length doubles. Points therefore tile the run without gaps:
 Per window: bytes moved per direction (so throughput = bytes / duration),
 step and swap-wait seconds (so the window's swap-wait share), mean and peak
 occupancy per tier, and latency histograms (`LogHistogram`, mergeable).
+For the whole run, beside: token latencies by the class of their step
+(`TailLatencies`: swap wait, prefill, plain decode), which windows cannot keep.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvswap.control.transfer import Direction, Tier
 from kvswap.obs.jsonvalues import as_mapping, float_map, int_map, integer_or, lookup, number_or
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram
+from kvswap.obs.tail import TailLatencies, TailRecorder
 
 DIRECTIONS: tuple[str, ...] = tuple(d.value for d in Direction)
 TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
@@ -58,7 +61,7 @@ class SeriesPoint:
     def mid_s(self) -> float:
         return (self.start_s + self.end_s) / 2
 
-    def gbps(self, direction: str) -> float:
+    def gb_per_s(self, direction: str) -> float:
         """Bytes moved in `direction` during the window / its duration, in GB/s (1e9 B/s)."""
         duration_s = self.duration_s
         moved = self.bytes_by_direction.get(direction, 0)
@@ -112,7 +115,7 @@ class SeriesPoint:
             "swap_wait_s": self.swap_wait_s,
             "swap_wait_share": round(self.swap_wait_share, 6),
             "bytes_by_direction": dict(self.bytes_by_direction),
-            "gbps_by_direction": {d: round(self.gbps(d), 6) for d in DIRECTIONS},
+            "gb_per_s_by_direction": {d: round(self.gb_per_s(d), 6) for d in DIRECTIONS},
             "usage_mean_by_tier": dict(self.usage_mean_by_tier),
             "usage_max_by_tier": dict(self.usage_max_by_tier),
             "used_blocks_by_tier": dict(self.used_blocks_by_tier),
@@ -156,6 +159,9 @@ class TimeSeries:
     points: tuple[SeriesPoint, ...]
     itl: LogHistogram = field(compare=False)
     ttft: LogHistogram = field(compare=False)
+    # The whole run's token latencies by step class (obs/tail.py); None in a series
+    # read from a report written before they were recorded.
+    tail: TailLatencies | None = field(default=None, compare=False)
 
     @property
     def duration_s(self) -> float:
@@ -168,16 +174,19 @@ class TimeSeries:
             "ttft_ms": _percentiles_ms(self.ttft),
             "itl_histogram": self.itl.to_json(),
             "ttft_histogram": self.ttft.to_json(),
+            **({} if self.tail is None else {"tail_latencies": self.tail.to_json()}),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> TimeSeries:
         raw = lookup(data, "points")
         points = raw if isinstance(raw, list) else []
+        tail = lookup(data, "tail_latencies")
         return cls(
             points=tuple(SeriesPoint.from_json(as_mapping(p, "time series point")) for p in points),
             itl=_histogram(data, "itl_histogram"),
             ttft=_histogram(data, "ttft_histogram"),
+            tail=TailLatencies.from_json(tail) if isinstance(tail, Mapping) else None,
         )
 
 
@@ -248,8 +257,10 @@ class TimeSeriesRecorder(StepObserver):
         self._end_bytes: dict[str, int] = dict.fromkeys(DIRECTIONS, 0)
         self.itl = LogHistogram()
         self.ttft = LogHistogram()
+        self.tail = TailRecorder()  # per-step facts the windows average away
 
     def on_step(self, sample: StepSample) -> None:
+        self.tail.on_step(sample)
         if self._open is None:
             self._open = _Window(self._end_s, self._end_bytes)
         window = self._open
@@ -277,7 +288,9 @@ class TimeSeriesRecorder(StepObserver):
         points = list(self._points)
         if self._open is not None:
             points.append(self._open.point())
-        return TimeSeries(tuple(points), self.itl.merged(), self.ttft.merged())
+        return TimeSeries(
+            tuple(points), self.itl.merged(), self.ttft.merged(), self.tail.latencies()
+        )
 
 
 def _usage(sample: StepSample, tier: str) -> float:

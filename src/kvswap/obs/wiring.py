@@ -11,34 +11,35 @@ A command (run, simulate, tune) does:
 
 What is built: a time-series recorder (always: the diagnosis needs it), the
 Prometheus exporter (with --metrics-port), and unless --quiet or --json the
-live panel, which replaces the progress bar on a terminal and writes plain
-lines beside it elsewhere. Everything writes to stderr; stdout stays the
-command's own.
+live panel (rich), which replaces the progress bar on a terminal and writes
+plain lines beside it elsewhere. With --quiet or --json no panel or bar is
+built at all, so nothing is drawn. Everything writes to stderr; stdout stays
+the command's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
+from rich.console import Console
+
 from kvswap.config import KvSwapConfig
-from kvswap.errors import KvSwapError
-from kvswap.obs.diagnosis import diagnose, resolve_link_gbps
-from kvswap.obs.live import LivePanel
 from kvswap.control.metrics import KVMetrics
+from kvswap.errors import KvSwapError
+from kvswap.obs.diagnosis import diagnose, resolve_link_gb_per_s, tail_summary
+from kvswap.obs.live import LivePanel
 from kvswap.obs.observer import StepObserver
 from kvswap.obs.progress import ProgressBar
 from kvswap.obs.prometheus import PrometheusExporter
 from kvswap.obs.report import RunReport, write_report
 from kvswap.obs.timeseries import TimeSeriesRecorder
 from kvswap.obs.watermarks import Watermarks
-
-#: The driver's progress callback: (requests finished, requests in the workload).
-Progress = Callable[[int, int], None]
+from kvswap.progress import RequestProgress
 
 
 def add_monitoring_arguments(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
@@ -68,11 +69,11 @@ class Monitoring:
         recorder: TimeSeriesRecorder,
         exporter: PrometheusExporter | None,
         panel: LivePanel | None,
-        progress: Progress | None,
+        progress: RequestProgress | None,
         report_dir: str | None,
         run_info: Mapping[str, object],
         watermarks: Watermarks,
-        link_gbps: float | None,
+        link_gb_per_s: float | None,
         stream: TextIO | None,
     ):
         self.config = config
@@ -83,7 +84,7 @@ class Monitoring:
         self.report_dir = report_dir
         self.run_info = dict(run_info)
         self.watermarks = watermarks
-        self.link_gbps = link_gbps
+        self.link_gb_per_s = link_gb_per_s
         self.stream = stream  # None: say nothing (--quiet)
         self.observers: tuple[StepObserver, ...] = tuple(
             o for o in (recorder, exporter, panel) if o is not None
@@ -92,8 +93,13 @@ class Monitoring:
     def finish(self, summary: dict[str, object]) -> dict[str, object]:
         """The summary plus `diagnosis` (a list of findings); writes the report if asked."""
         series = self.recorder.series()
-        findings = diagnose(summary, series, link_gbps=self.link_gbps)
-        out = {**summary, "diagnosis": [f.to_json() for f in findings]}
+        findings = diagnose(summary, series, link_gb_per_s=self.link_gb_per_s)
+        tail = tail_summary(series)
+        out = {
+            **summary,
+            **({"tail_attribution": tail} if tail is not None else {}),
+            "diagnosis": [f.to_json() for f in findings],
+        }
         if self.report_dir is not None:
             label = self.run_info.get("label")
             report = RunReport(
@@ -104,7 +110,9 @@ class Monitoring:
                 series=series,
                 findings=tuple(findings),
                 watermarks=self.watermarks,
-                link_gbps=resolve_link_gbps(out, self.link_gbps)[0],  # as the diagnosis used
+                link_gb_per_s=resolve_link_gb_per_s(out, self.link_gb_per_s)[
+                    0
+                ],  # as the diagnosis used
             )
             page = write_report(report, self.report_dir)
             self._say(f"report: {page}")
@@ -116,6 +124,8 @@ class Monitoring:
             self.stream.flush()
 
     def close(self) -> None:
+        if self.panel is not None:
+            self.panel.close()  # a run that raised leaves no half-drawn panel behind
         if self.exporter is not None:
             self.exporter.close()
 
@@ -138,7 +148,7 @@ def build_monitoring(
     block_bytes: int,
     kv_metrics: KVMetrics | None = None,
     run_info: Mapping[str, object] | None = None,
-    link_gbps: float | None = None,
+    link_gb_per_s: float | None = None,
     label: str = "requests",
     stream: TextIO | None = None,
 ) -> Monitoring:
@@ -146,8 +156,8 @@ def build_monitoring(
     `quiet`, `json`; missing ones count as unset). Starts the /metrics server at once.
 
     `block_bytes` sizes tiers in bytes; `kv_metrics` (the swapper's registry) feeds the
-    counters that steps do not carry; `link_gbps` is the host<->device link for the
-    diagnosis (None: the summary's `link_gbps`, else 25 GB/s); `stream` defaults to stderr.
+    counters that steps do not carry; `link_gb_per_s` is the host<->device link for the
+    diagnosis (None: the summary's `link_gb_per_s`, else 25 GB/s); `stream` defaults to stderr.
     """
     out = stream if stream is not None else sys.stderr
     quiet = bool(getattr(args, "quiet", False))
@@ -158,13 +168,14 @@ def build_monitoring(
     if exporter is not None and not quiet:
         out.write(f"metrics: http://{_host_for_url(args.metrics_host)}:{exporter.port}/metrics\n")
     panel: LivePanel | None = None
-    progress: Progress | None = None
+    progress: RequestProgress | None = None
     if not (quiet or as_json):
-        panel = LivePanel(out, watermarks=watermarks, label=label)
+        console = Console(file=out)
+        panel = LivePanel(console, watermarks=watermarks, label=label, link_gb_per_s=link_gb_per_s)
         if panel.tty:
             progress = panel.progress
         else:
-            progress = _both(ProgressBar(label, out).update, panel.progress)
+            progress = _both(ProgressBar(label, console).update, panel.progress)
     report_dir = getattr(args, "report", None)
     return Monitoring(
         config=config,
@@ -175,7 +186,7 @@ def build_monitoring(
         report_dir=report_dir if isinstance(report_dir, str) else None,
         run_info=run_info or {},
         watermarks=watermarks,
-        link_gbps=link_gbps,
+        link_gb_per_s=link_gb_per_s,
         stream=None if quiet else out,
     )
 
@@ -206,7 +217,7 @@ def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _both(first: Progress, second: Progress) -> Progress:
+def _both(first: RequestProgress, second: RequestProgress) -> RequestProgress:
     def progress(done: int, total: int) -> None:
         first(done, total)
         second(done, total)
