@@ -1,4 +1,5 @@
-"""The live panel (in place on a terminal, plain lines elsewhere) and the monitoring wiring."""
+"""The live panel and progress bar (rich: in place on a terminal, plain lines elsewhere)
+and the monitoring wiring."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import io
 import urllib.request
 
 import pytest
+from rich.console import Console
 
 from kvswap.config import load_config
 from kvswap.errors import KvSwapError
 from kvswap.obs.live import LivePanel, occupancy_bar
+from kvswap.obs.progress import ProgressBar
 from kvswap.obs.watermarks import Watermarks
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 
 from .obs_fakes import Step, samples
+
+CURSOR_UP = "\x1b[1A"  # rich's Live goes back up one line per line it drew last time
 
 
 class Terminal(io.StringIO):
@@ -30,6 +35,19 @@ class Clock:
         return self.now_s
 
 
+def console(*, terminal: bool) -> tuple[Console, io.StringIO]:
+    """A console on a string: a terminal (in place, no colours) or a plain file."""
+    stream = io.StringIO()
+    return Console(file=stream, force_terminal=terminal, color_system=None, width=120), stream
+
+
+def panel_lines(panel: LivePanel) -> list[str]:
+    """What the panel would show now, as plain text lines."""
+    out, stream = console(terminal=False)
+    out.print(panel.renderable())
+    return [line.rstrip() for line in stream.getvalue().splitlines()]
+
+
 def test_the_bar_marks_both_watermarks() -> None:
     bar = occupancy_bar(0.5, (0.85, 0.65), width=20)
     assert bar == "[##########---:---|--]"
@@ -37,31 +55,57 @@ def test_the_bar_marks_both_watermarks() -> None:
 
 
 def test_on_a_terminal_the_panel_redraws_in_place_a_few_times_a_second() -> None:
-    stream, clock = Terminal(), Clock()
-    panel = LivePanel(stream, watermarks=Watermarks(), clock=clock)
+    out, stream = console(terminal=True)
+    clock = Clock()
+    panel = LivePanel(out, watermarks=Watermarks(), clock=clock, link_gb_per_s=1.0)
     assert panel.tty
-    steps = [Step(moved={"gpu_to_cpu": 10**6}, used={"gpu": 90, "cpu": 40})] * 20
+    moved = {"gpu_to_cpu": 10**6, "cpu_to_gpu": 5 * 10**5}
+    steps = [Step(moved=moved, used={"gpu": 90, "cpu": 95}, swap_wait_s=0.002)] * 20
     for sample in samples(steps):
         panel.progress(sample.step // 2, 10)
         clock.now_s += 0.1  # ten steps a second: at most one redraw in 0.25 s
         panel.on_step(sample)
-    text = stream.getvalue()
-    draws = text.count("requests ")
+    draws = stream.getvalue().count("host<->device ")
     assert 5 <= draws <= 8
-    lines = panel.render()
-    assert text.count(f"\x1b[{len(lines)}F") == draws - 1  # every redraw goes back up first
-    assert lines[0].startswith("requests 9/10 [")
-    gpu = next(line for line in lines if line.startswith("GPU"))
-    assert "|" in gpu and ":" in gpu and " 90%" in gpu and "high | 85%" in gpu
-    assert any(line.startswith("CPU") for line in lines)
-    assert not any(line.startswith("NVMe") for line in lines)  # no NVMe tier configured
-    assert "gpu>cpu 100 MB/s" in lines[-2]
-    assert lines[-1].startswith("swap-wait 0.0% of step time") and "p99 10.0 ms" in lines[-1]
+    assert stream.getvalue().count("\r\x1b[2K" + CURSOR_UP) == draws - 1  # back up, redraw
+    panel.on_finish({})
+    text = stream.getvalue()
+    assert text.count("host<->device ") == draws + 1  # the final state, once
+    assert text.endswith("\x1b[?25h")  # the cursor is given back
+
+    lines = panel_lines(panel)
+    # The article's four numbers come first: link read / write, swap-wait, P50/P95/P99, pinned.
+    assert lines[:4] == [
+        "host<->device  read 50 MB/s  write 100 MB/s (10% of link)",
+        "swap-wait      20.0% of step time",
+        "token latency  p50 10.0 ms  p95 10.0 ms  p99 10.0 ms",
+        "pinned pool    95%  95/100 blk",
+    ]
+    assert lines[4].startswith("requests 9/10 ") and "step 19" in lines[4]
+    gpu = next(line for line in lines if line.startswith(" GPU"))
+    assert "[##################:####|#---]" in gpu and " 90%" in gpu and "high | 85%" in gpu
+    assert any(line.startswith(" CPU") for line in lines)
+    assert not any(line.startswith(" NVMe") for line in lines)  # no NVMe tier configured
+    assert lines[-1] == "link  gpu>cpu 100 MB/s  cpu>gpu 50 MB/s  cpu>nvme 0 B/s  nvme>cpu 0 B/s"
+
+
+def test_figures_past_the_articles_thresholds_are_drawn_red() -> None:
+    stream = io.StringIO()
+    out = Console(file=stream, force_terminal=True, color_system="standard", width=120)
+    panel = LivePanel(out, watermarks=Watermarks(), clock=Clock())
+    for sample in samples([Step(used={"gpu": 50, "cpu": 95}, swap_wait_s=0.005)] * 3):
+        panel.on_step(sample)
+    panel.close()
+    red = "\x1b[1;31m"
+    assert f"{red}50.0% of step time" in stream.getvalue()  # swap-wait share over 10 %
+    assert f"{red}95%  95/100 blk" in stream.getvalue()  # pinned pool over 90 %
+    assert f"{red}read" not in stream.getvalue()  # no link given: no share, no alarm
 
 
 def test_elsewhere_it_writes_plain_lines() -> None:
-    stream, clock = io.StringIO(), Clock()
-    panel = LivePanel(stream, watermarks=Watermarks(), clock=clock, log_interval_s=1.0)
+    out, stream = console(terminal=False)
+    clock = Clock()
+    panel = LivePanel(out, watermarks=Watermarks(), clock=clock, log_interval_s=1.0)
     assert not panel.tty
     for sample in samples([Step(swap_wait_s=0.001)] * 30):
         clock.now_s += 0.1
@@ -70,7 +114,57 @@ def test_elsewhere_it_writes_plain_lines() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3  # at 1.1 s, 2.1 s, and the end
     assert "\x1b" not in stream.getvalue()
-    assert "| GPU 50% CPU 10% |" in lines[-1] and "swap-wait 10.0%" in lines[-1]
+    assert lines[-1].startswith("[    0.3 s] requests 0/0 | read 0 B/s  write 0 B/s |")
+    assert "| swap-wait 10.0% | p50 10.0 p95 10.0 p99 10.0 ms |" in lines[-1]
+    assert "| pinned 10%  10/100 blk |" in lines[-1]
+    assert lines[-1].endswith("| GPU 50% CPU 10%")
+
+
+def test_a_dumb_terminal_gets_plain_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERM", "dumb")
+    out, _ = console(terminal=True)
+    assert not LivePanel(out, watermarks=Watermarks()).tty
+    assert not ProgressBar("tune", out).is_tty
+
+
+def test_the_progress_bar_draws_in_place_on_a_terminal() -> None:
+    out, stream = console(terminal=True)
+    clock = Clock()
+    bar = ProgressBar("tune", out, clock=clock)
+    for done in range(16):
+        clock.now_s += 0.05  # twenty updates a second: every other one is drawn
+        bar.update(done, 15)
+    text = stream.getvalue()
+    assert 7 <= text.count("tune ") <= 9
+    assert "15/15" in text and "━" in text  # rich's bar, full
+    assert text.count("15/15") == 1  # the final state once, though reported again
+    assert text.endswith("\x1b[?25h")  # stopped at the end: the cursor is back
+
+
+def test_the_progress_bar_writes_a_line_per_tenth_elsewhere() -> None:
+    out, stream = console(terminal=False)
+    clock = Clock()
+    bar = ProgressBar("tune", out, clock=clock)
+    for done in range(41):
+        clock.now_s += 1.0
+        bar.update(done, 40, "sim")
+    bar.update(40, 40)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "tune: 0/40 (0%) 1.0s sim"
+    assert lines[-1] == "tune: 40/40 (100%) 41.0s sim"
+    assert len(lines) == 11
+    assert "\x1b" not in stream.getvalue()
+
+
+def test_a_closed_progress_bar_gives_the_terminal_back() -> None:
+    out, stream = console(terminal=True)
+    with ProgressBar("tune", out) as bar:
+        bar.update(1, 4)
+    assert stream.getvalue().endswith("\x1b[?25h")
+    bar.update(2, 4)  # drawing again after an early close is harmless
+    disabled, quiet = console(terminal=True)
+    ProgressBar("tune", disabled, enabled=False).update(1, 4)
+    assert quiet.getvalue() == ""
 
 
 def parse(*argv: str) -> argparse.Namespace:
