@@ -13,12 +13,12 @@ from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
-# Six two-turn sessions over a shared system prompt; tiny model, 8-token blocks.
+# Four two-turn sessions over a shared system prompt; tiny model, 8-token blocks.
 SPEC = SyntheticSpec(
-    num_sessions=6,
+    num_sessions=4,
     turns_per_session=2,
-    prompt_tokens=16,
-    output_tokens=24,
+    prompt_tokens=40,
+    output_tokens=12,
     user_tokens_per_turn=8,
     system_prompt_tokens=16,
     vocab_size=256,
@@ -32,13 +32,6 @@ BASE: dict[str, object] = {
     "swap_in_chunk_blocks": 2,
     "max_num_seqs": 4,
     "device": "cpu",
-}
-# Admission keeps unevictable blocks under the low watermark; at 0.95 of a 10-block
-# pool three sequences run at once and outgrow it, so preemption really happens.
-PRESSURE: dict[str, object] = {
-    "gpu_kv_capacity_blocks": 10,
-    "swap_out_low_watermark": 0.95,
-    "swap_out_high_watermark": 1.0,
 }
 
 
@@ -58,18 +51,18 @@ def reference() -> dict[str, Any]:
 
 
 def test_a_gpu_pool_four_times_too_small_gives_the_same_outputs(reference: dict[str, Any]) -> None:
-    # Peak demand is 6 sessions x 9 blocks; the GPU holds 10.
-    summary = run(generate_synthetic(SPEC), **PRESSURE, cpu_kv_capacity_blocks=64)
+    # Peak demand is 4 sessions x 9 blocks; the GPU holds 10.
+    summary = run(generate_synthetic(SPEC), gpu_kv_capacity_blocks=10, cpu_kv_capacity_blocks=64)
     assert summary["preemptions"] > 0
     assert summary["bytes_gpu_to_cpu"] > 0 and summary["bytes_cpu_to_gpu"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
-    assert summary["requests_completed"] == reference["requests_completed"] == 12
+    assert summary["requests_completed"] == reference["requests_completed"] == 8
 
 
 def test_recompute_preemption_gives_the_same_outputs(reference: dict[str, Any]) -> None:
     summary = run(
         generate_synthetic(SPEC),
-        **PRESSURE,
+        gpu_kv_capacity_blocks=10,
         cpu_kv_capacity_blocks=0,
         preemption="recompute",
     )

@@ -16,8 +16,8 @@ from kvswap.workload.synthetic import SyntheticSpec
 TINY_SPEC = SyntheticSpec(
     num_sessions=6,
     turns_per_session=2,
-    prompt_tokens=16,
-    output_tokens=24,
+    prompt_tokens=40,
+    output_tokens=16,
     user_tokens_per_turn=8,
     system_prompt_tokens=16,
     vocab_size=256,
@@ -33,18 +33,13 @@ TINY_SETTINGS: dict[str, object] = {
     "device": "cpu",
     "gpu_kv_capacity_blocks": 12,
     "cpu_kv_capacity_blocks": 8,
-    # Admit up to 95 % of the pool so running sequences outgrow it (and are preempted).
-    "swap_out_low_watermark": 0.95,
-    "swap_out_high_watermark": 1.0,
 }
 TINY_CLI_ARGS: tuple[str, ...] = (
-    "--model", "tiny", "--num-sessions", "6", "--prompt-tokens", "16", "--output-tokens", "24",
+    "--model", "tiny", "--num-sessions", "6", "--prompt-tokens", "40", "--output-tokens", "16",
     "--user-tokens", "8", "--system-prompt-tokens", "16", "--seed", "3", "--block-tokens", "8",
     "--evict-protected-blocks", "1", "--min-residency-steps", "4", "--swap-out-chunk-blocks", "2",
     "--swap-in-chunk-blocks", "2", "--max-num-seqs", "4", "--device", "cpu",
     "--gpu-kv-capacity-blocks", "12", "--cpu-kv-capacity-blocks", "8",
-    # The seed's name for swap_out_low_watermark, still accepted.
-    "--swap-in-low-watermark", "0.95", "--swap-out-high-watermark", "1.0",
 )  # fmt: skip
 
 

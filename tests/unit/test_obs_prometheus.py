@@ -85,7 +85,7 @@ def test_values_move_as_the_run_progresses(scraped_run: tuple[Any, list[Scrape],
     assert written == sorted(written) and written[-1] > 0
     assert value(scrapes[0], "kvswap_tier_capacity_blocks", tier="gpu") == 12
     assert value(scrapes[0], "kvswap_tier_capacity_bytes", tier="cpu") == 8 * 4096
-    assert value(final, "kvswap_tier_watermark_ratio", tier="gpu", watermark="high") == 1.0
+    assert value(final, "kvswap_tier_watermark_ratio", tier="gpu", watermark="high") == 0.85
 
 
 def test_the_last_scrape_agrees_with_the_final_json(
