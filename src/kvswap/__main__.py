@@ -1,3 +1,21 @@
-from kvswap.cli import main
+"""`python -m kvswap`: the stop signals are caught before the heavy imports.
 
-raise SystemExit(main())
+Importing the commands imports torch, which takes seconds; a Ctrl-C or a
+SIGTERM in that time ends with one line and 128 + the signal number, not a
+KeyboardInterrupt traceback from deep inside an import."""
+
+from kvswap.signals import Terminated, report_stop, stop_signals_raise
+
+
+def entry() -> int:
+    """The command line, with the imports under the same signal handling as the run."""
+    try:
+        with stop_signals_raise():
+            from kvswap.cli import main
+    except (KeyboardInterrupt, Terminated) as stop:
+        return report_stop(stop)
+    return main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(entry())

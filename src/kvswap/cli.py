@@ -16,6 +16,7 @@ from kvswap.commands import run as run_command
 from kvswap.commands import simulate as simulate_command
 from kvswap.commands import tune as tune_command
 from kvswap.errors import KvSwapError
+from kvswap.signals import Terminated, report_stop, stop_signals_raise
 
 EXIT_USAGE = 2
 
@@ -47,14 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command. A user mistake exits 2 with one line; SIGINT, SIGTERM, SIGHUP
+    and SIGQUIT unwind every `with` (releasing the pools), print one line and exit
+    with 128 + the signal number. Neither ever shows a traceback."""
     try:
-        result: int = args.handler(args)
+        with stop_signals_raise():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            result: int = args.handler(args)
     except KvSwapError as error:
         print(f"kvswap: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("kvswap: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as stop:
+        return report_stop(stop)
     return result

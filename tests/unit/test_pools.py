@@ -5,6 +5,7 @@ All pools are tiny (a few KiB per block, 4-8 slots)."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import re
 import stat
@@ -15,10 +16,12 @@ import pytest
 import torch
 
 from kvswap.data import host_pool as host_pool_module
+from kvswap.data import pinned as pinned_module
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import SLOT_ALIGN_BYTES, DiskPool, DiskSlotError
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
+from kvswap.data.pinned import PinnedBuffer
 from kvswap.errors import ConfigError, KvSwapError
 
 BLOCK_BYTES = 8192  # a multiple of 4096: the O_DIRECT-eligible case
@@ -308,3 +311,79 @@ def _raise_oserror(code: int) -> Any:
         raise OSError(code, os.strerror(code))
 
     return fail
+
+
+# --- host memory pre-check: rlimits and cgroups ---------------------------------
+
+
+def fake_cgroup(tmp_path: Path, proc_line: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /sys/fs/cgroup tree and a /proc/self/cgroup file under tmp_path."""
+    root = tmp_path / "cgroup"
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(proc_line + "\n")
+    return root, proc
+
+
+def test_the_cgroup_v2_limit_binds_when_it_is_the_tightest(tmp_path: Path) -> None:
+    root, proc = fake_cgroup(
+        tmp_path,
+        "0::/job",
+        {
+            "job/memory.max": "max\n",  # no limit here: the parent's applies
+            "memory.max": str(64 << 20),
+            "memory.current": str(48 << 20),
+            "memory.stat": f"anon 1\ninactive_file {16 << 20}\n",
+        },
+    )
+    memory = pinned_module.host_memory(root, proc)
+    # 64 MiB limit - (48 MiB used - 16 MiB reclaimable cache) = 32 MiB
+    assert memory.available_bytes == 32 << 20
+    assert "memory.max" in memory.limit
+
+
+def test_the_cgroup_v1_limit_binds_and_v1_unlimited_is_ignored(tmp_path: Path) -> None:
+    root, proc = fake_cgroup(
+        tmp_path,
+        "4:memory:/docker/abc",
+        {
+            "memory/docker/abc/memory.limit_in_bytes": str(1 << 63),  # "unlimited"
+            "memory/docker/memory.limit_in_bytes": str(40 << 20),
+            "memory/docker/memory.usage_in_bytes": str(8 << 20),
+        },
+    )
+    memory = pinned_module.host_memory(root, proc)
+    assert memory.available_bytes == 32 << 20
+    assert "memory.limit_in_bytes" in memory.limit
+
+
+def test_a_binding_limit_is_named_in_the_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = pinned_module.HostMemory(1 << 20, "the address-space limit RLIMIT_AS (ulimit -v)")
+    monkeypatch.setattr(pinned_module, "host_memory", lambda: limit)
+    with pytest.raises(KvSwapError, match="RLIMIT_AS") as info:
+        HostPool(KVLayout.from_block_bytes(BLOCK_BYTES), num_slots=1024)
+    assert_one_line(info.value)
+
+
+def test_an_mmap_refused_by_the_kernel_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(KvSwapError, match="ulimit -v") as info:
+        PinnedBuffer(BLOCK_BYTES)
+    assert_one_line(info.value)
+
+
+def test_the_pinned_fill_goes_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    pieces: list[int] = []
+    monkeypatch.setattr(pinned_module, "FILL_CHUNK_BYTES", 2 * BLOCK_BYTES)
+    monkeypatch.setattr(pinned_module, "_touch_pages", lambda piece: pieces.append(piece.numel()))
+    with PinnedBuffer(5 * BLOCK_BYTES):
+        assert pieces == [2 * BLOCK_BYTES, 2 * BLOCK_BYTES, BLOCK_BYTES]

@@ -1,6 +1,7 @@
 """The NVMe slab: one preallocated file cut into fixed, 4096-aligned slots.
 
-    kvswap-<pid>-<random>.kvslab   (mode 0600, created with O_EXCL)
+    kvswap-<pid>-<random>.kvslab           (mode 0600, created with O_EXCL)
+    kvswap-<pid>-<random>.persist.kvslab   (the same, made with nvme_persist: kept)
     +----------------+----------------+-- ... --+------------------------+
     | slot 0         | slot 1         |         | slot num_slots-1       |
     | block | pad    | block | pad    |         | block | pad            |
@@ -14,16 +15,29 @@ the filesystem accepts it and the caller's buffer and the block size are
 4096-aligned; otherwise through a buffered descriptor. Every slot carries a
 CRC-32 written with it and checked on every read: a slot whose bytes changed
 raises `DiskSlotError`, never returns wrong data as good.
+
+A slab outlives its process only when that process was killed (SIGKILL, a
+crash, the OOM killer). The owner holds an exclusive `flock` on its slab for
+its whole life, and the kernel drops that lock when the process dies however
+it dies, so at start-up a slab in the directory whose owner pid is gone and
+whose lock is free is known to be stale: it is removed (or, if persisted,
+reported). The lock is what protects a live slab whose owner is in another pid
+namespace (a container sharing the directory), where the pid alone would
+look dead.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
+import re
 import secrets
 import stat
+import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +51,7 @@ IoMode = Literal["direct", "buffered"]
 # A block's bytes: a contiguous CPU tensor (any dtype) or any C-contiguous buffer.
 ByteSink = memoryview | bytearray | torch.Tensor
 ByteSource = bytes | memoryview | bytearray | torch.Tensor
+SLAB_NAME = re.compile(r"kvswap-(?P<pid>[0-9]+)-[0-9a-f]+(?P<persist>\.persist)?\.kvslab")
 
 
 class DiskSlotError(Exception):
@@ -72,17 +87,13 @@ class DiskPool:
         self.persist = persist
         self.slot_stride_bytes = -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
         self.configured_bytes = num_slots * self.slot_stride_bytes
+        # Before the free-space check: a stale slab's bytes are free once it is removed.
+        report_stale_slabs(self.directory)
         check_directory(self.directory, self.configured_bytes)
 
-        self.path = self.directory / f"kvswap-{os.getpid()}-{secrets.token_hex(6)}.kvslab"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self._fd: int | None = os.open(self.path, flags, 0o600)
-        except OSError as exc:
-            raise KvSwapError(
-                f"NVMe directory {self.directory}: cannot create {self.path.name}: "
-                f"{_describe(exc)}; point the NVMe tier at a writable directory"
-            ) from exc
+        suffix = ".persist.kvslab" if persist else ".kvslab"
+        self.path, fd = _create_locked(self.directory, suffix)
+        self._fd: int | None = fd
         self._direct_fd: int | None = None
         try:
             os.fchmod(self._fd, 0o600)  # whatever the umask: KV bytes are private
@@ -192,6 +203,137 @@ class DiskPool:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"NVMe slot {slot} out of range [0, {self.num_slots})")
+
+
+@dataclass(frozen=True)
+class StaleSlab:
+    """A slab file whose owning process is gone."""
+
+    path: Path
+    owner_pid: int
+    persisted: bool
+    removed: bool
+    error: str | None = None  # why it could not be removed
+
+    def describe(self) -> str:
+        gone = f"process {self.owner_pid}, which no longer runs"
+        if self.removed:
+            return f"removed the stale NVMe slab {self.path} left by {gone}"
+        if self.persisted:
+            return (
+                f"kept the NVMe slab {self.path} made with nvme_persist by {gone}; "
+                "delete it when it is no longer needed"
+            )
+        return f"could not remove the stale NVMe slab {self.path} left by {gone}: {self.error}"
+
+
+def sweep_stale_slabs(directory: Path) -> list[StaleSlab]:
+    """Remove the slabs in `directory` whose owner is dead; persisted ones are kept.
+
+    A slab is stale only when its owner pid does not exist here AND nobody holds its
+    lock; a live process's slab, in this pid namespace or another, is never touched."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []  # check_directory says what is wrong with the directory
+    found: list[StaleSlab] = []
+    for name in names:
+        match = SLAB_NAME.fullmatch(name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        path = directory / name
+        if _process_exists(pid):
+            continue
+        lock_fd = _lock_if_free(path)
+        if lock_fd is None:
+            continue  # alive in another pid namespace, or just removed by someone else
+        try:
+            found.extend(_settle_stale(path, pid, persisted=match["persist"] is not None))
+        finally:
+            os.close(lock_fd)  # removed while locked, so no new owner can be between
+    return found
+
+
+def _settle_stale(path: Path, pid: int, *, persisted: bool) -> list[StaleSlab]:
+    if persisted:
+        return [StaleSlab(path, pid, persisted=True, removed=False)]
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return []  # another process starting up removed it first
+    except OSError as exc:
+        return [StaleSlab(path, pid, persisted=False, removed=False, error=_describe(exc))]
+    return [StaleSlab(path, pid, persisted=False, removed=True)]
+
+
+def report_stale_slabs(directory: Path) -> None:
+    """`sweep_stale_slabs`, with one stderr line per slab removed or kept."""
+    for stale in sweep_stale_slabs(directory):
+        print(f"kvswap: {stale.describe()}", file=sys.stderr)
+
+
+def _process_exists(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, alive
+    except OverflowError:
+        return False  # not a pid this system can have
+    return True
+
+
+def _lock_if_free(path: Path) -> int | None:
+    """A descriptor holding `path`'s lock if no process held it; None if one does
+    (or the file is gone or unreadable: not ours to judge)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _create_locked(directory: Path, suffix: str) -> tuple[Path, int]:
+    """Create a new slab file (O_EXCL, 0600) and take its lock, held until the
+    descriptor closes or the process dies however it dies: "this slab is alive".
+
+    Between the create and the lock a sweeper in another pid namespace may find the
+    file unlocked and remove it; then the name no longer leads to our file, and we
+    start again with a new one."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _attempt in range(3):
+        path = directory / f"kvswap-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise KvSwapError(
+                f"NVMe directory {directory}: cannot create {path.name}: "
+                f"{_describe(exc)}; point the NVMe tier at a writable directory"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper holds it for microseconds at most
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return path, fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+    raise KvSwapError(
+        f"NVMe directory {directory}: another process keeps removing new slab files; "
+        "give each machine or container its own NVMe directory"
+    )
 
 
 def slab_bytes(block_bytes: int, num_slots: int) -> int:

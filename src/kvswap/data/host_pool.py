@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvswap.data.layout import KVLayout
-from kvswap.data.pinned import PinnedBuffer, available_host_bytes
+from kvswap.data.pinned import PinnedBuffer, require_host_bytes
 from kvswap.errors import KvSwapError
 
 
@@ -34,13 +34,11 @@ class HostPool:
         self.num_slots = num_slots
         self.configured_bytes = num_slots * layout.block_bytes
         # Checked here (as well as in PinnedBuffer) to name the slot count in the message.
-        free_bytes = available_host_bytes()
-        if self.configured_bytes > free_bytes:
-            raise KvSwapError(
-                f"host pool: {num_slots} slots x {layout.block_bytes} bytes = "
-                f"{self.configured_bytes} bytes asked for but only {free_bytes} bytes of host "
-                "memory are available; lower the CPU tier capacity"
-            )
+        require_host_bytes(
+            self.configured_bytes,
+            f"host pool: {num_slots} slots x {layout.block_bytes} bytes = "
+            f"{self.configured_bytes} bytes asked for",
+        )
         self._buffer = PinnedBuffer(self.configured_bytes, populate=populate, what="host pool")
         # _bytes: [num_slots, block_bytes] uint8; slots: [num_slots, *block_shape] typed.
         self._bytes = self._buffer.tensor.view(num_slots, layout.block_bytes)

@@ -8,7 +8,8 @@ The engine is the real `Backend` of the one driver loop (`kvswap.drive`):
 a wall clock, the model, the copy engine. Everything is allocated once in
 `__init__` at exactly the configured sizes, checked before anything is
 allocated: the device pool, the pinned host pool, the NVMe slab. `close()`
-releases them (the slab file is removed unless `nvme_persist`).
+releases them (the slab file is removed unless `nvme_persist`); so does a
+failure or a stop signal part-way through `__init__`, on the same path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import torch
 
@@ -25,10 +27,10 @@ from kvswap.config import KvSwapConfig
 from kvswap.control.scheduler import StepPlan
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool, check_directory, slab_bytes
+from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
-from kvswap.data.pinned import available_host_bytes
+from kvswap.data.pinned import require_host_bytes
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import drive
@@ -40,6 +42,7 @@ from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import load_model, resolve_model
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
+from kvswap.signals import Terminated
 from kvswap.workload.request import Workload
 
 #: The longest the loop sleeps while idle, so an arrival is noticed promptly.
@@ -75,35 +78,51 @@ class Engine(Backend):
         self.capacities = capacities
         self._check_tiers()  # before anything is allocated, weights included
         self._saved_threads = torch.get_num_threads()
+        self.host_pool: HostPool | None = None
+        self.disk_pool: DiskPool | None = None
+        self.device_pool: DevicePool | None = None
+        self.copy_engine: LocalCopyEngine | None = None
+        try:
+            self._allocate(config, options)
+        except BaseException as exc:
+            # A failure or a stop signal half-way: release what was made (the slab
+            # among it) on the same path as close(), then let the error through.
+            _note_released(exc, self.close())
+            raise
+        self._start_s = time.perf_counter()
+
+    def _allocate(self, config: KvSwapConfig, options: EngineOptions) -> None:
+        """Weights, then the NVMe slab, the pinned pool, the device pool, the copy engine."""
+        capacities = self.capacities
         if self.device.type == "cpu":
             cores = os.cpu_count() or 1
             torch.set_num_threads(options.cpu_threads or max(1, cores - 1))
         model, arch = load_model(options.model, options.dtype, self.device)
         self.model, self.arch = model, arch
         self.model_name = options.model
-        disk: DiskPool | None = None
         if capacities.num_nvme_blocks:
             assert config.tiers.nvme_dir is not None  # validated with the capacities
-            disk = DiskPool(
+            self.disk_pool = DiskPool(
                 config.tiers.nvme_dir, self.layout.block_bytes, capacities.num_nvme_blocks,
                 persist=config.tiers.nvme_persist,
             )  # fmt: skip
-        host = (
-            HostPool(self.layout, capacities.num_cpu_blocks) if capacities.num_cpu_blocks else None
-        )
-        self.device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
-        self.host_pool, self.disk_pool = host, disk
-        self.copy_engine = LocalCopyEngine(
-            self.device_pool, host, disk, prefetch_streams=config.swap.prefetch_stream_count
-        )
+        if capacities.num_cpu_blocks:
+            self.host_pool = HostPool(self.layout, capacities.num_cpu_blocks)
+        device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
+        self.device_pool = device_pool
+        copy_engine = LocalCopyEngine(
+            device_pool, self.host_pool, self.disk_pool,
+            prefetch_streams=config.swap.prefetch_stream_count,
+        )  # fmt: skip
+        self.copy_engine = copy_engine
         settings = control_settings(
             config, capacities, block_bytes=self.layout.block_bytes,
             model_fingerprint=arch.description.fingerprint(),
+            max_sequence_tokens=arch.max_position_tokens,
         )  # fmt: skip
-        self.control = build_control_plane(settings, self.copy_engine, time.perf_counter)
+        self.control = build_control_plane(settings, copy_engine, time.perf_counter)
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
-        self.runner = ModelRunner(model, self.device_pool.kv, options.sampling)
-        self._start_s = time.perf_counter()
+        self.runner = ModelRunner(model, device_pool.kv, options.sampling)
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -113,18 +132,16 @@ class Engine(Backend):
                 "gpu_kv_capacity_blocks (or gpu_kv_capacity_bytes) must give the engine at least "
                 f"one GPU block of {block} bytes"
             )
-        free_bytes = available_host_bytes()
-        if caps.num_cpu_blocks * block > free_bytes:
-            raise KvSwapError(
-                f"cpu_kv_capacity = {caps.num_cpu_blocks} blocks x {block} bytes needs "
-                f"{caps.num_cpu_blocks * block} bytes of pinned memory but only {free_bytes} are "
-                "available; lower the CPU tier capacity"
-            )
+        require_host_bytes(
+            caps.num_cpu_blocks * block,
+            f"cpu_kv_capacity = {caps.num_cpu_blocks} blocks x {block} bytes needs "
+            f"{caps.num_cpu_blocks * block} bytes of pinned memory",
+        )
         if caps.num_nvme_blocks:
             assert self.config.tiers.nvme_dir is not None  # validated with the capacities
-            check_directory(
-                Path(self.config.tiers.nvme_dir), slab_bytes(block, caps.num_nvme_blocks)
-            )
+            nvme_dir = Path(self.config.tiers.nvme_dir)
+            report_stale_slabs(nvme_dir)  # their space counts as free in the check below
+            check_directory(nvme_dir, slab_bytes(block, caps.num_nvme_blocks))
 
     def run(
         self,
@@ -172,16 +189,46 @@ class Engine(Backend):
             "pinned_pool_resident_bytes": host.resident_bytes() if host else 0,
         }
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
+        """Stop the copy workers, then release every pool; safe to call twice.
+
+        Returns what was released, one phrase per pool, for the stop line."""
         torch.set_num_threads(self._saved_threads)
-        self.copy_engine.close()
+        released: list[str] = []
+        if self.copy_engine is not None:
+            self.copy_engine.close()  # first: no worker may touch a pool being released
+            self.copy_engine = None
         if self.host_pool is not None:
             self.host_pool.close()
+            released.append(f"released the pinned pool ({self.host_pool.configured_bytes} bytes)")
+            self.host_pool = None
         if self.disk_pool is not None:
-            self.disk_pool.close()
+            disk = self.disk_pool
+            disk.close()
+            released.append(
+                f"kept the NVMe slab {disk.path} (nvme_persist)"
+                if disk.persist
+                else f"removed the NVMe slab {disk.path}"
+            )
+            self.disk_pool = None
+        if self.device_pool is not None:
+            released.append(f"released the device pool ({self.device_pool.configured_bytes} bytes)")
+            self.device_pool = None
+        return released
 
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _note_released(exc, self.close())
+
+
+def _note_released(exc: BaseException | None, released: list[str]) -> None:
+    """Tell the stop line (kvswap.signals.stop_message) what was released."""
+    if isinstance(exc, (KeyboardInterrupt, Terminated)) and released:
+        exc.add_note(", ".join(released))
