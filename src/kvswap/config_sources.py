@@ -6,33 +6,26 @@ Values come back unvalidated; `kvswap.config.load_config` merges and checks them
 from __future__ import annotations
 
 import difflib
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvswap.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from kvswap.readers import parse_toml
 
 
 def read_toml(path: Path) -> dict[str, Any]:
     """The file's table, or a one-line ConfigError naming the file and the problem."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {str(path)!r} is a directory, not a TOML file") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    # parse_toml turns binary, deep nesting, bad syntax and nan/inf into one line each.
+    return parse_toml(data, f"config file {str(path)!r}")
 
 
 def source_values(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from kvswap.errors import KvSwapError
+from kvswap.readers import parse_json
 from kvswap.units import format_bytes
 
 BenchOp = Literal["h2d", "d2h", "memcpy", "gather_chunk"]
@@ -124,21 +125,15 @@ def save_report(report: BenchReport, path: str | Path) -> None:
 def load_report(path: str | Path) -> BenchReport:
     """Read a report written by `save_report`; KvSwapError naming the file if it is unusable."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     except FileNotFoundError as exc:
         raise KvSwapError(
             f"{path}: no such benchmark report; run `kvswap bench --out {path}` first"
         ) from exc
-    except UnicodeDecodeError as exc:
-        raise KvSwapError(f"{path}: not a benchmark report (not UTF-8 text)") from exc
     except OSError as exc:
         raise KvSwapError(f"{path}: cannot read the benchmark report ({exc.strerror})") from exc
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise KvSwapError(
-            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from exc
+    # parse_json turns binary, deep nesting, bad syntax and NaN/Infinity into one line each.
+    raw = parse_json(data, str(path))
     return report_from_json_dict(raw, source=str(path))
 
 

@@ -16,6 +16,7 @@ so the CLI can validate a checkpoint's config without importing torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -141,7 +142,9 @@ def _positive_float(raw: Mapping[str, object], key: str, default: float) -> floa
     value = raw.get(key, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise KvSwapError(f"config.json: '{key}' must be a positive number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
         raise KvSwapError(f"config.json: '{key}' must be a positive number, got {value!r}")
     return float(value)
 

@@ -16,7 +16,6 @@ encoders, per-layer differences. Torch-free on purpose.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,10 +47,12 @@ from kvswap.model.hf_fields import (
     FieldReader,
     architecture_name,
     kv_heads,
+    reject_bad_floats,
     reject_mixed_layers,
     reject_non_decoder,
 )
 from kvswap.model.params import count_params
+from kvswap.readers import parse_json
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "LinearRopeScaling", "Llama3RopeScaling",
@@ -115,6 +116,7 @@ def _describe(config: Mapping[str, object], name: str, source: str) -> ModelDesc
     model_type = model_type_value if isinstance(model_type_value, str) else None
     r = FieldReader(text, source, prefix, architecture_name(config, text))
     reject_non_decoder(r, config, model_type)
+    reject_bad_floats(r, config)
     # Counts first, so a config without attention names the key it lacks.
     num_layers = r.required_int(LAYER_KEYS)
     num_heads = r.required_int(HEAD_KEYS)
@@ -192,17 +194,13 @@ def describe_hf_dict(config: Mapping[str, object], name: str = "hf-config") -> M
 def read_config_json(file: Path) -> dict[str, object]:
     """The JSON object in `file`; one-line errors naming the path."""
     try:
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
     except FileNotFoundError:
         raise KvSwapError(f"{file}: no such file; expected a Hugging Face config.json") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise KvSwapError(f"{file}: cannot read it ({exc})") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise KvSwapError(
-            f"{file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        ) from None
+    # parse_json turns binary, deep nesting, bad syntax and NaN/Infinity into one line each.
+    config = parse_json(data, str(file))
     if not isinstance(config, dict):
         raise KvSwapError(f"{file}: expected a JSON object, got {type(config).__name__}")
     return config

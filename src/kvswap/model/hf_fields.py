@@ -8,6 +8,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from kvswap.errors import KvSwapError
@@ -35,6 +36,20 @@ _HYBRID_KEYS = (
 _ATTENTION_LAYER_TYPES = frozenset(
     {"attention", "full_attention", "sliding_attention", "chunked_attention"}
 )
+# Upper bounds on a config's counts: far above any released decoder (Llama 3.1 405B has
+# 126 layers, hidden size 16384, intermediate size 53248; vocabularies reach ~256k), far
+# below the sizes that would make building the model hang or its tensors overflow a machine
+# (`vocab_size: 1e15`, `num_hidden_layers: 1e9`). Checked before anything is built.
+MAX_NUM_LAYERS = 2048
+_MAX_BY_KEY: dict[str, int] = {
+    **dict.fromkeys(LAYER_KEYS, MAX_NUM_LAYERS),
+    **dict.fromkeys(HIDDEN_KEYS, 1 << 18),
+    **dict.fromkeys(INTERMEDIATE_KEYS, 1 << 20),
+    **dict.fromkeys(VOCAB_KEYS, 1 << 23),
+}
+_MAX_COUNT = 1 << 16  # heads, KV heads, head_dim, latent ranks
+# Floats that scale every activation: NaN, infinity, zero or a negative value gives garbage.
+_EPSILON_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")
 CAPABILITY = "kvswap sizes decoder-only transformers with MHA, GQA, MQA or MLA attention"
 
 
@@ -70,6 +85,11 @@ class FieldReader:
         key, value = found
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise self.fail(f"{self.prefix}{key} = {value!r} is not a positive integer")
+        maximum = _MAX_BY_KEY.get(key, _MAX_COUNT)
+        if value > maximum:
+            raise self.fail(
+                f"{self.prefix}{key} = {value} is larger than kvswap accepts (at most {maximum})"
+            )
         return value
 
     def required_int(self, keys: tuple[str, ...]) -> int:
@@ -81,8 +101,15 @@ class FieldReader:
         value = config.get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        # `not value > 0` (rather than `value <= 0`) also refuses NaN.
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise self.fail(f"{self.prefix}{key} = {value!r} is not a positive number")
+        try:
+            finite = math.isfinite(value)  # an int past float's range overflows here
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise self.fail(f"{self.prefix}{key} = {value!r:.40} is not a finite number")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -92,6 +119,33 @@ class FieldReader:
         if not isinstance(value, bool):
             raise self.fail(f"{self.prefix}{key} = {value!r} is not true or false")
         return value
+
+
+def _non_finite(value: object) -> tuple[str, float] | None:
+    """The key path and value of the first NaN or infinity under `value` (configs are small)."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        here, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return here, item
+        if isinstance(item, Mapping):
+            stack.extend((f"{here}.{k}" if here else str(k), v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{here}[{i}]", v) for i, v in enumerate(item))
+    return None
+
+
+def reject_bad_floats(r: FieldReader, outer: Mapping[str, object]) -> None:
+    """Refuse NaN or infinity anywhere, and a norm epsilon that is not a positive number.
+
+    A dict built in memory (not read through `kvswap.readers`) can hold them, and a NaN
+    epsilon or an infinite RoPE theta runs without an error, producing garbage tokens.
+    """
+    found = _non_finite(outer)
+    if found is not None:
+        raise r.fail(f"{found[0]} = {found[1]} is not a finite number")
+    for key in _EPSILON_KEYS:
+        r.positive_float(r.config, key, 1.0)
 
 
 def architecture_name(outer: Mapping[str, object], text: Mapping[str, object]) -> str:

@@ -10,8 +10,8 @@ for a preset, from a seeded CPU generator (identical weights on every device).
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -23,11 +23,13 @@ from kvswap.model.hf_config import parse_hf_config, read_config_json
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.presets import ENGINE_PRESET_NAMES, preset_arch_config
 from kvswap.model.torch_dtypes import TORCH_DTYPES, weight_torch_dtype
+from kvswap.readers import parse_json
 
 __all__ = [
     "PRESETS",
     "PRESET_SEED",
     "TORCH_DTYPES",
+    "check_checkpoint_shapes",
     "load_model",
     "parse_dtype",
     "read_checkpoint_config",
@@ -36,6 +38,9 @@ __all__ = [
 
 PRESET_SEED = 0
 _INDEX_NAME = "model.safetensors.index.json"
+# The safetensors format's own cap on its JSON header; a larger length is a corrupt file.
+_MAX_HEADER_BYTES = 100_000_000
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 #: The engine's random-weight presets, from the one preset table (kvswap.model.presets).
 PRESETS: dict[str, ModelArchConfig] = {
@@ -66,6 +71,10 @@ def resolve_model(
                 "directory with config.json and *.safetensors"
             )
         config = read_checkpoint_config(directory)
+        # Before anything is allocated: the config's sizes must be the checkpoint's. A
+        # directory with only config.json describes a model for sizing; load_model refuses it.
+        if (directory / _INDEX_NAME).is_file() or any(directory.glob("*.safetensors")):
+            check_checkpoint_shapes(config, directory)
     # Unstated: fp32, which every device (a CPU included) computes in.
     dtype_name = dtype if dtype is not None else (config.description.checkpoint_dtype or "fp32")
     torch_dtype = parse_dtype(dtype_name)
@@ -81,6 +90,9 @@ def load_model(
     returned config's `dtype_name` is the dtype the weights were loaded in.
     """
     config, torch_dtype, directory = resolve_model(source, dtype)
+    if directory is not None:
+        # resolve_model skipped the check for a directory without weights; here it refuses.
+        check_checkpoint_shapes(config, directory)
     model = _empty_model(config, torch_dtype, device)
     if directory is None:
         _fill_random(model, PRESET_SEED)
@@ -126,14 +138,50 @@ def _fill_random(model: LlamaForCausal, seed: int) -> None:
             param.copy_(values)
 
 
+def _shard_inside(directory: Path, name: str, listed_in: Path) -> Path:
+    """`directory / name`, refused when it leaves the model directory (.., absolute, links)."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not name.strip():
+        raise KvSwapError(
+            f"{listed_in}: shard path {name!r} leaves the model directory; "
+            "expected a file name inside it"
+        )
+    path = directory / relative
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise KvSwapError(
+            f"{listed_in}: shard {name!r} is a link to {path.resolve()}, outside the model "
+            "directory; refusing to follow it"
+        )
+    return path
+
+
+def _index_shard_names(index_path: Path) -> list[str]:
+    """The shard file names of a `weight_map`, checked to be {tensor name: file name}."""
+    try:
+        raw = index_path.read_bytes()
+    except OSError as exc:
+        raise KvSwapError(f"cannot read weight_map from {index_path}: {exc.strerror}") from None
+    index = parse_json(raw, str(index_path))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        shown = type(weight_map).__name__ if weight_map is not None else "missing"
+        raise KvSwapError(
+            f"{index_path}: weight_map is {shown}; expected an object "
+            "{tensor name: shard file name}"
+        )
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str):
+            raise KvSwapError(
+                f"{index_path}: weight_map[{tensor!r}] is {type(name).__name__}; "
+                "expected a shard file name"
+            )
+    return sorted(set(weight_map.values()))
+
+
 def _checkpoint_files(directory: Path) -> list[Path]:
     index_path = directory / _INDEX_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise KvSwapError(f"cannot read weight_map from {index_path}: {exc}") from exc
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        files = [_shard_inside(directory, n, index_path) for n in _index_shard_names(index_path)]
         for path in files:
             if not path.is_file():
                 raise KvSwapError(f"shard {path.name} listed in {_INDEX_NAME} is missing")
@@ -141,7 +189,77 @@ def _checkpoint_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise KvSwapError(f"no *.safetensors files in model directory {directory}")
-    return files
+    return [_shard_inside(directory, path.name, directory) for path in files]
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header, read without loading any tensor.
+
+    The format: an 8-byte little-endian header length, then that many bytes of JSON
+    {name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}.
+    """
+    try:
+        with path.open("rb") as file:
+            file_bytes = path.stat().st_size
+            prefix = file.read(8)
+            header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+            if header_bytes is None or header_bytes > min(file_bytes - 8, _MAX_HEADER_BYTES):
+                raise KvSwapError(
+                    f"cannot read safetensors file {path}: no valid header "
+                    f"(length {header_bytes} in a file of {file_bytes} bytes)"
+                )
+            header = parse_json(file.read(header_bytes), f"safetensors header of {path}")
+    except OSError as exc:
+        raise KvSwapError(f"cannot read safetensors file {path}: {exc.strerror}") from None
+    if not isinstance(header, dict):
+        raise KvSwapError(f"cannot read safetensors file {path}: the header is not an object")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise KvSwapError(
+                f"cannot read safetensors file {path}: tensor {name} has no valid shape"
+            )
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def check_checkpoint_shapes(config: ModelArchConfig, directory: Path) -> None:
+    """Refuse a config.json whose sizes are not the checkpoint's real tensors.
+
+    Reads only the safetensors headers. The layer count is compared first, from tensor
+    names, so that a config claiming 1e9 layers is refused before a model of that many
+    layers is even built on the meta device.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
+    for path in _checkpoint_files(directory):
+        for name, shape in _header_shapes(path).items():
+            shapes.setdefault(name, shape)
+            where.setdefault(name, path.name)
+    layers = {int(m.group(1)) for n in shapes if (m := _LAYER_NAME.match(n)) is not None}
+    num_checkpoint_layers = max(layers) + 1 if layers else 0
+    if num_checkpoint_layers != config.num_layers:
+        raise KvSwapError(
+            f"{directory / 'config.json'}: num_hidden_layers = {config.num_layers}, but the "
+            f"checkpoint holds tensors for {num_checkpoint_layers} layers"
+        )
+    with torch.device("meta"):  # shapes only: no memory, no init
+        expected = {n: tuple(p.shape) for n, p in LlamaForCausal(config).named_parameters()}
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KvSwapError(f"checkpoint {directory} is missing tensor {missing[0]}{more}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise KvSwapError(
+                f"tensor {name} in {where[name]} has shape {shapes[name]}, expected {shape} "
+                f"from {directory / 'config.json'}"
+            )
 
 
 @torch.no_grad()

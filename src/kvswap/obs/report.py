@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from kvswap.obs.jsonvalues import as_mapping, lookup, number
 from kvswap.obs.plots import PlotRun, write_plots
 from kvswap.obs.timeseries import TimeSeries
 from kvswap.obs.watermarks import Watermarks
+from kvswap.readers import parse_json
 
 REPORT_FILE = "report.json"
 INDEX_FILE = "index.html"
@@ -57,11 +58,17 @@ class RunReport:
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], where: str = REPORT_FILE) -> RunReport:
+        """The report in `data`; a KvSwapError naming the first invalid field.
+
+        The lenient per-part readers would put defaults in place of a corrupt value, so
+        every field they read is type-checked here first: a corrupt report is an error.
+        """
         if data.get("version") != REPORT_VERSION:
             raise KvSwapError(
                 f"{where}: report version {data.get('version')!r} is not supported; "
                 f"this kvswap reads version {REPORT_VERSION} (rerun with --report)"
             )
+        _check_fields(data, where)
         diagnosis = lookup(data, "diagnosis")
         label = data.get("label")
         return cls(
@@ -79,10 +86,111 @@ class RunReport:
         )
 
 
-def write_report(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
+def _invalid(where: str, field_name: str, value: object, allowed: str) -> KvSwapError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return KvSwapError(f"{where}: field {field_name} = {shown} is invalid; expected {allowed}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _in_range(
+    value: object, low: float, high: float | None, *, low_inclusive: bool = False
+) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    above = value >= low if low_inclusive else value > low
+    return above and (high is None or value <= high)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_map(where: str, name: str, value: object, check: Callable[[object], bool]) -> None:
+    if not isinstance(value, Mapping):
+        raise _invalid(where, name, value, "an object")
+    for key, item in value.items():
+        if not check(item):
+            raise _invalid(where, f"{name}.{key}", item, "a number")
+
+
+_POINT_NUMBERS = ("start_s", "end_s", "step_s", "swap_wait_s")
+_POINT_COUNTS = ("num_steps", "num_running", "num_waiting", "num_preempted", "tokens_generated")
+_POINT_NUMBER_MAPS = ("usage_mean_by_tier", "usage_max_by_tier")
+_POINT_COUNT_MAPS = ("bytes_by_direction", "used_blocks_by_tier", "capacity_blocks_by_tier")
+
+
+def _check_point(where: str, name: str, point: object) -> None:
+    if not isinstance(point, Mapping):
+        raise _invalid(where, name, point, "an object")
+    for key in _POINT_NUMBERS:
+        if key in point and not _is_number(point[key]):
+            raise _invalid(where, f"{name}.{key}", point[key], "a number")
+    for key in _POINT_COUNTS:
+        if key in point and not _is_count(point[key]):
+            raise _invalid(where, f"{name}.{key}", point[key], "a whole number >= 0")
+    for key in _POINT_NUMBER_MAPS:
+        if key in point:
+            _check_map(where, f"{name}.{key}", point[key], _is_number)
+    for key in _POINT_COUNT_MAPS:
+        if key in point:
+            _check_map(where, f"{name}.{key}", point[key], _is_count)
+
+
+def _check_fields(data: Mapping[str, object], where: str) -> None:
+    """Raise naming the first field whose type or value the report cannot use."""
+    label = data.get("label")
+    if label is not None and not isinstance(label, str):
+        raise _invalid(where, "label", label, "a string")
+    for key in ("run", "config", "summary", "time_series", "watermarks"):
+        if key in data and not isinstance(data[key], Mapping):
+            raise _invalid(where, key, data[key], "an object")
+    link = data.get("link_gb_per_s")
+    if link is not None and not _in_range(link, 0.0, None):
+        raise _invalid(where, "link_gb_per_s", link, "a number > 0 or null")
+    watermarks = data.get("watermarks", {})
+    if isinstance(watermarks, Mapping):
+        for key in Watermarks.__dataclass_fields__:
+            value = watermarks.get(key)
+            if key in watermarks and not _in_range(value, 0.0, 1.0, low_inclusive=True):
+                raise _invalid(where, f"watermarks.{key}", value, "a fraction in [0, 1]")
+    diagnosis = data.get("diagnosis", [])
+    if not isinstance(diagnosis, list):
+        raise _invalid(where, "diagnosis", diagnosis, "a list")
+    for index, finding in enumerate(diagnosis):
+        if not isinstance(finding, Mapping):
+            raise _invalid(where, f"diagnosis[{index}]", finding, "an object")
+        for key in ("rule", "symptom", "metric", "figure", "cause", "advice"):
+            if key in finding and not isinstance(finding[key], str):
+                raise _invalid(where, f"diagnosis[{index}].{key}", finding[key], "a string")
+        if "values" in finding:
+            _check_map(where, f"diagnosis[{index}].values", finding["values"], _is_number)
+    series = data.get("time_series", {})
+    points = series.get("points", []) if isinstance(series, Mapping) else []
+    if not isinstance(points, list):
+        raise _invalid(where, "time_series.points", points, "a list")
+    for index, point in enumerate(points):
+        _check_point(where, f"time_series.points[{index}]", point)
+
+
+def write_report(
+    report: RunReport, out_dir: str | os.PathLike[str], flag: str = "--report"
+) -> Path:
     """Write report.json, the plots and index.html into `out_dir`; returns the page."""
-    out = _writable_dir(out_dir)
+    out = _writable_dir(out_dir, flag)
     (out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    return write_report_page(report, out, flag)
+
+
+def write_report_page(
+    report: RunReport, out_dir: str | os.PathLike[str], flag: str = "--report"
+) -> Path:
+    """The plots and index.html of one run into `out_dir`, never report.json (which
+    `kvswap report` only reads); returns the page. `flag` names the option in errors."""
+    out = _writable_dir(out_dir, flag)
     plots = write_plots([report.plot_run()], out)
     page = run_page(
         f"kvswap run report: {report.label}",
@@ -97,15 +205,18 @@ def write_report(report: RunReport, out_dir: str | os.PathLike[str]) -> Path:
 
 
 def load_report(run_dir: str | os.PathLike[str]) -> RunReport:
+    """The report in `run_dir`/report.json; one-line errors naming the file (and field)."""
     path = Path(run_dir) / REPORT_FILE
     if not path.is_file():
         raise KvSwapError(
             f"{run_dir}: no {REPORT_FILE} there; write one with `kvswap run --report {run_dir}`"
         )
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise KvSwapError(f"{path}: cannot read the report ({error})") from None
+        raw = path.read_bytes()
+    except OSError as error:
+        raise KvSwapError(f"{path}: cannot read the report ({error.strerror})") from None
+    # parse_json turns binary, deep nesting, bad syntax and NaN/Infinity into one line each.
+    data = parse_json(raw, str(path))
     return RunReport.from_json(as_mapping(data, str(path)), str(path))
 
 
@@ -119,12 +230,15 @@ def unique_labels(reports: Sequence[RunReport], dirs: Sequence[Path]) -> list[st
 
 
 def write_comparison(
-    reports: Sequence[RunReport], dirs: Sequence[Path], out_dir: str | os.PathLike[str]
+    reports: Sequence[RunReport],
+    dirs: Sequence[Path],
+    out_dir: str | os.PathLike[str],
+    flag: str = "--out",
 ) -> Path:
     """One page comparing the runs side by side, plots overlaid; returns the page."""
     if not reports:
         raise KvSwapError("kvswap report: give at least one report directory")
-    out = _writable_dir(out_dir)
+    out = _writable_dir(out_dir, flag)
     labels = unique_labels(reports, dirs)
     plots = write_plots([r.plot_run(label) for r, label in zip(reports, labels, strict=True)], out)
     links = [
@@ -147,12 +261,14 @@ def write_comparison(
     return out / INDEX_FILE
 
 
-def _writable_dir(path: str | os.PathLike[str]) -> Path:
+def _writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """`path` as a directory, created if missing; `flag` (--report, --out) names it in errors."""
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise KvSwapError(f"{flag} {path}: exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise KvSwapError(f"--report {path}: cannot create the directory ({error})") from None
-    if not out.is_dir():
-        raise KvSwapError(f"--report {path}: not a directory")
+        reason = error.strerror or str(error)
+        raise KvSwapError(f"{flag} {path}: cannot create the directory ({reason})") from None
     return out
