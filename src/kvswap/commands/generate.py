@@ -6,10 +6,12 @@ import argparse
 import json
 from typing import Any
 
+from kvswap.commands.run import engine_model
+from kvswap.config import load_config
 from kvswap.engine.engine import pick_device
 from kvswap.errors import KvSwapError
-from kvswap.model.generate import SamplingParams, generate_reference
-from kvswap.model.loader import load_model
+from kvswap.model.generate import SamplingParams, check_generation_length, generate_reference
+from kvswap.model.loader import load_model, resolve_model
 
 
 def register(commands: Any) -> None:
@@ -17,7 +19,9 @@ def register(commands: Any) -> None:
         "generate",
         help="generate tokens for one prompt of token ids (greedy or seeded sampling)",
     )
-    parser.add_argument("--model", default="tiny", help="preset (tiny, small) or checkpoint dir")
+    parser.add_argument(
+        "--model", default=None, help="preset (tiny, small) or checkpoint dir (default tiny)"
+    )
     parser.add_argument("--prompt-ids", required=True, metavar="ID,ID,...")
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
     parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None)
@@ -47,13 +51,20 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # KVSWAP_* variables apply here as everywhere (an unknown one is an error), and
+    # [model] preset/dtype set by them name the model when the flags do not.
+    model_name, dtype = engine_model(args, load_config(), default_model="tiny")
     if args.max_new_tokens < 1:
         raise KvSwapError(f"--max-new-tokens = {args.max_new_tokens}: must be >= 1")
-    model, arch = load_model(args.model, args.dtype, pick_device(args.device))
-    prompt = parse_ids(args.prompt_ids, arch.vocab_size)
+    # Everything the flags alone can refuse is refused before the weights load.
     sampling = None
     if args.temperature is not None:
         sampling = SamplingParams(temperature=args.temperature, seed=args.seed, top_p=args.top_p)
+    device = pick_device(args.device)
+    arch, _, _ = resolve_model(model_name, dtype)  # config only, no weights
+    prompt = parse_ids(args.prompt_ids, arch.vocab_size)
+    check_generation_length(len(prompt), args.max_new_tokens, arch, name="--max-new-tokens")
+    model, arch = load_model(model_name, dtype, device)
     result = generate_reference(model, prompt, args.max_new_tokens, sampling=sampling)
     if args.json:
         print(json.dumps({"output_ids": list(result.token_ids)}))

@@ -38,6 +38,9 @@ class SchedulerSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption: Preemption = Preemption.SWAP
+    max_sequence_tokens: int | None = None
+    """The model's longest sequence (its maximum position): a request whose prompt
+    plus max_new_tokens is longer is rejected at admission. None: no model limit."""
 
 
 @dataclass
@@ -122,14 +125,22 @@ class Scheduler:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. One that can never fit the GPU tier is rejected with a
-        reason (the others keep running)."""
+        """Queue a request. One longer than the model's maximum position or that can
+        never fit the GPU tier is rejected with a reason (the others keep running)."""
         run = SequenceRun(seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt)
         self.runs[seq_id] = run
-        needed = ceil_div(len(prompt_ids) + max_new_tokens, self.block_tokens)
+        num_tokens = len(prompt_ids) + max_new_tokens
+        needed = ceil_div(num_tokens, self.block_tokens)
         capacity = self.swapper.num_gpu_blocks - self.swapper.protected_blocks
+        max_tokens = self.settings.max_sequence_tokens
         if not prompt_ids:
             run.rejected_reason = "empty prompt"
+        elif max_tokens is not None and num_tokens > max_tokens:
+            # Checked here, not in the forward pass, so one such request cannot end a run.
+            run.rejected_reason = (
+                f"needs {num_tokens} tokens ({len(prompt_ids)} prompt + {max_new_tokens} new) "
+                f"but the model's maximum position is {max_tokens} tokens"
+            )
         elif needed > capacity:
             run.rejected_reason = (
                 f"needs {needed} blocks of {self.block_tokens} tokens but a running sequence "

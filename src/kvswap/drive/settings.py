@@ -15,6 +15,7 @@ from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Preemption, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
+from kvswap.errors import KvSwapError
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,20 @@ def control_settings(
     block_bytes: int,
     model_fingerprint: str,
     policy: PolicyOptions | None = None,
+    max_sequence_tokens: int | None = None,
 ) -> ControlSettings:
     """Everything the control plane is built with; `policy` overrides the config's
-    (the simulator's findings compare policies on one configuration)."""
+    (the simulator's findings compare policies on one configuration).
+    `max_sequence_tokens` is the model's maximum position (the engine passes
+    `arch.max_position_tokens`): longer requests are rejected at admission."""
+    if max_sequence_tokens is not None and (
+        isinstance(max_sequence_tokens, bool)
+        or not isinstance(max_sequence_tokens, int)
+        or max_sequence_tokens < 1
+    ):
+        raise KvSwapError(
+            f"max_sequence_tokens = {max_sequence_tokens!r}: allowed: an integer >= 1, or none"
+        )
     swap, engine = config.swap, config.engine
     block_tokens = config.cache.kv_block_tokens
     layout = StoreLayout(
@@ -70,5 +82,6 @@ def control_settings(
             max_num_seqs=engine.max_num_seqs,
             max_num_batched_tokens=engine.max_num_batched_tokens,
             preemption=Preemption(engine.preemption),
+            max_sequence_tokens=max_sequence_tokens,
         ),
     )

@@ -8,6 +8,7 @@ tokens on every device as long as the logits agree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,8 +16,17 @@ import torch
 from torch import Tensor
 
 from kvswap.errors import KvSwapError
+from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+
+MAX_SEED = 2**63 - 1
+"""The largest sampling seed (a torch generator takes a signed 64-bit seed)."""
+
+
+#: The smallest sampling temperature: logits of a few hundred divided by less would
+#: overflow float32; greedy decoding is what a vanishing temperature means.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,48 @@ class SamplingParams:
     top_k: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise KvSwapError(f"temperature must be > 0, got {self.temperature}")
+        # Below MIN_TEMPERATURE, logits / temperature overflows to inf in fp32.
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:  # NaN fails too
+            raise KvSwapError(
+                f"temperature = {self.temperature}: allowed: a finite number >= "
+                f"{MIN_TEMPERATURE} (omit it for greedy decoding)"
+            )
         if not 0 < self.top_p <= 1:
-            raise KvSwapError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise KvSwapError(f"top_p = {self.top_p}: allowed: a number in (0, 1]")
         if self.top_k is not None and self.top_k < 1:
-            raise KvSwapError(f"top_k must be >= 1, got {self.top_k}")
+            raise KvSwapError(f"top_k = {self.top_k}: allowed: an integer >= 1")
+        # torch.Generator.manual_seed overflows past 64 bits; the engine masks its
+        # derived seeds to 63 bits, so one range serves both.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise KvSwapError(f"seed = {self.seed!r}: allowed: an integer in 0..{MAX_SEED}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise KvSwapError(
+                f"seed = {self.seed!r:.40}: allowed: an integer in 0..{MAX_SEED} (2**63-1)"
+            )
+
+
+def check_generation_length(
+    num_prompt_tokens: int,
+    max_new_tokens: int,
+    config: ModelArchConfig,
+    *,
+    name: str = "max_new_tokens",
+) -> None:
+    """One line, before anything is allocated, when prompt + `max_new_tokens` is longer
+    than the model can attend over (its maximum position, or its sliding window,
+    which the paged attention does not implement). `name` is the field to blame."""
+    num_tokens = num_prompt_tokens + max_new_tokens
+    limits = [(config.max_position_tokens, "max_position_embeddings")]
+    if config.sliding_window_tokens is not None:
+        limits.append((config.sliding_window_tokens, "sliding_window"))
+    limit_tokens, limit_name = min(limits)
+    if num_tokens > limit_tokens:
+        allowed = max(0, limit_tokens - num_prompt_tokens)
+        raise KvSwapError(
+            f"{name} = {max_new_tokens}: {num_prompt_tokens} prompt + {max_new_tokens} new = "
+            f"{num_tokens} tokens exceed the model's {limit_name} of {limit_tokens}; allowed: "
+            f"{name} <= {allowed} for this prompt"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,6 +136,7 @@ def generate_reference(
     vocab_size = model.config.vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise KvSwapError(f"prompt token ids must be in [0, {vocab_size})")
+    check_generation_length(len(prompt_ids), max_new_tokens, model.config)
     total_tokens = len(prompt_ids) + max_new_tokens - 1  # the last token is never fed back
     needed_blocks = -(-total_tokens // block_tokens)
     table = tuple(block_table) if block_table is not None else tuple(range(needed_blocks))

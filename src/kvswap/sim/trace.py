@@ -21,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvswap.workload.bounds import check_bill, check_length_scale, check_time_scale
 from kvswap.workload.mooncake import (
     TraceRow,
     read_trace_rows,
     scaled_block_tokens,
     scaled_input_tokens,
+    scaled_output_tokens,
+    trace_bill,
 )
 from kvswap.workload.request import Request, Workload
 
@@ -50,14 +53,19 @@ def trace_workload(
     length_scale: float = 1.0,
 ) -> Workload:
     """Requests for `rows` (sorted by time, as `read_trace_rows` returns them): arrivals
-    shifted to start at 0 and multiplied by `time_scale`; lengths by `length_scale`."""
+    shifted to start at 0 and multiplied by `time_scale`; lengths by `length_scale`.
+    The bill (`bounds`) is checked before any prompt is made."""
+    check_time_scale(time_scale)
+    check_length_scale(length_scale)
+    bill = trace_bill(rows, time_scale=time_scale, length_scale=length_scale, synthesized=False)
+    check_bill(bill, name)
     start_ms = rows[0].timestamp_ms if rows else 0.0
     requests = tuple(
         Request(
             request_id=request_id,
             arrival_s=(row.timestamp_ms - start_ms) / 1000.0 * time_scale,
             prompt_ids=trace_prompt(row, length_scale),
-            max_new_tokens=max(1, round(row.output_tokens * length_scale)),
+            max_new_tokens=scaled_output_tokens(row, length_scale),
         )
         for request_id, row in enumerate(rows)
     )
@@ -72,6 +80,8 @@ def load_trace_workload(
     length_scale: float = 1.0,
     max_requests: int | None = None,
 ) -> Workload:
+    check_time_scale(time_scale)  # before the file is read
+    check_length_scale(length_scale)
     rows = read_trace_rows(path, max_requests=max_requests)
     return trace_workload(
         rows, name=f"mooncake:{Path(path).name}", time_scale=time_scale, length_scale=length_scale

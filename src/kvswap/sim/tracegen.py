@@ -21,6 +21,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvswap.errors import ConfigError
+from kvswap.workload.bounds import (
+    MAX_DURATION_S,
+    MAX_HASH_IDS_PER_REQUEST,
+    MAX_REQUEST_TOKENS,
+    MAX_REQUESTS,
+)
 from kvswap.workload.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRow
 
 B = MOONCAKE_BLOCK_TOKENS
@@ -37,6 +44,34 @@ class TraceSpec:
     num_system_prompts: int = 8
     system_prompt_blocks: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """One-line errors naming the field; sizes within the workload bounds."""
+        counts = {
+            "num_requests": (1, MAX_REQUESTS),
+            "mean_input_tokens": (1, MAX_REQUEST_TOKENS),
+            "max_input_tokens": (1, MAX_REQUEST_TOKENS),
+            "mean_output_tokens": (1, MAX_REQUEST_TOKENS),
+            "num_system_prompts": (1, MAX_REQUESTS),
+            "system_prompt_blocks": (0, MAX_HASH_IDS_PER_REQUEST),
+        }
+        for name, (low, high) in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"{name} = {value!r}: allowed: an integer in {low}..{high}")
+        duration_s = self.duration_s
+        if isinstance(duration_s, bool) or not isinstance(duration_s, int | float):
+            raise ConfigError(f"duration_s = {duration_s!r}: allowed: 0 < seconds <= 30 days")
+        if not 0 < duration_s <= MAX_DURATION_S:
+            raise ConfigError(
+                f"duration_s = {duration_s!r}: allowed: 0 < seconds <= {MAX_DURATION_S:.0f} "
+                "(MAX_DURATION_S)"
+            )
+        probability = self.follow_up_probability
+        if isinstance(probability, bool) or not isinstance(probability, int | float):
+            raise ConfigError(f"follow_up_probability = {probability!r}: allowed: 0..1")
+        if not 0 <= probability <= 1:
+            raise ConfigError(f"follow_up_probability = {probability!r}: allowed: 0..1")
 
 
 def generate_trace_rows(spec: TraceSpec) -> list[TraceRow]:

@@ -20,13 +20,27 @@ Two entry points, for two costs:
 
 from __future__ import annotations
 
-import json
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvswap.errors import ConfigError, KvSwapError
+from kvswap.readers import parse_json
+from kvswap.workload.bounds import (
+    MAX_HASH_ID,
+    MAX_HASH_IDS_PER_REQUEST,
+    MAX_REQUEST_TOKENS,
+    MAX_REQUESTS,
+    MAX_TIMESTAMP_MS,
+    MAX_TRACE_HASH_IDS,
+    MAX_TRACE_LINE_BYTES,
+    WorkloadBill,
+    check_bill,
+    check_length_scale,
+    check_time_scale,
+)
 from kvswap.workload.request import Request, Workload
 from kvswap.workload.tokens import BlockTokenSynthesizer
 
@@ -83,27 +97,34 @@ def _parse_row(obj: object, where: str, line_number: int) -> TraceRow:
             f"{where}: field 'timestamp': expected a non-negative number of milliseconds, "
             f"got {_show(timestamp)}"
         )
-    input_tokens = obj["input_length"]
-    if not _is_int(input_tokens) or input_tokens < 1:
+    if timestamp > MAX_TIMESTAMP_MS:
+        # Milliseconds since the trace started: past 30 days the engine would wait
+        # (effectively forever) for an arrival that never comes.
         raise KvSwapError(
-            f"{where}: field 'input_length': expected a positive integer, got {_show(input_tokens)}"
+            f"{where}: field 'timestamp': {_show(timestamp)} ms; allowed: at most "
+            f"{MAX_TIMESTAMP_MS:.0f} ms = 30 days since the trace started (MAX_DURATION_S)"
         )
-    output_tokens = obj["output_length"]
-    if not _is_int(output_tokens) or output_tokens < 0:
-        raise KvSwapError(
-            f"{where}: field 'output_length': expected a non-negative integer, "
-            f"got {_show(output_tokens)}"
-        )
+    input_tokens = _token_count(obj, "input_length", where, minimum=1)
+    output_tokens = _token_count(obj, "output_length", where, minimum=0)
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list):
         raise KvSwapError(
             f"{where}: field 'hash_ids': expected a list of integers, got {_show(hash_ids)}"
         )
-    if not all(type(hash_id) is int for hash_id in hash_ids):
-        index = next(i for i, hash_id in enumerate(hash_ids) if type(hash_id) is not int)
+    if len(hash_ids) > MAX_HASH_IDS_PER_REQUEST:
         raise KvSwapError(
-            f"{where}: field 'hash_ids': item {index} is {_show(hash_ids[index])}, "
-            "expected an integer"
+            f"{where}: field 'hash_ids': {len(hash_ids)} ids; allowed: at most "
+            f"{MAX_HASH_IDS_PER_REQUEST} (x {MOONCAKE_BLOCK_TOKENS} tokens = "
+            f"MAX_REQUEST_TOKENS {MAX_REQUEST_TOKENS})"
+        )
+    bad = next(
+        (i for i, h in enumerate(hash_ids) if type(h) is not int or not 0 <= h <= MAX_HASH_ID),
+        None,
+    )
+    if bad is not None:
+        kind = "an integer" if type(hash_ids[bad]) is not int else f"in 0..{MAX_HASH_ID}"
+        raise KvSwapError(
+            f"{where}: field 'hash_ids': item {bad} is {_show(hash_ids[bad])}, expected {kind}"
         )
     capacity_tokens = MOONCAKE_BLOCK_TOKENS * len(hash_ids)
     if input_tokens > capacity_tokens:
@@ -115,31 +136,59 @@ def _parse_row(obj: object, where: str, line_number: int) -> TraceRow:
     return TraceRow(line_number, float(timestamp), input_tokens, output_tokens, tuple(hash_ids))
 
 
+def _token_count(obj: dict[str, object], key: str, where: str, *, minimum: int) -> int:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
+        raise KvSwapError(f"{where}: field {key!r}: expected {kind}, got {_show(value)}")
+    if value > MAX_REQUEST_TOKENS:
+        raise KvSwapError(
+            f"{where}: field {key!r}: {value} tokens; allowed: at most {MAX_REQUEST_TOKENS} "
+            "(MAX_REQUEST_TOKENS)"
+        )
+    return value
+
+
 def read_trace_rows(path: str | Path, *, max_requests: int | None = None) -> list[TraceRow]:
     """Parse and validate a trace, sorted stably by timestamp; no tokens made.
 
     `max_requests` keeps the earliest N rows (after sorting). Empty lines are
     skipped; any other bad line raises KvSwapError naming the line and field.
+    The file is bounded as it is read (`bounds`: line bytes, requests, hash ids),
+    so a hostile trace costs at most those bounds of memory.
     """
     _check_max_requests(max_requests)
     path = Path(path)
     rows: list[TraceRow] = []
+    num_hash_ids = 0
     try:
         # Binary lines: exact line numbers even for undecodable bytes.
         with path.open("rb") as lines:
-            for line_number, line in enumerate(lines, start=1):
+            for line_number in itertools.count(1):
+                line = lines.readline(MAX_TRACE_LINE_BYTES + 1)
+                if not line:
+                    break
+                where = f"{path} line {line_number}"
+                if len(line) > MAX_TRACE_LINE_BYTES:
+                    raise KvSwapError(
+                        f"{where}: longer than {MAX_TRACE_LINE_BYTES} bytes "
+                        "(MAX_TRACE_LINE_BYTES); a trace line is one short JSON object"
+                    )
                 if not line.strip():
                     continue
-                where = f"{path} line {line_number}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as error:
+                if len(rows) == MAX_REQUESTS:
                     raise KvSwapError(
-                        f"{where}: not valid JSON ({error.msg} at column {error.colno})"
-                    ) from None
-                except UnicodeDecodeError:
-                    raise KvSwapError(f"{where}: not UTF-8 text") from None
-                rows.append(_parse_row(obj, where, line_number))
+                        f"{where}: the trace holds more than {MAX_REQUESTS} requests "
+                        "(MAX_REQUESTS); split it"
+                    )
+                row = _parse_row(parse_json(line, where), where, line_number)
+                num_hash_ids += len(row.hash_ids)
+                if num_hash_ids > MAX_TRACE_HASH_IDS:
+                    raise KvSwapError(
+                        f"{where}: the trace holds more than {MAX_TRACE_HASH_IDS} hash_ids "
+                        "in all (MAX_TRACE_HASH_IDS); split it"
+                    )
+                rows.append(row)
     except FileNotFoundError:
         raise KvSwapError(f"{path}: trace file not found") from None
     except IsADirectoryError:
@@ -157,16 +206,48 @@ def _check_max_requests(max_requests: int | None) -> None:
         raise ConfigError(f"max_requests = {max_requests!r}: allowed: an integer >= 1, or none")
 
 
-def _check_scale(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} = {value!r}: allowed: a finite number > 0")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} = {value!r}: allowed: a finite number > 0")
+def trace_bill(
+    rows: Sequence[TraceRow],
+    *,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    synthesized: bool = True,
+) -> WorkloadBill:
+    """What the requests of `rows` (sorted by time) will cost, from arithmetic alone.
+
+    Fresh tokens are the outputs plus, when prompts are `synthesized` (the
+    engine's `load_mooncake_trace`), one block of new ids per distinct hash id
+    used; the simulator's placeholder prompts reuse the hash id objects instead.
+    """
+    longest_tokens = held_tokens = output_tokens = 0
+    distinct: set[int] = set()
+    for row in rows:
+        output = scaled_output_tokens(row, length_scale)
+        tokens = scaled_input_tokens(row, length_scale) + output
+        output_tokens += output
+        longest_tokens = max(longest_tokens, tokens)
+        held_tokens += tokens
+        if synthesized:
+            distinct.update(row.used_hash_ids)
+    span_ms = rows[-1].timestamp_ms - rows[0].timestamp_ms if rows else 0.0
+    return WorkloadBill(
+        num_requests=len(rows),
+        longest_request_tokens=longest_tokens,
+        held_tokens=held_tokens,
+        new_tokens=output_tokens
+        + (len(distinct) * scaled_block_tokens(length_scale) if synthesized else 0),
+        duration_s=span_ms / 1000.0 * time_scale,
+    )
 
 
 def scaled_block_tokens(length_scale: float) -> int:
     """Tokens per hash id after scaling lengths by `length_scale`."""
     return max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
+
+
+def scaled_output_tokens(row: TraceRow, length_scale: float) -> int:
+    """Tokens to generate after scaling; every request generates at least one."""
+    return max(1, round(row.output_tokens * length_scale))
 
 
 def scaled_input_tokens(row: TraceRow, length_scale: float) -> int:
@@ -200,35 +281,41 @@ def workload_from_rows(
     are multiplied by `length_scale`; every request generates at least one
     token. Token ids depend only on (salt, hash id, position in block).
     """
-    _check_scale("time_scale", time_scale)
-    _check_scale("length_scale", length_scale)
+    check_time_scale(time_scale)
+    check_length_scale(length_scale)
     _check_max_requests(max_requests)
     if not _is_int(vocab_size) or vocab_size < 1:
         raise ConfigError(f"vocab_size = {vocab_size!r}: allowed: an integer >= 1")
     if not rows:
         raise KvSwapError(f"{name}: the trace has no requests")
     selected = rows if max_requests is None else rows[:max_requests]
+    _check_sorted(selected, name)
+    # Billed before a single token id is made.
+    check_bill(trace_bill(selected, time_scale=time_scale, length_scale=length_scale), name)
     synthesizer = BlockTokenSynthesizer(
         vocab_size=vocab_size, block_tokens=scaled_block_tokens(length_scale), salt=salt
     )
-    start_ms = previous_ms = selected[0].timestamp_ms
+    start_ms = selected[0].timestamp_ms
     requests = []
     for request_id, row in enumerate(selected):
-        if row.timestamp_ms < previous_ms:
-            raise KvSwapError(
-                f"{name}: rows are not sorted by timestamp (line {row.line_number}); "
-                "use read_trace_rows"
-            )
-        previous_ms = row.timestamp_ms
         requests.append(
             Request(
                 request_id=request_id,
                 arrival_s=(row.timestamp_ms - start_ms) / 1000.0 * time_scale,
                 prompt_ids=synthesizer.prompt(row.hash_ids, scaled_input_tokens(row, length_scale)),
-                max_new_tokens=max(1, round(row.output_tokens * length_scale)),
+                max_new_tokens=scaled_output_tokens(row, length_scale),
             )
         )
     return Workload(requests=tuple(requests), name=name, vocab_size=vocab_size)
+
+
+def _check_sorted(rows: Sequence[TraceRow], name: str) -> None:
+    for previous, row in itertools.pairwise(rows):
+        if row.timestamp_ms < previous.timestamp_ms:
+            raise KvSwapError(
+                f"{name}: rows are not sorted by timestamp (line {row.line_number}); "
+                "use read_trace_rows"
+            )
 
 
 def load_mooncake_trace(
@@ -241,8 +328,8 @@ def load_mooncake_trace(
     salt: int = 0,
 ) -> Workload:
     """Read a Mooncake trace and synthesize its prompts (see `workload_from_rows`)."""
-    _check_scale("time_scale", time_scale)
-    _check_scale("length_scale", length_scale)
+    check_time_scale(time_scale)
+    check_length_scale(length_scale)
     rows = read_trace_rows(path, max_requests=max_requests)
     return workload_from_rows(
         rows,

@@ -19,6 +19,13 @@ import random
 from dataclasses import dataclass
 
 from kvswap.errors import ConfigError
+from kvswap.workload.bounds import (
+    MAX_REQUEST_TOKENS,
+    MAX_REQUESTS,
+    WorkloadBill,
+    check_bill,
+    check_count,
+)
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.tokens import random_token_ids, seeded_rng
 
@@ -76,6 +83,35 @@ class SyntheticSpec:
         jitter = _check_number("length_jitter", self.length_jitter, allow_inf=False)
         if not 0 <= jitter <= 1:
             raise ConfigError(f"length_jitter = {jitter!r}: allowed: 0..1")
+        # Each field on its own first, so the error names the field; the whole
+        # bill (`bill()`) is checked by `generate_synthetic`.
+        for name in ("num_sessions", "turns_per_session", "num_system_prompts"):
+            check_count(name, getattr(self, name), MAX_REQUESTS, "MAX_REQUESTS")
+        for name in ("prompt_tokens", "output_tokens", "user_tokens_per_turn"):
+            check_count(name, getattr(self, name), MAX_REQUEST_TOKENS, "MAX_REQUEST_TOKENS")
+
+    def bill(self) -> WorkloadBill:
+        """The workload's cost at the longest lengths the jitter allows; its duration is
+        the expected span of the session starts and think times."""
+        stretch = 1.0 + self.length_jitter
+        system = self.system_prompt_tokens
+        first = system + math.ceil((self.prompt_tokens - system) * stretch)
+        output = math.ceil(self.output_tokens * stretch)
+        user = math.ceil(self.user_tokens_per_turn * stretch)
+        turns, sessions = self.turns_per_session, self.num_sessions
+        # Turn k's resolved prompt is the first prompt plus k earlier (output + user).
+        growth = output + user
+        held_per_session = turns * (first + output) + growth * turns * (turns - 1) // 2
+        new_per_session = first + turns * output + (turns - 1) * user
+        rate = self.arrival_rate_per_s
+        starts_s = 0.0 if math.isinf(rate) else (sessions - 1) / rate
+        return WorkloadBill(
+            num_requests=sessions * turns,
+            longest_request_tokens=first + (turns - 1) * growth + output,
+            held_tokens=sessions * held_per_session,
+            new_tokens=sessions * new_per_session + self.num_system_prompts * system,
+            duration_s=starts_s + (turns - 1) * self.think_time_s,
+        )
 
 
 def _check_int(name: str, value: object, *, minimum: int | None) -> None:
@@ -154,7 +190,9 @@ def _session_starts(spec: SyntheticSpec) -> list[float]:
 
 
 def generate_synthetic(spec: SyntheticSpec) -> Workload:
-    """Build the workload `spec` describes (deterministic in `spec`)."""
+    """Build the workload `spec` describes (deterministic in `spec`); its bill is
+    checked against the bounds (`bounds.check_bill`) before anything is drawn."""
+    check_bill(spec.bill(), "synthetic workload")
     system_prompts = [
         random_token_ids(
             seeded_rng("synthetic", spec.seed, "system", index),
