@@ -21,13 +21,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -38,10 +39,31 @@ from kvswap.units import parse_size_bytes
 
 ENV_PREFIX = "KVSWAP_"
 SizeValue = int | str
+#: The most blocks a tier (or a block count) may name: 2**40, past any machine, and
+#: small enough that blocks x block bytes stays a finite float in every bill.
+MAX_NUM_BLOCKS = 2**40
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: a NaN or infinite rate or watermark is never a setting.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 and false as 0, so TOML
+        # `kv_block_tokens = true` would become 1-token blocks; only bool fields take them.
+        if not isinstance(value, bool) or info.field_name is None:
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        if annotation is bool:
+            return value
+        kinds = {annotation, *get_args(annotation)}
+        if int in kinds or float in kinds:
+            raise ValueError("a boolean is not a number; give a number")
+        raise ValueError("a boolean is not allowed here")
 
 
 class ModelSection(_Section):
@@ -56,11 +78,11 @@ class CacheSection(_Section):
     """Block size and how many blocks each tier holds (blocks or bytes, not both)."""
 
     kv_block_tokens: int = Field(default=16, ge=1, le=4096)
-    gpu_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    gpu_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
     gpu_kv_capacity_bytes: SizeValue | None = None
-    cpu_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    cpu_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
     cpu_kv_capacity_bytes: SizeValue | None = None
-    nvme_kv_capacity_blocks: int | None = Field(default=None, ge=0)
+    nvme_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
     nvme_kv_capacity_bytes: SizeValue | None = None
 
     @field_validator("kv_block_tokens")
@@ -84,10 +106,10 @@ class SwapSection(_Section):
     swap_out_low_watermark: float = Field(default=0.65, ge=0.0, lt=1.0)
     # A sequence's first blocks (attention sinks) that never leave the GPU while it
     # holds them (the seed: evict_protected_blocks).
-    protected_sink_blocks: int = Field(default=8, ge=0)
-    min_residency_steps: int = Field(default=64, ge=0)
-    swap_out_chunk_blocks: int = Field(default=8, ge=1)
-    swap_in_chunk_blocks: int = Field(default=4, ge=1)
+    protected_sink_blocks: int = Field(default=8, ge=0, le=MAX_NUM_BLOCKS)
+    min_residency_steps: int = Field(default=64, ge=0, le=2**40)
+    swap_out_chunk_blocks: int = Field(default=8, ge=1, le=MAX_NUM_BLOCKS)
+    swap_in_chunk_blocks: int = Field(default=4, ge=1, le=MAX_NUM_BLOCKS)
     # HIGH-priority copy streams (CUDA) or worker threads (CPU) for swap-in/prefetch.
     prefetch_stream_count: int = Field(default=2, ge=1, le=8)
     cpu_demote_high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
@@ -115,6 +137,16 @@ class TiersSection(_Section):
     nvme_dir: str | None = None
     nvme_persist: bool = False
     remote_url: str | None = None
+
+    @field_validator("nvme_dir")
+    @classmethod
+    def _a_real_path(cls, value: str | None) -> str | None:
+        # An empty path would put the slab in the current directory, unasked.
+        if value is not None and not value.strip():
+            raise ValueError("an empty path is not a directory; name the slab's directory")
+        if value is not None and "\0" in value:
+            raise ValueError("a path cannot contain a NUL byte; name the slab's directory")
+        return value
 
     @field_validator("remote_url")
     @classmethod
@@ -161,13 +193,14 @@ class KvSwapConfig(_Section):
             )
         return found
 
-    def tier_capacities(self, block_bytes: int) -> TierCapacities:
+    def tier_capacities(self, block_bytes: int, *, slab_needed: bool = True) -> TierCapacities:
         """Blocks per tier for a model whose KV block is `block_bytes` long.
 
         Tiers given in bytes hold floor(bytes / block_bytes) blocks. A tier left
         unset holds 0 blocks here; `kvswap plan` fills the GPU tier from the GPU
         size instead. Raises ConfigError for a chunk larger than the tier it
-        moves from or a GPU tier smaller than the protected blocks.
+        moves from or a GPU tier no larger than the protected blocks. `slab_needed`
+        False (`kvswap plan`: a bill, no slab is made) skips the NVMe directory rule.
         """
         if block_bytes <= 0:
             raise ConfigError(f"block size must be > 0 bytes, got {block_bytes}")
@@ -178,7 +211,7 @@ class KvSwapConfig(_Section):
             "nvme", cache.nvme_kv_capacity_blocks, cache.nvme_kv_capacity_bytes, block_bytes
         )
         capacities = TierCapacities(gpu or 0, cpu or 0, nvme or 0, gpu is not None)
-        validate_capacities(self, capacities)
+        validate_capacities(self, capacities, slab_needed=slab_needed)
         return capacities
 
 
@@ -192,13 +225,19 @@ class TierCapacities:
     gpu_is_configured: bool
 
 
-def validate_capacities(config: KvSwapConfig, capacities: TierCapacities) -> None:
-    """Rules that need block counts: chunk vs tier sizes, protected blocks vs GPU tier."""
+def validate_capacities(
+    config: KvSwapConfig, capacities: TierCapacities, *, slab_needed: bool = True
+) -> None:
+    """Rules that need block counts: chunk vs tier sizes, protected blocks vs GPU tier,
+    and (when `slab_needed`) an NVMe tier needs the directory of its slab."""
     swap = config.swap
-    if capacities.num_gpu_blocks and swap.protected_sink_blocks > capacities.num_gpu_blocks:
+    # Protected blocks as many as the GPU tier leave no block for anything else: every
+    # request would be rejected, so at least one block must stay unprotected.
+    if capacities.num_gpu_blocks and swap.protected_sink_blocks >= capacities.num_gpu_blocks:
         raise ConfigError(
             f"protected_sink_blocks = {swap.protected_sink_blocks}: the GPU tier holds only "
-            f"{capacities.num_gpu_blocks} blocks; allowed: 0..{capacities.num_gpu_blocks}"
+            f"{capacities.num_gpu_blocks} blocks and one must stay unprotected; "
+            f"allowed: 0..{capacities.num_gpu_blocks - 1}"
         )
     if capacities.num_gpu_blocks and swap.swap_out_chunk_blocks > capacities.num_gpu_blocks:
         raise ConfigError(
@@ -212,7 +251,7 @@ def validate_capacities(config: KvSwapConfig, capacities: TierCapacities) -> Non
             f"moves from ({capacities.num_cpu_blocks} blocks); allowed: "
             f"1..{capacities.num_cpu_blocks}"
         )
-    if capacities.num_nvme_blocks and config.tiers.nvme_dir is None:
+    if slab_needed and capacities.num_nvme_blocks and config.tiers.nvme_dir is None:
         raise ConfigError(
             f"nvme_kv_capacity_blocks = {capacities.num_nvme_blocks} needs nvme_dir, the directory "
             "that holds the NVMe slab; set nvme_dir or make the NVMe tier 0"
@@ -321,6 +360,13 @@ def _flatten(values: dict[str, Any], source: str, spelled: dict[str, str]) -> di
     (`spelled` records field -> the name the user wrote); reject unknown names."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
+        if key in _SECTIONS and not isinstance(value, dict):
+            # A section name with a plain value (`model = "x"`): say it is a section, not
+            # "unknown key 'model' (did you mean 'model'?)".
+            raise ConfigError(
+                f"{source}: {key!r} is a section, not a setting: {key} = {value!r} is not "
+                f"allowed; write [{key}] and its keys ({', '.join(_SECTIONS[key].model_fields)})"
+            )
         if key in _SECTIONS and isinstance(value, dict):
             valid = list(_SECTIONS[key].model_fields)
             for inner_key, inner_value in value.items():
@@ -352,4 +398,5 @@ def _one_line(error: ValidationError, origin: Mapping[str, str], spelled: Mappin
     value = first.get("input")
     name = spelled.get(field, field)
     shown = field if name == field else f"{name} (now {field})"
-    return f"{shown} = {value!r}{where}: {message}"
+    # A 400-digit number stays one readable line: show its first 60 characters.
+    return f"{shown} = {value!r:.60}{where}: {message}"

@@ -18,12 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from kvswap.errors import KvSwapError
 from kvswap.model.description import ModelDescription
 from kvswap.model.dtypes import dtype_bytes
 from kvswap.units import MIB, format_bytes
 
 #: The seed article's measured PCIe 4.0 x16 bandwidth, GB/s (1e9 bytes/s).
 DEFAULT_LINK_GB_PER_S = 25.0
+#: The link rates a plan or a model takes, GB/s: 1 MB/s (slower is a broken measurement)
+#: to 100 TB/s (past any host link). Within it every transfer time is a finite float.
+MIN_LINK_GB_PER_S = 0.001
+MAX_LINK_GB_PER_S = 100_000.0
 #: The seed article's sweet spot for one transfer: 8-32 MB.
 CHUNK_MIN_BYTES = 8 * MIB
 CHUNK_MAX_BYTES = 32 * MIB
@@ -106,6 +111,31 @@ def blocks_for_tokens(num_tokens: int, block_tokens: int) -> int:
     return -(-num_tokens // block_tokens)
 
 
+def check_link_gb_per_s(gb_per_s: float, name: str) -> float:
+    """`gb_per_s` if it is a usable link rate, else KvSwapError naming `name` and the range.
+
+    NaN, infinity, 0 and negative rates all fail here, so a transfer time is never a
+    division by zero, NaN or infinity (which `--json` could not print as JSON).
+    """
+    if not math.isfinite(gb_per_s) or not MIN_LINK_GB_PER_S <= gb_per_s <= MAX_LINK_GB_PER_S:
+        raise KvSwapError(
+            f"{name} = {gb_per_s:g} GB/s: allowed: a finite rate in "
+            f"{MIN_LINK_GB_PER_S:g}..{MAX_LINK_GB_PER_S:g} GB/s"
+        )
+    return gb_per_s
+
+
+def check_measured_link(h2d_gb_per_s: float, d2h_gb_per_s: float, source: str) -> None:
+    """The one check of the link a `kvswap bench` report measured, shared by `plan`,
+    `simulate` and `tune`: KvSwapError naming `source` when a direction is unusable
+    (a report that measured 0 GB/s is well-formed JSON but no link to plan with)."""
+    for direction, gb_per_s in (("h2d", h2d_gb_per_s), ("d2h", d2h_gb_per_s)):
+        try:
+            check_link_gb_per_s(gb_per_s, f"the measured {direction} link")
+        except KvSwapError as error:
+            raise KvSwapError(f"{source}: {error}; rerun `kvswap bench`") from None
+
+
 def transfer_ms(num_bytes: int, gb_per_s: float) -> float:
     """Time one transfer holds a link of `gb_per_s` GB/s (1e9 bytes/s)."""
     return num_bytes / (gb_per_s * 1e9) * 1e3
@@ -113,6 +143,8 @@ def transfer_ms(num_bytes: int, gb_per_s: float) -> float:
 
 def make_plan(inputs: PlanInputs) -> Plan:
     """Compute the bill and the seed article's warnings for one configuration."""
+    check_link_gb_per_s(inputs.gpu_to_cpu_gb_per_s, "gpu_to_cpu_gb_per_s")
+    check_link_gb_per_s(inputs.cpu_to_gpu_gb_per_s, "cpu_to_gpu_gb_per_s")
     shape = inputs.shape
     per_token = kv_bytes_per_token(shape, inputs.dtype)
     per_block = per_token * inputs.block_tokens

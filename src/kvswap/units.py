@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvswap.errors import ConfigError
@@ -10,6 +11,11 @@ KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 TIB = 1024**4
+PIB = 1024**5
+#: The largest size any kvswap setting accepts. No GPU, host pool or NVMe tier comes near
+#: 1 PiB, and the bound keeps every byte count a finite float (1e300 GiB would overflow).
+MAX_SIZE_BYTES = PIB
+MAX_SIZE_GIB = MAX_SIZE_BYTES // GIB
 
 _SUFFIX_BYTES: dict[str, int] = {
     "": 1,
@@ -36,8 +42,13 @@ def parse_size_bytes(value: int | float | str, field: str) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{field}: {value!r} is not a size; expected {allowed}")
     if isinstance(value, int | float):
+        # NaN and infinity are floats that int() cannot take: reject them before it does.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{field}: {value!r} is not a size; expected {allowed}")
         if value < 0 or value != int(value):
             raise ConfigError(f"{field}: {value!r} is not a size; expected {allowed}")
+        if value > MAX_SIZE_BYTES:
+            raise _too_large(value, field)
         return int(value)
     match = _SIZE_RE.match(value)
     if match is None or match.group(2).lower() not in _SUFFIX_BYTES:
@@ -45,9 +56,31 @@ def parse_size_bytes(value: int | float | str, field: str) -> int:
     number = float(match.group(1))
     scale = _SUFFIX_BYTES[match.group(2).lower()]
     num_bytes = number * scale
+    # A few hundred digits parse as float('inf'): bound before int() sees it.
+    if num_bytes > MAX_SIZE_BYTES:
+        raise _too_large(value, field)
     if num_bytes != int(num_bytes):
         raise ConfigError(f"{field}: {value!r} is not a whole number of bytes")
     return int(num_bytes)
+
+
+def _too_large(value: int | float | str, field: str) -> ConfigError:
+    return ConfigError(
+        f"{field}: {value!r:.60} is too large; allowed: 0..{MAX_SIZE_BYTES} bytes (1 PiB)"
+    )
+
+
+def gib_to_bytes(value: float, flag: str) -> int:
+    """A size given in GiB (a float flag such as --gpu-mem-gib) as whole bytes.
+
+    KvSwapError naming `flag` for NaN, infinity, a negative size or one past 1 PiB,
+    so that no later int() or float arithmetic meets a value it cannot hold.
+    """
+    if not math.isfinite(value) or not 0 <= value <= MAX_SIZE_GIB:
+        raise ConfigError(
+            f"{flag} = {value}: allowed: a finite number of GiB in 0..{MAX_SIZE_GIB} (1 PiB)"
+        )
+    return int(value * GIB)
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from kvswap.bench.report import link_gb_per_s, load_report
 from kvswap.commands.common import add_config_arguments, config_from_args
+from kvswap.config import validate_capacities
 from kvswap.errors import KvSwapError
-from kvswap.ledger import DEFAULT_LINK_GB_PER_S, Plan, PlanInputs, kv_bytes_per_block, make_plan
+from kvswap.ledger import (
+    DEFAULT_LINK_GB_PER_S,
+    Plan,
+    PlanInputs,
+    check_link_gb_per_s,
+    check_measured_link,
+    kv_bytes_per_block,
+    make_plan,
+)
 from kvswap.model.presets import describe_model
-from kvswap.units import GIB, format_bytes
+from kvswap.units import format_bytes, gib_to_bytes
+
+#: Upper bounds of the count flags, so that the bill stays a finite float: a 1 G-token
+#: context and a million concurrent requests are past any deployment a plan is for.
+MAX_CONTEXT_TOKENS = 2**30
+MAX_CONCURRENCY = 2**20
 
 
 def register(commands: Any) -> None:
@@ -61,29 +76,31 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("context_tokens", "concurrency"):
-        if getattr(args, name) < 1:
-            raise KvSwapError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be >= 1")
-    for name in ("gpu_mem_gib", "weights_gib", "reserve_gib", "cpu_pool_gib", "nvme_gib"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise KvSwapError(f"--{name.replace('_', '-')} = {value}: must be >= 0")
-    if args.link_gb_per_s is not None and args.link_gb_per_s <= 0:
-        raise KvSwapError(f"--link-gb-per-s = {args.link_gb_per_s}: must be > 0")
-    if args.cpu_pool_gib is not None:
-        args.cfg_cpu_kv_capacity_bytes = int(args.cpu_pool_gib * GIB)
-    if args.nvme_gib is not None:
-        args.cfg_nvme_kv_capacity_bytes = int(args.nvme_gib * GIB)
+    _check_count("--context-tokens", args.context_tokens, MAX_CONTEXT_TOKENS)
+    _check_count("--concurrency", args.concurrency, MAX_CONCURRENCY)
+    gpu_mem_bytes = gib_to_bytes(args.gpu_mem_gib, "--gpu-mem-gib")
+    reserve_bytes = gib_to_bytes(args.reserve_gib, "--reserve-gib")
+    weights_bytes = _optional_gib(args.weights_gib, "--weights-gib")
+    cpu_pool_bytes = _optional_gib(args.cpu_pool_gib, "--cpu-pool-gib")
+    nvme_bytes = _optional_gib(args.nvme_gib, "--nvme-gib")
+    if args.link_gb_per_s is not None:
+        check_link_gb_per_s(args.link_gb_per_s, "--link-gb-per-s")
+    if cpu_pool_bytes is not None:
+        args.cfg_cpu_kv_capacity_bytes = cpu_pool_bytes
+    if nvme_bytes is not None:
+        args.cfg_nvme_kv_capacity_bytes = nvme_bytes
     config = config_from_args(args)
     dtype = config.model.dtype
     shape = describe_model(config.model.preset, config.model.hf_config).with_kv_dtype(dtype)
     block_bytes = kv_bytes_per_block(shape, dtype, config.cache.kv_block_tokens)
-    capacities = config.tier_capacities(block_bytes)
+    # A plan makes no slab, so an NVMe tier needs no directory here (plan has no --nvme-dir).
+    capacities = config.tier_capacities(block_bytes, slab_needed=False)
     d2h_gb_per_s = h2d_gb_per_s = args.link_gb_per_s or DEFAULT_LINK_GB_PER_S
     link_note = None
     if args.bench is not None:
         report = load_report(args.bench)
         d2h_gb_per_s, h2d_gb_per_s = link_gb_per_s(report, "d2h"), link_gb_per_s(report, "h2d")
+        check_measured_link(h2d_gb_per_s, d2h_gb_per_s, args.bench)
         if report.device == "cpu":
             link_note = (
                 f"{args.bench} was measured without a GPU: chunk times use host memory copy "
@@ -96,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
             block_tokens=config.cache.kv_block_tokens,
             context_tokens=args.context_tokens,
             concurrency=args.concurrency,
-            gpu_mem_bytes=int(args.gpu_mem_gib * GIB),
-            reserve_bytes=int(args.reserve_gib * GIB),
-            weights_bytes=None if args.weights_gib is None else int(args.weights_gib * GIB),
+            gpu_mem_bytes=gpu_mem_bytes,
+            reserve_bytes=reserve_bytes,
+            weights_bytes=weights_bytes,
             num_gpu_blocks=capacities.num_gpu_blocks if capacities.gpu_is_configured else None,
             num_cpu_blocks=capacities.num_cpu_blocks,
             num_nvme_blocks=capacities.num_nvme_blocks,
@@ -110,8 +127,24 @@ def run(args: argparse.Namespace) -> int:
             link_note=link_note,
         )
     )
-    print(json.dumps(plan.to_json_dict(), indent=2) if args.json else render(plan))
+    if not capacities.gpu_is_configured:
+        # The GPU tier came from the GPU's size: hold it to the rules a configured one
+        # meets (protected blocks and chunks vs the tier), as `simulate` does.
+        derived = dataclasses.replace(capacities, num_gpu_blocks=plan.gpu_kv_capacity_blocks)
+        validate_capacities(config, derived, slab_needed=False)
+    # allow_nan=False: NaN and Infinity are not JSON; the checks above keep them out, and
+    # should one slip through this fails rather than print what no JSON reader takes.
+    print(json.dumps(plan.to_json_dict(), indent=2, allow_nan=False) if args.json else render(plan))
     return 0
+
+
+def _optional_gib(value: float | None, flag: str) -> int | None:
+    return None if value is None else gib_to_bytes(value, flag)
+
+
+def _check_count(flag: str, value: int, maximum: int) -> None:
+    if not 1 <= value <= maximum:
+        raise KvSwapError(f"{flag} = {value}: allowed: 1..{maximum}")
 
 
 def render(plan: Plan) -> str:

@@ -50,6 +50,7 @@ from pathlib import Path
 from kvswap.bench.report import BenchReport, link_gb_per_s, load_report
 from kvswap.config import suggest
 from kvswap.errors import KvSwapError
+from kvswap.ledger import check_measured_link
 from kvswap.units import GIB
 
 GB = 1_000_000_000
@@ -172,8 +173,7 @@ def hardware_from_report(
     GPU describes host memory copies: then both directions share one memory bus
     and a LOW chunk yields to HIGH between blocks, as kvswap's CPU copy engine does."""
     h2d, d2h = link_gb_per_s(report, "h2d"), link_gb_per_s(report, "d2h")
-    if h2d <= 0 or d2h <= 0:
-        raise KvSwapError(f"{source}: the measured link bandwidth is 0 GB/s; rerun `kvswap bench`")
+    check_measured_link(h2d, d2h, source)
     overheads = [
         max(0.0, row.num_bytes / (row.gb_per_s_median * GB) - row.num_bytes / (d2h * GB))
         for row in report.results
