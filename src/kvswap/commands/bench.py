@@ -9,6 +9,8 @@ from typing import Any
 
 from kvswap.bench.bandwidth import run_bandwidth_bench
 from kvswap.bench.report import BenchReport, save_report
+from kvswap.commands.outputs import attempt_write, check_output_file
+from kvswap.config import load_config
 from kvswap.errors import KvSwapError
 from kvswap.units import format_bytes, parse_size_bytes
 
@@ -42,6 +44,10 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # No setting applies to a link measurement, but a KVSWAP_* typo is refused here as
+    # by every other command, rather than silently ignored.
+    load_config()
+    check_output_file(args.out, "--out")  # before minutes of copies, not after
     block_bytes = parse_size_bytes(args.block_bytes, "--block-bytes")
     try:
         chunk_blocks = tuple(int(part) for part in args.chunk_blocks.split(","))
@@ -57,14 +63,18 @@ def run(args: argparse.Namespace) -> int:
         device=None if args.device == "auto" else args.device,
         progress=None if args.json else _progress,
     )
-    if args.out:
-        save_report(report, args.out)
+    path = args.out
+    failure = (
+        None if path is None else attempt_write(lambda: save_report(report, path), "--out", path)
+    )
     if args.json:
         print(json.dumps(report.to_json_dict(), indent=2))
     else:
         print(render(report))
-        if args.out:
-            print(f"saved to {args.out}")
+        if path is not None and failure is None:
+            print(f"saved to {path}")
+    if failure is not None:
+        raise failure  # after the figures: a measurement is never thrown away
     return 0
 
 

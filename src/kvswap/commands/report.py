@@ -1,14 +1,33 @@
-"""`kvswap report`: render one run's report again, or compare several side by side."""
+"""`kvswap report`: render one run's report again, or compare several side by side.
+
+A report directory's report.json is read-only to this command: it writes the plots
+and index.html (into DIR itself for one run unless --out), never report.json. A
+report.json whose fields the reader would have to replace with defaults is refused
+with the first such field named, instead of drawing a page from made-up values.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 from pathlib import Path
 from typing import Any
 
-from kvswap.obs.report import load_report, write_comparison, write_report
+from kvswap.commands.outputs import check_output_dir
+from kvswap.config import load_config
+from kvswap.errors import KvSwapError
+from kvswap.obs.report import (
+    REPORT_FILE,
+    RunReport,
+    load_report,
+    write_comparison,
+    write_report_page,
+)
+from kvswap.readers import parse_json
 
 DEFAULT_COMPARE_DIR = "kvswap-compare"
+_SHOWN_CHARS = 60  # of an invalid value in the error line
 
 
 def register(commands: Any) -> None:
@@ -18,7 +37,7 @@ def register(commands: Any) -> None:
         description="Read the report.json of each DIR and write one HTML page comparing the "
         "runs side by side: summary table, configuration differences, diagnosis, and the "
         "latency, occupancy, link and swap-wait plots with the runs overlaid. With one DIR "
-        "the run's own page is rendered again.",
+        "the run's own page is rendered again. report.json is only read, never rewritten.",
     )
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="report directories")
     parser.add_argument(
@@ -32,11 +51,91 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # No setting applies to rendering, but a KVSWAP_* typo is refused as everywhere else.
+    load_config()
     dirs = [Path(d) for d in args.dirs]
-    reports = [load_report(d) for d in dirs]
-    if len(reports) == 1:
-        page = write_report(reports[0], args.out if args.out is not None else dirs[0])
-    else:
-        page = write_comparison(reports, dirs, args.out or DEFAULT_COMPARE_DIR)
+    default_out = args.dirs[0] if len(dirs) == 1 else DEFAULT_COMPARE_DIR
+    out = args.out if args.out is not None else default_out
+    check_output_dir(out, "--out")
+    reports = [read_report(d) for d in dirs]
+    try:
+        if len(reports) == 1:
+            page = write_report_page(reports[0], out, "--out")
+        else:
+            page = write_comparison(reports, dirs, out, "--out")
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise KvSwapError(f"--out {out}: cannot write ({reason})") from None
     print(page)
     return 0
+
+
+def read_report(directory: Path) -> RunReport:
+    """The run's report, refused if any field it holds is not what the reader took from it."""
+    report = load_report(directory)
+    path = directory / REPORT_FILE
+    try:
+        text = path.read_bytes()
+    except OSError as error:
+        raise KvSwapError(f"{path}: cannot read the report ({error.strerror})") from None
+    raw = parse_json(text, str(path))  # load_report parsed the same bytes: this succeeds
+    # What the reader understood, as it would be written; any difference from the
+    # file is a field it had to drop or default, i.e. an invalid one.
+    understood: object = json.loads(json.dumps(report.to_json()))
+    invalid = first_difference(understood, raw, "")
+    if invalid is not None:
+        field, value = invalid
+        raise KvSwapError(
+            f"{path}: field {field!r} is invalid ({_short(value)}); report.json is only read here, "
+            "write a new one with `kvswap run --report` or `kvswap simulate --report`"
+        )
+    return report
+
+
+class _Missing:
+    """A key the file lacks (a JSON `null` is a value, so None cannot stand for it)."""
+
+
+_MISSING = _Missing()
+
+
+def first_difference(expected: object, raw: object, where: str) -> tuple[str, object] | None:
+    """The first field (dotted path) where `raw` differs from `expected`, and its raw value.
+
+    Keys only `raw` has are ignored: the file is not rewritten, so nothing is lost.
+    """
+    if isinstance(expected, dict):
+        if not isinstance(raw, dict):
+            return where or "(top level)", raw
+        for key, value in expected.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if key not in raw:
+                return inner, _MISSING
+            found = first_difference(value, raw[key], inner)
+            if found is not None:
+                return found
+        return None
+    if isinstance(expected, list):
+        if not isinstance(raw, list) or len(raw) != len(expected):
+            return where, raw
+        for index, (value, item) in enumerate(zip(expected, raw, strict=True)):
+            found = first_difference(value, item, f"{where}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return None if _same_scalar(expected, raw) else (where, raw)
+
+
+def _same_scalar(expected: object, raw: object) -> bool:
+    if isinstance(expected, bool) or isinstance(raw, bool):
+        return type(expected) is type(raw) and expected == raw
+    both_floats = isinstance(expected, float) and isinstance(raw, float)
+    if both_floats and math.isnan(expected) and math.isnan(raw):  # type: ignore[arg-type]
+        return True  # NaN never equals itself; the reader kept it as it was
+    numbers = isinstance(expected, int | float) and isinstance(raw, int | float)
+    return (numbers or type(expected) is type(raw)) and expected == raw
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, _Missing) else "missing"
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."

@@ -8,13 +8,22 @@ import math
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
+from kvswap.commands.outputs import check_output_dir
+from kvswap.config import KvSwapConfig
 from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.errors import KvSwapError
 from kvswap.model.generate import SamplingParams
+from kvswap.model.presets import ENGINE_PRESET_NAMES
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 from kvswap.units import format_bytes
 from kvswap.workload.mooncake import load_mooncake_trace
 from kvswap.workload.request import Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
+
+#: The engine's model when neither --model nor [model] preset names one.
+DEFAULT_RUN_MODEL = "small"
+#: The dtypes the engine computes in (the [model] section also allows fp8, for sizing).
+ENGINE_DTYPES = ("fp32", "fp16", "bf16")
 
 #: The demo: 8 two-turn sessions sharing a system prompt, whose KV at its peak
 #: is 4x the 30-block device pool; the pinned CPU pool absorbs the rest.
@@ -34,8 +43,14 @@ def register(commands: Any) -> None:
         "latency percentiles, swap traffic and stalls. Default: the built-in `small` model on a "
         "multi-turn workload whose KV demand is 4x the device pool.",
     )
-    parser.add_argument("--model", default="small", help="preset (tiny, small) or checkpoint dir")
-    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None)
+    parser.add_argument(
+        "--model", default=None,
+        help="preset (tiny, small) or checkpoint dir (default: [model] preset, else small)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=ENGINE_DTYPES, default=None,
+        help="weights and KV dtype (default: [model] dtype, else the checkpoint's)",
+    )  # fmt: skip
     add_workload_arguments(parser)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -62,7 +77,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-requests", type=int, default=None)
 
 
+def check_workload_arguments(args: argparse.Namespace) -> None:
+    """The workload flags that no reader checks, before anything is built (trace or not)."""
+    for name in ("time_scale", "length_scale"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value <= 0:
+            raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a number > 0")
+
+
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
+    check_workload_arguments(args)
     if args.trace is not None:
         return load_mooncake_trace(
             args.trace,
@@ -87,16 +111,55 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
     )
 
 
+def engine_model(
+    args: argparse.Namespace, config: KvSwapConfig, default_model: str = DEFAULT_RUN_MODEL
+) -> tuple[str, str | None]:
+    """The model and dtype to run: `--model` / `--dtype` (None when not given), else what
+    --config or KVSWAP_* set in [model], else `default_model` and the checkpoint's dtype.
+
+    [model] describes a model for sizing (plan, simulate); the engine runs only what it
+    can load, so anything else is refused in one line that names the flag to use.
+    """
+    given = config.model.model_fields_set  # what a file or variable set, not the defaults
+    model: str = args.model if args.model is not None else default_model
+    if args.model is None and "hf_config" in given and config.model.hf_config is not None:
+        raise KvSwapError(
+            f"[model] hf_config = {config.model.hf_config!r}: `kvswap run` needs weights, "
+            "not a config.json alone; use --model DIR (a checkpoint directory)"
+        )
+    if args.model is None and "preset" in given and config.model.preset is not None:
+        if config.model.preset not in ENGINE_PRESET_NAMES:
+            raise KvSwapError(
+                f"[model] preset = {config.model.preset!r}: `kvswap run` runs only "
+                f"{', '.join(ENGINE_PRESET_NAMES)} or a checkpoint; use --model NAME|DIR "
+                "(the other presets are for plan and simulate)"
+            )
+        model = config.model.preset
+    dtype: str | None = args.dtype
+    if dtype is None and "dtype" in given:
+        if config.model.dtype not in ENGINE_DTYPES:
+            raise KvSwapError(
+                f"[model] dtype = {config.model.dtype!r}: the engine computes in "
+                f"{', '.join(ENGINE_DTYPES)}; use --dtype {'|'.join(ENGINE_DTYPES)} "
+                "(fp8 is for plan and simulate)"
+            )
+        dtype = config.model.dtype
+    return model, dtype
+
+
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.report, "--report")
+    check_workload_arguments(args)
     config = config_from_args(args, RUN_DEFAULTS)
+    model, dtype = engine_model(args, config)
     sampling = None
     if args.temperature is not None:
         sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    with Engine(config, EngineOptions(args.model, args.dtype, sampling)) as engine:
+    with Engine(config, EngineOptions(model, dtype, sampling)) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:
             print(describe(engine, workload))
-        run_info = {"command": "run", "model": args.model, "workload": workload.name,
+        run_info = {"command": "run", "model": model, "workload": workload.name,
                     "requests": len(workload)}  # fmt: skip
         with build_monitoring(
             args, config, block_bytes=engine.layout.block_bytes,
@@ -105,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
             result = engine.run(workload, monitoring.progress, monitoring.observers)
             summary = monitoring.finish(result.to_json())
     print(json.dumps(summary, indent=2) if args.json else render(summary))
+    if monitoring.report_error is not None:
+        raise monitoring.report_error  # after the summary: the result is never lost
     return 0
 
 

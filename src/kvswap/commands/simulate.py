@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
-from kvswap.commands.run import add_workload_arguments, render, workload_from_args
+from kvswap.commands.outputs import (
+    attempt_write,
+    check_output_dir,
+    check_output_file,
+    write_text_output,
+)
+from kvswap.commands.run import (
+    add_workload_arguments,
+    check_workload_arguments,
+    render,
+    workload_from_args,
+)
 from kvswap.config import KvSwapConfig
 from kvswap.errors import KvSwapError
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
@@ -111,10 +121,7 @@ def simulation_from_args(args: argparse.Namespace) -> tuple[KvSwapConfig, Hardwa
 
 
 def sim_workload(args: argparse.Namespace) -> Workload:
-    for name in ("time_scale", "length_scale"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value <= 0:
-            raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a number > 0")
+    check_workload_arguments(args)
     if args.trace is not None:
         return load_trace_workload(
             args.trace, time_scale=args.time_scale, length_scale=args.length_scale,
@@ -126,6 +133,9 @@ def sim_workload(args: argparse.Namespace) -> Workload:
 def run(args: argparse.Namespace) -> int:
     if args.hit_rate_curve:
         return _hit_rate_curve(args)
+    check_output_dir(args.report, "--report")
+    check_output_file(args.timeseries, "--timeseries")
+    check_workload_arguments(args)
     config, hardware = simulation_from_args(args)
     simulator = Simulator(config, hardware, options=SimOptions(pinned_host=not args.pageable))
     workload = sim_workload(args)
@@ -140,10 +150,25 @@ def run(args: argparse.Namespace) -> int:
     ) as monitoring:  # fmt: skip
         result = simulator.run(workload, monitoring.progress, monitoring.observers)
         summary = monitoring.finish(result.to_json())
+        failures = [monitoring.report_error]
         if args.timeseries is not None:
-            _write_json(args.timeseries, monitoring.recorder.series().to_json())
+            text = json.dumps(monitoring.recorder.series().to_json()) + "\n"
+            path = args.timeseries
+            failures.append(
+                attempt_write(
+                    lambda: write_text_output(path, text, "--timeseries"), "--timeseries", path
+                )
+            )
     print(json.dumps(summary, indent=2) if args.json else render_simulation(summary))
+    raise_first(failures)
     return 0
+
+
+def raise_first(failures: list[KvSwapError | None]) -> None:
+    """After the summary is printed: the first output that failed, as the one error line."""
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 def describe(simulator: Simulator, workload: Workload) -> str:
@@ -185,10 +210,3 @@ def _hit_rate_curve(args: argparse.Namespace) -> int:
         capacity = "inf" if math.isinf(point.capacity_tokens) else f"{point.capacity_tokens:,.0f}"
         print(f"{capacity:>18}  {100 * point.hit_rate:6.2f} %")
     return 0
-
-
-def _write_json(path: str, data: object) -> None:
-    try:
-        Path(path).write_text(json.dumps(data) + "\n", encoding="utf-8")
-    except OSError as error:
-        raise KvSwapError(f"{path}: cannot write ({error.strerror})") from None

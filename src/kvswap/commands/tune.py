@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from kvswap.commands.outputs import attempt_write, check_output_file, write_text_output
+from kvswap.commands.run import check_workload_arguments
 from kvswap.commands.simulate import add_simulation_arguments, sim_workload, simulation_from_args
 from kvswap.errors import KvSwapError
 from kvswap.obs.progress import ProgressBar
 from kvswap.sim.config_toml import config_to_toml
 from kvswap.sim.setup import resolve_setup
 from kvswap.sim.simulator import SimOptions
-from kvswap.sim.tuner import TuneResult, tune
+from kvswap.sim.tuner import Trial, TuneResult, tune
 
 #: A lighter default workload than `simulate`'s: the tuner runs ~15 simulations.
 TUNE_WORKLOAD_DEFAULTS: dict[str, object] = {"num_sessions": 32}
@@ -41,6 +42,8 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out")  # before ~15 simulations, not after
+    check_workload_arguments(args)
     config, hardware = simulation_from_args(args)  # an impossible config fails here
     workload = sim_workload(args)
     options = SimOptions(pinned_host=not args.pageable)
@@ -56,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuning on {hardware.name} with {workload.name} ({len(workload)} requests); "
               f"block size fixed at {config.cache.kv_block_tokens} tokens")  # fmt: skip
     result = tune(config, hardware, workload, options=options, progress=progress)
+    if final_trial(result).throughput_tok_s <= 0:
+        # Nothing completed: every candidate ties at zero, so a "recommendation" would be
+        # the first candidate of each sweep dressed up as a measurement.
+        raise KvSwapError(
+            f"tune: 0 of {len(workload)} requests completed with the given config, so there is "
+            f"nothing to tune and --out {args.out} was not written; see why with `kvswap "
+            "simulate` and the same flags (the tiers must fit the workload's requests)"
+        )
     setup = resolve_setup(result.config, hardware)
     header = [
         f"kvswap tune on {hardware.name}, workload {workload.name}",
@@ -63,18 +74,28 @@ def run(args: argparse.Namespace) -> int:
     ]
     notes = {step.knob: "tuned" for step in result.steps}
     text = config_to_toml(result.config, setup.capacities, header=header, notes=notes)
-    try:
-        Path(args.out).write_text(text, encoding="utf-8")
-    except OSError as error:
-        raise KvSwapError(f"--out {args.out}: cannot write ({error.strerror})") from None
+    path = args.out
+    failure = attempt_write(lambda: write_text_output(path, text, "--out"), "--out", path)
+    written = path if failure is None else None
     if args.json:
-        print(json.dumps(to_json(result, args.out), indent=2))
+        print(json.dumps(to_json(result, written), indent=2))
     else:
-        print(render(result, args.out))
+        print(render(result, written))
+    if failure is not None:
+        raise failure  # after the result: the tuning is printed even when the file fails
     return 0
 
 
-def to_json(result: TuneResult, path: str) -> dict[str, object]:
+def final_trial(result: TuneResult) -> Trial:
+    """The measurement of the recommended config: the last sweep's pick, else the baseline."""
+    if not result.steps:
+        return result.baseline
+    last = result.steps[-1]
+    return next((t for t in last.trials if t.value == last.chosen), result.baseline)
+
+
+def to_json(result: TuneResult, path: str | None) -> dict[str, object]:
+    """The --json object; `config_path` is None when the file could not be written."""
     return {
         "baseline": result.baseline.__dict__,
         "steps": [
@@ -91,7 +112,7 @@ def to_json(result: TuneResult, path: str) -> dict[str, object]:
     }
 
 
-def render(result: TuneResult, path: str) -> str:
+def render(result: TuneResult, path: str | None) -> str:
     lines = [f"baseline: {result.baseline.line()}"]
     for number, step in enumerate(result.steps, start=2):
         lines.append(f"step {number}: {step.knob}")
@@ -101,6 +122,7 @@ def render(result: TuneResult, path: str) -> str:
     lines.append(
         f"recommended: swap_out_high_watermark = {swap.swap_out_high_watermark:g}, "
         f"swap_out_chunk_blocks = {swap.swap_out_chunk_blocks}, "
-        f"prefetch_stream_count = {swap.prefetch_stream_count}; written to {path}"
+        f"prefetch_stream_count = {swap.prefetch_stream_count}; "
+        + (f"written to {path}" if path is not None else "not written")
     )
     return "\n".join(lines)

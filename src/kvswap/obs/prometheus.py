@@ -53,6 +53,9 @@ in `on_finish`, so a scrape after the run agrees with `--json`.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import socket
 from collections.abc import Mapping
 from wsgiref.simple_server import WSGIServer
 
@@ -99,6 +102,7 @@ class PrometheusExporter(StepObserver):
         self._seen: dict[tuple[int, str], float] = {}  # counter totals already exported
         self._server: WSGIServer | None = None
         self.port: int | None = None
+        self.bound_address: str | None = None  # the numeric address serve() bound
         r = self.registry
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -186,15 +190,28 @@ class PrometheusExporter(StepObserver):
             server, _thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as error:
             reason = error.strerror or str(error)
+            if isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL:
+                # The host, not the port, is what the user got wrong: name that flag.
+                raise KvSwapError(
+                    f"--metrics-host {host}: not an address of this machine ({reason}); "
+                    "use 127.0.0.1 (the default), ::1 or one of this machine's addresses"
+                ) from None
             raise KvSwapError(
                 f"--metrics-port {port}: cannot listen on {host}:{port} ({reason}); "
                 "choose a free port (1024-65535) or 0 for any"
             ) from None
         self._server = server
+        self.bound_address = str(server.server_address[0])
         self.port = int(server.server_address[1])
         return self.port
 
+    @property
+    def on_loopback(self) -> bool:
+        """Whether /metrics is reachable from this machine only (False before serve())."""
+        return self.bound_address is not None and is_loopback_address(self.bound_address)
+
     def close(self) -> None:
+        self.bound_address = None
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
@@ -295,3 +312,18 @@ class PrometheusExporter(StepObserver):
         for counter, key in plain:
             self._total(counter, integer_or(summary, key))
         self.running.set(0)
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a numeric bound address (IPv4, IPv6, IPv4-mapped IPv6) is loopback-only.
+
+    The address the socket bound is judged, not the name the user typed, so
+    `localhost` and `127.0.0.2` pass and `0.0.0.0`, `::` or a LAN address do not.
+    """
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 scope id
+    except ValueError:
+        return False  # not numeric: cannot prove it is loopback
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback

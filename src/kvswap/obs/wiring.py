@@ -89,9 +89,15 @@ class Monitoring:
         self.observers: tuple[StepObserver, ...] = tuple(
             o for o in (recorder, exporter, panel) if o is not None
         )
+        # A report that could not be written: the command prints its summary first,
+        # then raises this, so a failed write never throws the run's result away.
+        self.report_error: KvSwapError | None = None
 
     def finish(self, summary: dict[str, object]) -> dict[str, object]:
-        """The summary plus `diagnosis` (a list of findings); writes the report if asked."""
+        """The summary plus `diagnosis` (a list of findings); writes the report if asked.
+
+        A failure to write the report is kept in `report_error`, not raised.
+        """
         series = self.recorder.series()
         findings = diagnose(summary, series, link_gb_per_s=self.link_gb_per_s)
         tail = tail_summary(series)
@@ -114,8 +120,17 @@ class Monitoring:
                     0
                 ],  # as the diagnosis used
             )
-            page = write_report(report, self.report_dir)
-            self._say(f"report: {page}")
+            try:
+                page = write_report(report, self.report_dir)
+            except KvSwapError as error:
+                self.report_error = error
+            except OSError as error:
+                reason = error.strerror or str(error)
+                self.report_error = KvSwapError(
+                    f"--report {self.report_dir}: cannot write ({reason})"
+                )
+            else:
+                self._say(f"report: {page}")
         return out
 
     def _say(self, text: str) -> None:
@@ -165,6 +180,12 @@ def build_monitoring(
     watermarks = Watermarks.from_config(config)
     recorder = TimeSeriesRecorder()
     exporter = _exporter(args, config, block_bytes, kv_metrics, watermarks)
+    if exporter is not None and not exporter.on_loopback:
+        # Said even with --quiet: an open port is a security decision, not progress.
+        out.write(
+            f"kvswap: warning: --metrics-host {args.metrics_host} is not a loopback address; "
+            f"/metrics on port {exporter.port} is reachable from other machines\n"
+        )
     if exporter is not None and not quiet:
         out.write(f"metrics: http://{_host_for_url(args.metrics_host)}:{exporter.port}/metrics\n")
     panel: LivePanel | None = None
