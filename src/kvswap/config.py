@@ -182,17 +182,6 @@ class KvSwapConfig(_Section):
     engine: EngineSection = EngineSection()
     simulator: SimulatorSection = SimulatorSection()
 
-    def warnings(self) -> list[str]:
-        """Legal but risky settings, worded for the user."""
-        found: list[str] = []
-        if self.swap.swap_out_high_watermark >= 1.0:
-            found.append(
-                "swap_out_high_watermark = 1.0: swap-out starts only when the GPU pool is full, "
-                "so new work waits for a synchronous swap-out on the decode path "
-                "(the classic stall); 0.85 leaves headroom"
-            )
-        return found
-
     def tier_capacities(self, block_bytes: int, *, slab_needed: bool = True) -> TierCapacities:
         """Blocks per tier for a model whose KV block is `block_bytes` long.
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from kvswap.errors import KvSwapError
 from kvswap.model.description import ModelDescription
 from kvswap.model.dtypes import dtype_bytes
-from kvswap.units import MIB, format_bytes
+from kvswap.units import MIB, ceil_div, format_bytes
 
 #: The seed article's measured PCIe 4.0 x16 bandwidth, GB/s (1e9 bytes/s).
 DEFAULT_LINK_GB_PER_S = 25.0
@@ -108,7 +108,7 @@ def kv_bytes_per_block(shape: ModelDescription, dtype: str, block_tokens: int) -
 
 
 def blocks_for_tokens(num_tokens: int, block_tokens: int) -> int:
-    return -(-num_tokens // block_tokens)
+    return ceil_div(num_tokens, block_tokens)
 
 
 def check_link_gb_per_s(gb_per_s: float, name: str) -> float:

@@ -25,6 +25,7 @@ from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.tiers import TierSlots
 from kvswap.control.transfer import Tier
 from kvswap.errors import KvSwapError
+from kvswap.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class BlockStore:
     def num_new_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         state = self.sequences[seq_id]
         used = len(state.block_ids) * self.block_tokens
-        return max(0, -(-(state.num_tokens + num_new_tokens - used) // self.block_tokens))
+        return max(0, ceil_div(state.num_tokens + num_new_tokens - used, self.block_tokens))
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int]) -> list[Block]:
         """Add tokens; returns the blocks created for them (each needs a GPU slot).

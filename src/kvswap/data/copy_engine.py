@@ -44,6 +44,7 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.errors import KvSwapError
+from kvswap.units import ceil_div
 
 # How often a waiter checks that the worker it waits on is still alive.
 _LIVENESS_CHECK_S = 0.5
@@ -106,7 +107,7 @@ class LocalCopyEngine(CopyEngine):
         if self._use_cuda:
             high_streams, low_lane = _make_streams(device_pool.device, prefetch_streams)
             high_lanes = list(high_streams)
-        high_depth = -(-max_in_flight_high_chunks // prefetch_streams)  # ceil
+        high_depth = ceil_div(max_in_flight_high_chunks, prefetch_streams)
         self._workers = {
             Priority.HIGH: QueueWorker(
                 Priority.HIGH, self._pools, self._arbiter, high_lanes, high_depth

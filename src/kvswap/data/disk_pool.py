@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from kvswap.errors import KvSwapError
+from kvswap.units import ceil_div
 
 SLOT_ALIGN_BYTES = 4096
 IoMode = Literal["direct", "buffered"]
@@ -85,7 +86,7 @@ class DiskPool:
         self.block_bytes = block_bytes
         self.num_slots = num_slots
         self.persist = persist
-        self.slot_stride_bytes = -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        self.slot_stride_bytes = ceil_div(block_bytes, SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
         self.configured_bytes = num_slots * self.slot_stride_bytes
         # Before the free-space check: a stale slab's bytes are free once it is removed.
         report_stale_slabs(self.directory)
@@ -338,7 +339,7 @@ def _create_locked(directory: Path, suffix: str) -> tuple[Path, int]:
 
 def slab_bytes(block_bytes: int, num_slots: int) -> int:
     """The slab file's size: slots rounded up to SLOT_ALIGN_BYTES."""
-    return num_slots * (-(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
+    return num_slots * (ceil_div(block_bytes, SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
 
 
 def check_directory(directory: Path, needed_bytes: int) -> None:

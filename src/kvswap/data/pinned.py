@@ -241,7 +241,7 @@ class PinnedBuffer:
 
     def resident_bytes(self) -> int | None:
         """Bytes of this buffer resident in RAM now, as the kernel reports them
-        (/proc/self/smaps); None where that file cannot be read."""
+        (/proc/self/pagemap); None where that file cannot be read."""
         return _mapping_rss_bytes(self.tensor.data_ptr(), self.num_bytes)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+from kvswap.units import ceil_div
 
 MAX_SEED = 2**63 - 1
 """The largest sampling seed (a torch generator takes a signed 64-bit seed)."""
@@ -138,7 +139,7 @@ def generate_reference(
         raise KvSwapError(f"prompt token ids must be in [0, {vocab_size})")
     check_generation_length(len(prompt_ids), max_new_tokens, model.config)
     total_tokens = len(prompt_ids) + max_new_tokens - 1  # the last token is never fed back
-    needed_blocks = -(-total_tokens // block_tokens)
+    needed_blocks = ceil_div(total_tokens, block_tokens)
     table = tuple(block_table) if block_table is not None else tuple(range(needed_blocks))
     if len(table) < needed_blocks:
         raise KvSwapError(f"block_table has {len(table)} blocks, {needed_blocks} are needed")

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvswap.units import ceil_div
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -93,7 +95,7 @@ def build_attention_metadata(
     for index, (query_len, context_len, table) in enumerate(
         zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True)
     ):
-        num_blocks = -(-context_len // block_tokens)
+        num_blocks = ceil_div(context_len, block_tokens)
         if len(table) < num_blocks:
             raise ValueError(
                 f"AttentionBatch sequence {index}: {context_len} tokens need {num_blocks} "

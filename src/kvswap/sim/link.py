@@ -60,10 +60,6 @@ class Link:
         self.busy_s = 0.0
         self.finished: list[LinkJob] = []  # completed, not yet collected by the owner
 
-    @property
-    def is_idle(self) -> bool:
-        return self._current is None
-
     def submit(self, job: LinkJob, now_s: float) -> None:
         self.advance(now_s)
         if self.yields_per_block and job.chunk.priority is Priority.LOW:

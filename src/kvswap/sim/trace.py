@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvswap.units import ceil_div
 from kvswap.workload.bounds import check_bill, check_length_scale, check_time_scale
 from kvswap.workload.mooncake import (
     TraceRow,
@@ -37,7 +38,7 @@ def trace_prompt(row: TraceRow, length_scale: float = 1.0) -> tuple[int, ...]:
     """The placeholder prompt of `row`: each hash id repeated over its block."""
     block_tokens = scaled_block_tokens(length_scale)
     num_tokens = scaled_input_tokens(row, length_scale)
-    num_blocks = -(-num_tokens // block_tokens)
+    num_blocks = ceil_div(num_tokens, block_tokens)
     ids: list[int] = []
     for hash_id in row.hash_ids[:num_blocks]:
         ids += (hash_id,) * block_tokens

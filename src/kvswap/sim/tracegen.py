@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvswap.errors import ConfigError
+from kvswap.units import ceil_div
 from kvswap.workload.bounds import (
     MAX_DURATION_S,
     MAX_HASH_IDS_PER_REQUEST,
@@ -96,7 +97,7 @@ def generate_trace_rows(spec: TraceSpec) -> list[TraceRow]:
             kept = tuple(range(system, system + spec.system_prompt_blocks))
             tokens = max(len(kept) * B + 1, round(rng.lognormvariate(mu, sigma)))
         tokens = min(tokens, spec.max_input_tokens)
-        num_blocks = -(-tokens // B)
+        num_blocks = ceil_div(tokens, B)
         kept = kept[:num_blocks]
         fresh = tuple(range(next_id, next_id + num_blocks - len(kept)))
         next_id += len(fresh)

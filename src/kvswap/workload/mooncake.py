@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.readers import parse_json
+from kvswap.units import ceil_div
 from kvswap.workload.bounds import (
     MAX_HASH_ID,
     MAX_HASH_IDS_PER_REQUEST,
@@ -61,7 +62,7 @@ class TraceRow:
     @property
     def num_blocks_used(self) -> int:
         """Hash ids the prompt actually covers (the last may be partial)."""
-        return -(-self.input_tokens // MOONCAKE_BLOCK_TOKENS)
+        return ceil_div(self.input_tokens, MOONCAKE_BLOCK_TOKENS)
 
     @property
     def used_hash_ids(self) -> tuple[int, ...]:

@@ -88,10 +88,6 @@ class Request:
             )
 
     @property
-    def is_follow_up(self) -> bool:
-        return self.follow_up is not None
-
-    @property
     def known_prompt_tokens(self) -> int:
         """Prompt tokens known before run time (for a follow-up: its new user tokens)."""
         if self.follow_up is not None:

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvswap.errors import KvSwapError
+from kvswap.units import ceil_div
 
 _MASK_64 = (1 << 64) - 1
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / golden ratio)
@@ -102,7 +103,7 @@ class BlockTokenSynthesizer:
         The last block used may be partial; hash ids past `num_tokens` are not
         touched. Raises KvSwapError if the blocks hold fewer than `num_tokens`.
         """
-        num_blocks = -(-num_tokens // self.block_tokens)
+        num_blocks = ceil_div(num_tokens, self.block_tokens)
         if num_blocks > len(hash_ids):
             raise KvSwapError(
                 f"{num_tokens} prompt tokens need {num_blocks} blocks of {self.block_tokens} "
