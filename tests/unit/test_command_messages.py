@@ -22,6 +22,8 @@ from kvswap.commands.run import RUN_DEFAULTS, engine_model
 from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import PrometheusExporter, is_loopback_address
 
+from .cli_checks import cli, forbid, one_error_line
+
 SMALL_SIM = ("--num-sessions", "2", "--turns", "1", "--prompt-tokens", "64",
              "--system-prompt-tokens", "16", "--output-tokens", "4", "--quiet")  # fmt: skip
 #: Every request needs more blocks than all tiers hold together: 0 complete.
@@ -31,26 +33,6 @@ ALL_REJECTED = ("--num-sessions", "2", "--turns", "1", "--prompt-tokens", "4000"
                 "--nvme-kv-capacity-blocks", "0", "--protected-sink-blocks", "2",
                 "--quiet")  # fmt: skip
 TRACE_LINE = '{"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": [1, 2]}\n'
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("kvswap: error: ") and "Traceback" not in err
-    return lines[0]
-
-
-def forbid(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> None:
-    def called(*_args: object, **_kwargs: object) -> Any:
-        raise AssertionError(f"{name} ran although the input was bad")
-
-    monkeypatch.setattr(target, name, called)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from kvswap.bench.report import BenchReport, BenchResult
-from kvswap.cli import main
 from kvswap.commands import bench as bench_command
 from kvswap.commands import run as run_command
 from kvswap.commands import simulate as simulate_command
@@ -20,34 +19,14 @@ from kvswap.errors import KvSwapError
 from kvswap.obs import wiring
 from kvswap.sim.tuner import Trial, TuneResult
 
+from .cli_checks import cli, forbid, one_error_line
+
 #: A simulation that finishes in well under a second.
 SMALL_SIM = ("--num-sessions", "2", "--turns", "1", "--prompt-tokens", "64",
              "--system-prompt-tokens", "16", "--output-tokens", "4", "--quiet")  # fmt: skip
 #: A run of the tiny model with two short requests.
 SMALL_RUN = ("--model", "tiny", "--num-sessions", "2", "--turns", "1", "--prompt-tokens", "32",
              "--system-prompt-tokens", "16", "--output-tokens", "4", "--quiet")  # fmt: skip
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("kvswap: error: ") and "Traceback" not in err
-    return lines[0]
-
-
-def forbid(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> None:
-    """Make `target.name` fail the test if called: proves no work started."""
-
-    def called(*_args: object, **_kwargs: object) -> Any:
-        raise AssertionError(f"{name} ran although an output path was bad")
-
-    monkeypatch.setattr(target, name, called)
 
 
 def fake_bench_report() -> BenchReport:
