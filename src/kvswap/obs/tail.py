@@ -33,9 +33,16 @@ SWAP_WAIT, PREFILL, DECODE = "swap_wait", "prefill", "decode"
 STEP_CLASSES: tuple[str, ...] = (SWAP_WAIT, PREFILL, DECODE)
 
 
+#: A step "waited for a swap-in" when the wait was at least this share of the step:
+#: the engine's wait_ready reads a wall clock, so every step shows some microseconds
+#: of bookkeeping, which must not count as blocking.
+MIN_SWAP_WAIT_SHARE = 0.05
+
+
 def step_class(sample: StepSample, *, sync_stalled: bool) -> str:
     """The class of the step `sample` reports; `sync_stalled`: its step had a sync stall."""
-    if sample.swap_wait_s > 0 or sync_stalled:
+    waited = sample.swap_wait_s > 0 and sample.swap_wait_s >= MIN_SWAP_WAIT_SHARE * sample.step_s
+    if waited or sync_stalled:
         return SWAP_WAIT
     if sample.num_prefill_tokens > 0:
         return PREFILL
