@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvswap import host_memory as host_memory_module
 from kvswap.data import host_pool as host_pool_module
 from kvswap.data import pinned as pinned_module
 from kvswap.data.device_pool import DevicePool
@@ -338,7 +339,7 @@ def test_the_cgroup_v2_limit_binds_when_it_is_the_tightest(tmp_path: Path) -> No
             "memory.stat": f"anon 1\ninactive_file {16 << 20}\n",
         },
     )
-    memory = pinned_module.host_memory(root, proc)
+    memory = host_memory_module.host_memory(root, proc)
     # 64 MiB limit - (48 MiB used - 16 MiB reclaimable cache) = 32 MiB
     assert memory.available_bytes == 32 << 20
     assert "memory.max" in memory.limit
@@ -354,7 +355,7 @@ def test_the_cgroup_v1_limit_binds_and_v1_unlimited_is_ignored(tmp_path: Path) -
             "memory/docker/memory.usage_in_bytes": str(8 << 20),
         },
     )
-    memory = pinned_module.host_memory(root, proc)
+    memory = host_memory_module.host_memory(root, proc)
     assert memory.available_bytes == 32 << 20
     assert "memory.limit_in_bytes" in memory.limit
 
@@ -362,8 +363,8 @@ def test_the_cgroup_v1_limit_binds_and_v1_unlimited_is_ignored(tmp_path: Path) -
 def test_a_binding_limit_is_named_in_the_one_line_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limit = pinned_module.HostMemory(1 << 20, "the address-space limit RLIMIT_AS (ulimit -v)")
-    monkeypatch.setattr(pinned_module, "host_memory", lambda: limit)
+    limit = host_memory_module.HostMemory(1 << 20, "the address-space limit RLIMIT_AS (ulimit -v)")
+    monkeypatch.setattr(host_memory_module, "host_memory", lambda: limit)
     with pytest.raises(KvSwapError, match="RLIMIT_AS") as info:
         HostPool(KVLayout.from_block_bytes(BLOCK_BYTES), num_slots=1024)
     assert_one_line(info.value)

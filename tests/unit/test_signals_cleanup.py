@@ -26,8 +26,8 @@ from kvswap.cli import main
 from kvswap.config import load_config
 from kvswap.data import pinned
 from kvswap.data.disk_pool import DiskPool
-from kvswap.data.pinned import available_host_bytes
 from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.host_memory import available_host_bytes
 from kvswap.signals import Terminated, stop_message, stop_signals_raise
 
 BLOCK_BYTES = 4096

@@ -40,8 +40,9 @@ from kvswap.bench.report import (
     BenchResult,
     format_result,
 )
-from kvswap.data.pinned import PinnedBuffer, available_host_bytes
+from kvswap.data.pinned import PinnedBuffer
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import available_host_bytes
 from kvswap.progress import StageProgress as Progress
 from kvswap.units import GIB, MIB, format_bytes
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvswap.data.layout import KVLayout
-from kvswap.data.pinned import available_host_bytes
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import available_host_bytes
 
 
 class DevicePool:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from kvswap.data.layout import KVLayout
-from kvswap.data.pinned import PinnedBuffer, require_host_bytes
+from kvswap.data.pinned import PinnedBuffer
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import require_host_bytes
 
 
 class HostPool:

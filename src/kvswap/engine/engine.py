@@ -30,7 +30,6 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
-from kvswap.data.pinned import require_host_bytes
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import drive
@@ -38,6 +37,7 @@ from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import require_host_bytes
 from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import load_model, resolve_model
 from kvswap.obs.observer import StepObserver

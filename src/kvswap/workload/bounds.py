@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from kvswap.errors import ConfigError, KvSwapError
+from kvswap.host_memory import available_host_bytes
 
 MAX_REQUESTS = 10**6
 MAX_REQUEST_TOKENS = 2**24
@@ -110,18 +111,9 @@ def check_bill(bill: WorkloadBill, what: str, *, available_memory_bytes: int | N
 
 
 def host_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read.
-
-    Torch-free on purpose: the workload layer may not import `kvswap.data`.
-    """
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """What this process may still allocate (`kvswap.host_memory`: MemAvailable,
+    RLIMIT_AS and the cgroup limit, whichever binds), in bytes."""
+    return available_host_bytes()
 
 
 def check_time_scale(value: object, name: str = "time_scale") -> float:
