@@ -35,6 +35,7 @@ from pydantic import (
 
 from kvswap.config_sources import read_toml, source_values
 from kvswap.errors import ConfigError
+from kvswap.redact import redact_url
 from kvswap.units import parse_size_bytes
 
 ENV_PREFIX = "KVSWAP_"
@@ -131,12 +132,26 @@ class SwapSection(_Section):
         return self
 
 
+#: URL schemes of the remote tier (Redis protocol: Redis 7, Valkey).
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
 class TiersSection(_Section):
     """Where the lower tiers live."""
 
     nvme_dir: str | None = None
     nvme_persist: bool = False
     remote_url: str | None = None
+    """The shared remote tier: redis://host:port/db, rediss:// (TLS) or unix:///path.
+    None: no remote tier. The password may be in the URL or KVSWAP_REMOTE_PASSWORD."""
+    remote_namespace: str | None = None
+    """Key prefix in the store; None: the model fingerprint of the block identity."""
+    remote_ttl_s: float = Field(default=0.0, ge=0.0, le=10 * 365 * 86400)
+    remote_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
+    remote_max_inflight_chunks: int = Field(default=4, ge=1, le=1024)
+    remote_write_policy: Literal["on_finish", "on_demote", "off"] = "on_finish"
+    remote_required: bool = False
+    """True: a store unreachable at start is an error; False: one warning, tier off."""
 
     @field_validator("nvme_dir")
     @classmethod
@@ -150,9 +165,16 @@ class TiersSection(_Section):
 
     @field_validator("remote_url")
     @classmethod
-    def _no_remote_yet(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("the remote tier is not available in this version; leave it unset")
+    def _a_store_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in REMOTE_URL_SCHEMES or not rest:
+            raise ValueError(
+                "not a store URL; allowed: "
+                + ", ".join(f"{s}://..." for s in REMOTE_URL_SCHEMES)
+                + " (e.g. redis://127.0.0.1:6379/0)"
+            )
         return value
 
 
@@ -163,6 +185,9 @@ class EngineSection(_Section):
     preemption: Literal["swap", "recompute"] = "swap"
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    batch_invariant: bool = False
+    """True: the exact mode (fixed tiles; output bit-identical whatever the batch,
+    tiering, chunking or recomputation); False: the fast path."""
 
 
 class SimulatorSection(_Section):
@@ -279,6 +304,14 @@ FIELD_SECTIONS: dict[str, str] = {
 #: The seed article's names that were renamed to say what they mean: old -> new. The
 #: old names stay accepted in TOML, `KVSWAP_*` variables and flags, so the seed article's
 #: template (configs/article-8b-40gb.toml) loads unchanged.
+#: Fields that are on/off switches (a flag alone turns them on).
+SWITCH_FIELDS: frozenset[str] = frozenset(
+    field
+    for model in _SECTIONS.values()
+    for field, info in model.model_fields.items()
+    if info.annotation is bool
+)
+
 RENAMED_FIELDS: dict[str, str] = {
     "swap_in_low_watermark": "swap_out_low_watermark",
     "evict_protected_blocks": "protected_sink_blocks",
@@ -385,6 +418,8 @@ def _one_line(error: ValidationError, origin: Mapping[str, str], spelled: Mappin
         return message
     where = f" (from {origin[field]})" if field in origin else ""
     value = first.get("input")
+    if field == "remote_url" and isinstance(value, str):
+        value = redact_url(value)  # a password never reaches a message
     name = spelled.get(field, field)
     shown = field if name == field else f"{name} (now {field})"
     # A 400-digit number stays one readable line: show its first 60 characters.

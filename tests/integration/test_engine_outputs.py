@@ -123,7 +123,7 @@ def test_a_later_turn_restored_from_cpu_or_nvme_matches_recomputing_it(tmp_path:
         cpu_demote_high_watermark=0.25,
         cpu_demote_low_watermark=0.0,
     )
-    assert recomputed["prefix_hit_tokens"] == {"gpu": 0, "cpu": 0, "nvme": 0}
+    assert recomputed["prefix_hit_tokens"] == {"gpu": 0, "cpu": 0, "nvme": 0, "remote": 0}
     assert from_cpu["prefix_hit_tokens"]["cpu"] == 40
     assert from_nvme["prefix_hit_tokens"]["nvme"] > 0
     assert from_cpu["outputs_digest"] == recomputed["outputs_digest"]

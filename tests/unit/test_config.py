@@ -60,7 +60,7 @@ def test_capacity_in_bytes_becomes_blocks() -> None:
         ({"swap_in_chunk_blocks": -1}, "swap_in_chunk_blocks = -1"),
         ({"gpu_kv_capacity_bytes": "6 gigs"}, "is not a size"),
         ({"dtype": "int4"}, "dtype = 'int4'"),
-        ({"remote_url": "redis://x"}, "remote tier is not available"),
+        ({"remote_url": "http://x"}, "not a store URL"),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_allowed(

@@ -57,7 +57,7 @@ def test_same_seed_same_run_and_the_engine_keys() -> None:
     assert first["requests_completed"] == 20 and first["device"] == "simulated"
     assert first["bytes_gpu_to_cpu"] != 0 and first["bytes_cpu_to_gpu"] != 0  # it swapped
     rates = first["prefix_hit_rate_by_tier"]
-    assert isinstance(rates, dict) and set(rates) == {"gpu", "cpu", "nvme"}
+    assert isinstance(rates, dict) and set(rates) == {"gpu", "cpu", "nvme", "remote"}
 
 
 def test_the_virtual_clock_accounts_swap_waits() -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from kvswap.config import FIELD_SECTIONS, RENAMED_FIELDS, KvSwapConfig, load_config
+from kvswap.config import (
+    FIELD_SECTIONS,
+    RENAMED_FIELDS,
+    SWITCH_FIELDS,
+    KvSwapConfig,
+    load_config,
+)
 
 #: Flags whose names differ from the config field they set.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"kv_block_tokens": ("--block-tokens",)}
@@ -26,6 +32,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: Iterable[str
             *(_flag(name) for name in old),
         )
         help_text = f"replaces the seed's {', '.join(map(_flag, old))}" if old else None
+        if field in SWITCH_FIELDS:
+            # A switch: `--batch-invariant` alone means true; `--batch-invariant false` works too.
+            group.add_argument(
+                *flags, dest=f"cfg_{field}", metavar="BOOL", nargs="?", const="true",
+                default=None, help=help_text,
+            )  # fmt: skip
+            continue
         group.add_argument(
             *flags, dest=f"cfg_{field}", metavar="VALUE", default=None, help=help_text
         )

@@ -70,6 +70,8 @@ class BlockStore:
             Tier.GPU: TierSlots(Tier.GPU, layout.num_gpu_blocks),
             Tier.CPU: TierSlots(Tier.CPU, layout.num_cpu_blocks),
             Tier.NVME: TierSlots(Tier.NVME, layout.num_nvme_blocks),
+            # The remote store has no slots here: its copies are addressed by key.
+            Tier.REMOTE: TierSlots(Tier.REMOTE, 0),
         }
         self.blocks: dict[int, Block] = {}
         self.sequences: dict[int, SequenceState] = {}

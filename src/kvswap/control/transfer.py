@@ -26,6 +26,7 @@ class Tier(enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
     NVME = "nvme"
+    REMOTE = "remote"  # a shared store (Redis protocol), addressed by block key
 
     # Members are singletons compared by identity, so the identity hash is a valid
     # hash; Enum's default hashes the member's name in Python, and tiers key every
@@ -40,6 +41,8 @@ class Direction(enum.Enum):
     CPU_TO_GPU = "cpu_to_gpu"
     CPU_TO_NVME = "cpu_to_nvme"
     NVME_TO_CPU = "nvme_to_cpu"
+    CPU_TO_REMOTE = "cpu_to_remote"
+    REMOTE_TO_CPU = "remote_to_cpu"
 
     __hash__ = object.__hash__  # as for Tier
 
@@ -57,7 +60,13 @@ _DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
     Direction.CPU_TO_GPU: (Tier.CPU, Tier.GPU),
     Direction.CPU_TO_NVME: (Tier.CPU, Tier.NVME),
     Direction.NVME_TO_CPU: (Tier.NVME, Tier.CPU),
+    Direction.CPU_TO_REMOTE: (Tier.CPU, Tier.REMOTE),
+    Direction.REMOTE_TO_CPU: (Tier.REMOTE, Tier.CPU),
 }
+
+#: Directions whose one side is the remote store: that side is addressed by the
+#: chunk's `keys` (its slots are the positions 0..n-1 of `keys`).
+REMOTE_DIRECTIONS = frozenset({Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU})
 
 
 class Priority(enum.IntEnum):
@@ -72,7 +81,9 @@ class TransferChunk:
     """A batch of whole-block copies: src_slots[i] -> dst_slots[i].
 
     Invariant: len(src_slots) == len(dst_slots) >= 1 and every slot appears
-    once per side. `num_bytes` = len(src_slots) * block bytes.
+    once per side. `num_bytes` = len(src_slots) * block bytes. A remote chunk
+    (`REMOTE_DIRECTIONS`) also names each block's key: `keys[i]` is the block
+    copied by slot pair i, and the remote side's slots are 0..n-1.
     """
 
     transfer_id: int
@@ -81,6 +92,7 @@ class TransferChunk:
     src_slots: tuple[int, ...]
     dst_slots: tuple[int, ...]
     num_bytes: int
+    keys: tuple[bytes, ...] = ()
 
     @property
     def num_blocks(self) -> int:
