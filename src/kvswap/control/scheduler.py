@@ -33,6 +33,14 @@ class Preemption(enum.Enum):
     RECOMPUTE = "recompute"
 
 
+class FinishReason(enum.Enum):
+    """Why a request ended (the value is the OpenAI API's `finish_reason`)."""
+
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop token, or ended early by its client (a stop string)
+    ABORT = "abort"  # cancelled, or rejected at admission
+
+
 @dataclass(frozen=True)
 class SchedulerSettings:
     max_num_seqs: int = 64
@@ -62,6 +70,9 @@ class SequenceRun:
     recomputed_tokens: int = 0
     tokens_to_recompute: int = 0  # computed before a recompute preemption dropped them
     rejected_reason: str | None = None
+    # Sampling one of these ends the request (an end-of-sequence token).
+    stop_token_ids: frozenset[int] = frozenset()
+    finish_reason: FinishReason | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -124,10 +135,14 @@ class Scheduler:
         arrival_s: float,
         *,
         cache_salt: str | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         """Queue a request. One longer than the model's maximum position or that can
         never fit the GPU tier is rejected with a reason (the others keep running)."""
-        run = SequenceRun(seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt)
+        run = SequenceRun(
+            seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt,
+            stop_token_ids=stop_token_ids,
+        )  # fmt: skip
         self.runs[seq_id] = run
         num_tokens = len(prompt_ids) + max_new_tokens
         needed = ceil_div(num_tokens, self.block_tokens)
@@ -148,9 +163,36 @@ class Scheduler:
             )
         if run.rejected_reason is not None:
             run.finish_s = arrival_s
+            run.finish_reason = FinishReason.ABORT
             self.finished.append(seq_id)
             return
         self.waiting.append(seq_id)
+
+    def end_request(self, seq_id: int, now_s: float, *, discard: bool) -> bool:
+        """End a request before it finishes by itself, between steps: `discard` False
+        (its client matched a stop string): finished as STOP, its KV kept and
+        offloaded as a finished request's; True (its client left): ABORT, its KV
+        freed on every tier. Returns False if it had already finished."""
+        run = self.runs[seq_id]
+        if run.finish_s is not None:
+            return False
+        if seq_id in self.waiting:
+            self.waiting.remove(seq_id)  # never admitted: it holds no KV
+        else:
+            if seq_id in self.running:
+                self.running.remove(seq_id)
+            elif seq_id in self.preempted:
+                self.preempted.remove(seq_id)
+            if not self.swapper.holds_kv(seq_id):
+                pass  # preempted for recompute: nothing held
+            elif discard:
+                self.swapper.discard(seq_id)
+            else:
+                self.swapper.finish(seq_id)
+        run.finish_s = now_s
+        run.finish_reason = FinishReason.ABORT if discard else FinishReason.STOP
+        self.finished.append(seq_id)
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.preempted or self.running)
@@ -193,7 +235,11 @@ class Scheduler:
             self.tokens_generated += 1
             if run.first_token_s is None:
                 run.first_token_s = now_s
-            if len(run.output_ids) >= run.max_new_tokens:
+            if run.output_ids[-1] in run.stop_token_ids:
+                run.finish_reason = FinishReason.STOP
+                done.append(item.seq_id)
+            elif len(run.output_ids) >= run.max_new_tokens:
+                run.finish_reason = FinishReason.LENGTH
                 done.append(item.seq_id)
         for seq_id in done:
             self.running.remove(seq_id)

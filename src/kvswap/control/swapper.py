@@ -121,6 +121,13 @@ class Swapper:
         if reason is not None:
             self.metrics.evictions_by_reason[reason] += 1
 
+    def discard(self, seq_id: int) -> None:
+        """End a sequence and free its KV on every tier (its client left): the blocks
+        no other sequence references are deleted, not kept as prefix cache."""
+        self.swap_in.forget(seq_id)
+        for block in self.store.close_sequence(seq_id):
+            self.store.delete_block(block)
+
     def finish(self, seq_id: int) -> None:
         """End a sequence and offload its reusable blocks at once (LOW queue)."""
         self.swap_in.forget(seq_id)

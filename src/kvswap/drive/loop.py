@@ -1,16 +1,21 @@
 """THE driver loop: arrivals -> schedule -> execute -> complete -> observe -> progress.
 
-One loop for the engine and the simulator (they differ only in the Backend):
+One loop for the engine, the simulator and the server (they differ only in the
+Backend and in where requests come from):
 
-    while requests remain:
+    while requests remain (or may still come):
         admit arrivals that are due
         nothing to run?        idle until the next arrival
         plan = schedule()      swap-ins started and waited for
         empty plan?            wait for a transfer, idle until an arrival, or retry
         sampled = backend.execute(plan)
         complete(plan)         outputs appended; offload; swap-out past the watermark
-        observers, progress
+        observers, listener, progress
     drain transfers; summary
+
+`Driver.step()` is one pass of that loop, so a caller can interleave several
+drivers (the simulator's engines sharing one remote store) or serve requests
+that arrive while it runs (`kvswap serve`); `drive()` runs one to the end.
 
 The retry rule: an empty plan with nothing moving and no arrival to wait for
 is retried while a retry can help (each `schedule` may have dropped a paused
@@ -20,8 +25,10 @@ run stops with a one-line error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
+from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.assembly import ControlPlane
 from kvswap.drive.backend import Backend
 from kvswap.drive.summary import RunSummary, StepTotals, build_summary
@@ -30,6 +37,130 @@ from kvswap.obs.observer import StepObserver, sample_step
 from kvswap.progress import RequestProgress
 from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
+
+
+class Arrivals(Protocol):
+    """Where requests come from: a workload replayed on the clock (`ArrivalQueue`),
+    or a server's live inbox. Truthy while requests may still arrive."""
+
+    def __bool__(self) -> bool: ...
+
+    def next_arrival_s(self) -> float | None:
+        """When the next known request arrives; None: none known yet."""
+
+    def admit_due(self, scheduler: Scheduler, now_s: float) -> None:
+        """Hand every request arrived by `now_s` to the scheduler."""
+
+    def finished(self, request_id: int, output_ids: Sequence[int], done_s: float) -> None:
+        """A request finished with these output tokens."""
+
+    def idle(self, backend: Backend, now_s: float) -> None:
+        """Nothing runs: wait (a bounded time) for the next arrival."""
+
+
+#: Told after every step: the plan, the sampled tokens, the requests that finished.
+StepListener = Callable[[StepPlan, Mapping[int, int], Sequence[int]], None]
+
+
+class Driver:
+    """The loop, one pass per `step()`; `summary()` once `step()` returned False."""
+
+    def __init__(
+        self,
+        control: ControlPlane,
+        backend: Backend,
+        arrivals: Arrivals,
+        *,
+        num_requests: Callable[[], int],
+        progress: RequestProgress | None = None,
+        observers: Sequence[StepObserver] = (),
+        listener: StepListener | None = None,
+    ) -> None:
+        self.control = control
+        self.backend = backend
+        self.arrivals = arrivals
+        self._num_requests = num_requests
+        self._progress = progress
+        self._observers = observers
+        self._listener = listener
+        self.step_s = self.swap_wait_s = 0.0
+        self.num_steps = 0
+        self._num_stalled = 0
+        backend.start()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.control.scheduler
+
+    def step(self) -> bool:
+        """One pass of the loop; False when every request is served and none may come."""
+        scheduler, swapper = self.control.scheduler, self.control.swapper
+        if not (self.arrivals or scheduler.has_work()):
+            return False
+        backend = self.backend
+        now_s = backend.now_s()
+        self.arrivals.admit_due(scheduler, now_s)
+        next_s = self.arrivals.next_arrival_s()
+        if not scheduler.has_work():
+            self.arrivals.idle(backend, now_s)
+            self._report_progress()  # rejected requests finish without a step
+            return True
+        step_start_s = backend.now_s()
+        plan = scheduler.schedule(now_s)
+        if not plan.seqs:
+            if swapper.wait_any():
+                return True  # a transfer finished: room may have appeared
+            if next_s is not None and next_s > now_s:
+                backend.idle_until(next_s)
+                return True
+            self._num_stalled += 1
+            if self._num_stalled <= len(scheduler.preempted) + len(scheduler.running) + 1:
+                return True
+            raise KvSwapError(
+                "the run cannot make progress: the GPU tier is held by paused sequences and "
+                "nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
+            )
+        self._num_stalled = 0
+        sampled = backend.execute(plan)
+        done_s = backend.now_s()
+        finished = scheduler.complete(plan, sampled, done_s)
+        this_step_s = backend.now_s() - step_start_s
+        self.step_s += this_step_s
+        self.swap_wait_s += plan.swap_wait_s
+        self.num_steps += 1
+        if self._observers:
+            sample = sample_step(
+                scheduler, plan, finished, t_s=done_s, step_s=this_step_s,
+                step_total_s=self.step_s, swap_wait_total_s=self.swap_wait_s,
+            )  # fmt: skip
+            for observer in self._observers:
+                observer.on_step(sample)
+        if self._listener is not None:
+            self._listener(plan, sampled, finished)
+        for seq_id in finished:
+            self.arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
+        self._report_progress()
+        return True
+
+    def _report_progress(self) -> None:
+        if self._progress is not None:
+            self._progress(len(self.control.scheduler.finished), self._num_requests())
+
+    def summary(self) -> RunSummary:
+        """Drain the transfers in flight; the run's summary (observers see its JSON)."""
+        self.control.swapper.drain()
+        self._report_progress()
+        duration_s = self.backend.now_s()
+        summary = build_summary(
+            self.control.scheduler,
+            duration_s,
+            StepTotals(self.num_steps, self.step_s, self.swap_wait_s),
+            self.backend.summary_extras(duration_s),
+        )
+        summary_json = summary.to_json()
+        for observer in self._observers:
+            observer.on_finish(summary_json)
+        return summary
 
 
 def drive(
@@ -42,64 +173,10 @@ def drive(
 ) -> RunSummary:
     """Serve every request of `workload`; each observer sees every step's sample,
     then the summary's JSON object."""
-    scheduler, swapper = control.scheduler, control.swapper
-    arrivals = ArrivalQueue(workload)
-    backend.start()
-    step_s = swap_wait_s = 0.0
-    num_steps = num_stalled = 0
-    while arrivals or scheduler.has_work():
-        now_s = backend.now_s()
-        arrivals.admit_due(scheduler, now_s)
-        next_s = arrivals.next_arrival_s()
-        if not scheduler.has_work():
-            if next_s is not None:
-                backend.idle_until(next_s)
-            continue
-        step_start_s = backend.now_s()
-        plan = scheduler.schedule(now_s)
-        if not plan.seqs:
-            if swapper.wait_any():
-                continue  # a transfer finished: room may have appeared
-            if next_s is not None and next_s > now_s:
-                backend.idle_until(next_s)
-                continue
-            num_stalled += 1
-            if num_stalled <= len(scheduler.preempted) + len(scheduler.running) + 1:
-                continue
-            raise KvSwapError(
-                "the run cannot make progress: the GPU tier is held by paused sequences and "
-                "nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
-            )
-        num_stalled = 0
-        sampled = backend.execute(plan)
-        done_s = backend.now_s()
-        finished = scheduler.complete(plan, sampled, done_s)
-        this_step_s = backend.now_s() - step_start_s
-        step_s += this_step_s
-        swap_wait_s += plan.swap_wait_s
-        num_steps += 1
-        if observers:
-            sample = sample_step(
-                scheduler, plan, finished, t_s=done_s, step_s=this_step_s,
-                step_total_s=step_s, swap_wait_total_s=swap_wait_s,
-            )  # fmt: skip
-            for observer in observers:
-                observer.on_step(sample)
-        for seq_id in finished:
-            arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
-        if progress is not None:
-            progress(len(scheduler.finished), len(workload))
-    swapper.drain()
-    if progress is not None:
-        progress(len(scheduler.finished), len(workload))
-    duration_s = backend.now_s()
-    summary = build_summary(
-        scheduler,
-        duration_s,
-        StepTotals(num_steps, step_s, swap_wait_s),
-        backend.summary_extras(duration_s),
-    )
-    summary_json = summary.to_json()
-    for observer in observers:
-        observer.on_finish(summary_json)
-    return summary
+    driver = Driver(
+        control, backend, ArrivalQueue(workload), num_requests=lambda: len(workload),
+        progress=progress, observers=observers,
+    )  # fmt: skip
+    while driver.step():
+        pass
+    return driver.summary()

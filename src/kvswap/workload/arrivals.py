@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvswap.control.scheduler import Scheduler
 from kvswap.workload.request import Workload, resolve_prompt
+
+
+class IdleClock(Protocol):
+    def idle_until(self, t_s: float) -> None: ...
 
 
 class ArrivalQueue:
@@ -29,6 +34,12 @@ class ArrivalQueue:
 
     def next_arrival_s(self) -> float | None:
         return self._heap[0][0] if self._heap else None
+
+    def idle(self, backend: IdleClock, now_s: float) -> None:
+        """Nothing runs: idle until the next arrival (a follow-up may be queued later)."""
+        next_s = self.next_arrival_s()
+        if next_s is not None:
+            backend.idle_until(next_s)
 
     def admit_due(self, scheduler: Scheduler, now_s: float) -> None:
         """Hand every request arrived by `now_s` to the scheduler."""
