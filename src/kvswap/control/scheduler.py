@@ -144,29 +144,35 @@ class Scheduler:
             stop_token_ids=stop_token_ids,
         )  # fmt: skip
         self.runs[seq_id] = run
-        num_tokens = len(prompt_ids) + max_new_tokens
-        needed = ceil_div(num_tokens, self.block_tokens)
-        capacity = self.swapper.num_gpu_blocks - self.swapper.protected_blocks
-        max_tokens = self.settings.max_sequence_tokens
-        if not prompt_ids:
-            run.rejected_reason = "empty prompt"
-        elif max_tokens is not None and num_tokens > max_tokens:
-            # Checked here, not in the forward pass, so one such request cannot end a run.
-            run.rejected_reason = (
-                f"needs {num_tokens} tokens ({len(prompt_ids)} prompt + {max_new_tokens} new) "
-                f"but the model's maximum position is {max_tokens} tokens"
-            )
-        elif needed > capacity:
-            run.rejected_reason = (
-                f"needs {needed} blocks of {self.block_tokens} tokens but a running sequence "
-                f"must fit the GPU tier ({capacity} usable blocks)"
-            )
+        run.rejected_reason = self.rejection_reason(len(prompt_ids), max_new_tokens)
         if run.rejected_reason is not None:
             run.finish_s = arrival_s
             run.finish_reason = FinishReason.ABORT
             self.finished.append(seq_id)
             return
         self.waiting.append(seq_id)
+
+    def rejection_reason(self, num_prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of this size can never run, or None. Reads only settings fixed
+        at construction, so a server may ask from another thread before queueing."""
+        num_tokens = num_prompt_tokens + max_new_tokens
+        needed = ceil_div(num_tokens, self.block_tokens)
+        capacity = self.swapper.num_gpu_blocks - self.swapper.protected_blocks
+        max_tokens = self.settings.max_sequence_tokens
+        if num_prompt_tokens == 0:
+            return "empty prompt"
+        if max_tokens is not None and num_tokens > max_tokens:
+            # Checked here, not in the forward pass, so one such request cannot end a run.
+            return (
+                f"needs {num_tokens} tokens ({num_prompt_tokens} prompt + {max_new_tokens} new) "
+                f"but the model's maximum position is {max_tokens} tokens"
+            )
+        if needed > capacity:
+            return (
+                f"needs {needed} blocks of {self.block_tokens} tokens but a running sequence "
+                f"must fit the GPU tier ({capacity} usable blocks)"
+            )
+        return None
 
     def end_request(self, seq_id: int, now_s: float, *, discard: bool) -> bool:
         """End a request before it finishes by itself, between steps: `discard` False

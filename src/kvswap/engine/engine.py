@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -90,6 +90,9 @@ class Engine(Backend):
             _note_released(exc, self.close())
             raise
         self._start_s = time.perf_counter()
+        # Per-sequence sampling (a server's requests each bring theirs); None: the
+        # options' one sampling for every sequence.
+        self.sampling_for: Callable[[int], SamplingParams | None] | None = None
 
     def _allocate(self, config: KvSwapConfig, options: EngineOptions) -> None:
         """Weights, then the NVMe slab, the pinned pool, the device pool, the copy engine."""
@@ -170,7 +173,7 @@ class Engine(Backend):
 
     def execute(self, plan: StepPlan) -> Mapping[int, int]:
         tables = {item.seq_id: self.swapper.gpu_block_table(item.seq_id) for item in plan.seqs}
-        return self.runner.run(plan, tables)
+        return self.runner.run(plan, tables, self.sampling_for)
 
     def summary_extras(self, duration_s: float) -> Mapping[str, object]:
         return {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -24,8 +24,16 @@ class ModelRunner:
         self.kv = kv  # [num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]
         self.sampling = sampling
 
-    def run(self, plan: StepPlan, tables: Mapping[int, Sequence[int]]) -> dict[int, int]:
-        """Compute the plan's KV; returns the sampled token of each sampling sequence."""
+    def run(
+        self,
+        plan: StepPlan,
+        tables: Mapping[int, Sequence[int]],
+        sampling_for: Callable[[int], SamplingParams | None] | None = None,
+    ) -> dict[int, int]:
+        """Compute the plan's KV; returns the sampled token of each sampling sequence.
+
+        `sampling_for(seq_id)`: that sequence's sampling (None: greedy), for a server
+        whose requests each bring their own; None: the runner's one `sampling`."""
         ids = [token for item in plan.seqs for token in item.token_ids]
         batch = AttentionBatch(
             query_lens=tuple(len(item.token_ids) for item in plan.seqs),
@@ -38,10 +46,11 @@ class ModelRunner:
         for row, item in enumerate(plan.seqs):
             if not item.samples:
                 continue
+            sampling = self.sampling if sampling_for is None else sampling_for(item.seq_id)
             generator = None
-            if self.sampling is not None:
+            if sampling is not None:
                 position = item.start_position + len(item.token_ids)
-                seed = hash((self.sampling.seed, item.seq_id, position)) & 0x7FFF_FFFF_FFFF_FFFF
+                seed = hash((sampling.seed, item.seq_id, position)) & 0x7FFF_FFFF_FFFF_FFFF
                 generator = torch.Generator().manual_seed(seed)
-            sampled[item.seq_id] = sample_token(logits[row], self.sampling, generator)
+            sampled[item.seq_id] = sample_token(logits[row], sampling, generator)
         return sampled
