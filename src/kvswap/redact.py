@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import re
 
-# scheme://[user][:password]@rest  (up to the last '@' before the path)
-_CREDENTIALS = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)(?P<password>[^/]*)@")
 # ?password=... in a query string (redis-py accepts it for unix:// URLs)
 _QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)(?P<password>[^&#]*)")
 
@@ -20,6 +18,13 @@ MASK = "***"
 
 
 def redact_url(url: str) -> str:
-    """`url` with any password replaced by ***; everything else unchanged."""
-    redacted = _CREDENTIALS.sub(lambda m: f"{m['head']}{MASK}@", url, count=1)
-    return _QUERY_PASSWORD.sub(lambda m: f"{m['head']}{MASK}", redacted)
+    """`url` with any password replaced by ***, even in a URL too broken to parse
+    (a raw '/' or '@' inside the password): everything between the user name and
+    the last '@' is masked, and so is a query string's password."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        credentials, _, tail = rest.rpartition("@")
+        user, colon, _password = credentials.partition(":")
+        if colon:
+            url = f"{scheme}://{user}:{MASK}@{tail}"
+    return _QUERY_PASSWORD.sub(lambda m: f"{m['head']}{MASK}", url)

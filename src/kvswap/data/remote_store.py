@@ -1,0 +1,432 @@
+"""The remote tier's client: a Redis-protocol store that may be slow, down or wrong.
+
+`RemoteStoreClient` is the only code that talks to the store. It owns one
+redis-py connection pool (every socket operation bounded by
+`remote_timeout_ms`, no driver-level retries) and turns every store problem
+into a miss, never an exception for its callers:
+
+    state    UP ----- a connection error / timeout ----> DOWN   (logged once, outage += 1)
+             ^                                             |
+             +-- a call made when the backoff is due -----+   (0.5 s, doubling to 30 s;
+                 succeeds (logged once)                        failed probes are silent)
+    OFF: the start-up check failed for good (password refused, not a Redis
+    server): every call is a miss, no reconnects.
+
+While DOWN, calls return misses at once without touching the network; the
+first call after the backoff delay is the reconnect probe (one at a time).
+`available` is True when UP or when a probe is due, so the caller's next
+write or read is that probe. A command the store refuses while up (OOM under
+`maxmemory` with noeviction, READONLY on a replica) fails that block only;
+its first occurrence of each kind is logged.
+
+Commands (one round trip each, pipelined, never a transaction):
+    lookup(keys)        EXISTS per key    -> length of the present prefix
+    get_many(keys)      GET per key       -> value or None per key
+    put_many(items)     SET k v NX [PX]   -> stored / already present / failed
+    delete(key)         DEL               (a value that failed its checks)
+
+Every message names the store by `RemoteUrl.shown` (password masked) and
+passes foreign text (a driver's exception) through `RemoteUrl.scrub`.
+Thread-safe: the copy engine's lanes and the control thread share one client.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvswap.control.remote import RemoteIndex
+from kvswap.data.remote_format import check_namespace, key_name
+from kvswap.data.remote_url import PASSWORD_ENV, RemoteUrl
+from kvswap.errors import KvSwapError
+from kvswap.units import MIB
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+LOGGER = logging.getLogger("kvswap.remote")
+#: Keys one lookup asks about; a longer prefix answers at most this many (a
+#: shorter hit is always safe) and the caller may ask again from there.
+MAX_LOOKUP_KEYS = 1024
+#: Bytes per socket read (redis-py's default: 64 KiB): a 1 MiB value arrives in a
+#: few reads instead of sixteen; the price is a 1 MiB buffer per connection.
+DEFAULT_SOCKET_READ_BYTES = MIB
+# Arguments above this size are sent as their own buffers (redis-py's own cutoff).
+_BUFFER_CUTOFF_BYTES = 6000
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 30.0
+
+# The store is unreachable, timed out or not speaking the protocol: an outage.
+_OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, InvalidResponse, OSError)
+T = TypeVar("T")
+
+
+class _State(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+    OFF = "off"
+
+
+class _Go(enum.Enum):
+    """What a call may do: run, run as the reconnect probe, or answer a miss now."""
+
+    RUN = enum.auto()
+    PROBE = enum.auto()
+    SKIP = enum.auto()
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    """What became of the items of one `put_many`, by index into its items."""
+
+    num_stored: int
+    num_already_present: int
+    failed_indices: tuple[int, ...]
+    error: str | None = None
+
+
+class Backoff:
+    """Reconnect delays: `first_s`, doubling after each failed probe, at most `max_s`."""
+
+    def __init__(self, first_s: float = FIRST_RETRY_S, max_s: float = MAX_RETRY_S) -> None:
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"backoff needs 0 < first_s <= max_s, got {first_s}, {max_s}")
+        self.first_s = first_s
+        self.max_s = max_s
+        self.delay_s = first_s
+
+    def reset(self) -> None:
+        self.delay_s = self.first_s
+
+    def grow(self) -> None:
+        self.delay_s = min(self.delay_s * 2, self.max_s)
+
+
+class RemoteStoreClient(RemoteIndex):
+    """One store, one connection pool, the outage state machine above."""
+
+    def __init__(
+        self,
+        url: RemoteUrl,
+        *,
+        namespace: str,
+        timeout_ms: float,
+        clock: Callable[[], float] = time.monotonic,
+        backoff: Backoff | None = None,
+        socket_read_bytes: int = DEFAULT_SOCKET_READ_BYTES,
+    ) -> None:
+        """`clock`: seconds, for the backoff only (tests inject one)."""
+        if not timeout_ms > 0:
+            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms}")
+        self.url = url
+        self.namespace = check_namespace(namespace)
+        self.timeout_s = timeout_ms / 1000.0
+        self._clock = clock
+        self._backoff = backoff or Backoff()
+        self._lock = threading.Lock()
+        self._state = _State.UP
+        self._probing = False
+        self._next_probe_s = 0.0
+        self._down_since_s = 0.0
+        self._num_outages = 0
+        self._logged_refusals: set[str] = set()
+        self.server_version: str | None = None
+        self._redis = _make_redis(url, self.timeout_s, socket_read_bytes)
+
+    # --- state ------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Up, or down with a reconnect probe due (the next call tries)."""
+        with self._lock:
+            if self._state is _State.UP:
+                return True
+            due = self._clock() >= self._next_probe_s and not self._probing
+            return self._state is _State.DOWN and due
+
+    @property
+    def num_outages(self) -> int:
+        """Times the store went from up to down (a failed start counts once)."""
+        return self._num_outages
+
+    def connect(self, *, required: bool) -> bool:
+        """Check the store at start: PING, and INFO server names a Redis or Valkey
+        version. True: up. Otherwise one line: a `KvSwapError` if `required`, else a
+        logged warning and the tier is off (until a reconnect succeeds, when the
+        store was unreachable; for good when it refused us or is not Redis)."""
+        problem, retryable = self._check_server()
+        if problem is None:
+            with self._lock:
+                self._state = _State.UP
+            return True
+        if required:
+            raise KvSwapError(f"{problem}; tiers.remote_required is true")
+        with self._lock:
+            if retryable:
+                self._enter_down_locked()
+            else:
+                self._state = _State.OFF
+        until = f", retrying in {self._backoff.delay_s:g} s" if retryable else ""
+        LOGGER.warning("%s; the remote tier is off%s", problem, until)
+        return False
+
+    def close(self) -> None:
+        """Close every pooled connection; the client answers misses afterwards."""
+        with self._lock:
+            self._state = _State.OFF
+        self._redis.close()
+        self._redis.connection_pool.disconnect()
+
+    # --- commands ---------------------------------------------------------------
+
+    def key_name(self, key: bytes) -> bytes:
+        return key_name(self.namespace, key)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, the store holds; at most MAX_LOOKUP_KEYS."""
+        names = [self.key_name(key) for key in keys[:MAX_LOOKUP_KEYS]]
+        if not names:
+            return 0
+
+        def op(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return pipe.execute()
+
+        answers: list[Any] = self._call("lookup", op, [])
+        count = 0
+        for present in answers:
+            if present != 1:
+                break
+            count += 1
+        return count
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's stored value, or None (absent, the store down, a refused GET)."""
+
+        def op(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.key_name(key))
+            return pipe.execute(raise_on_error=False)
+
+        values = self._call("get", op, None)
+        if values is None:
+            return [None] * len(keys)
+        self._note_refusals("get", values)
+        return [value if isinstance(value, bytes) else None for value in values]
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], ttl_s: float = 0.0) -> PutOutcome:
+        """SET each (key, value) unless present (NX: a stored block is never
+        rewritten), expiring after `ttl_s` when > 0."""
+        expire_ms = max(1, round(ttl_s * 1000)) if ttl_s > 0 else None
+
+        def op(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(self.key_name(key), value, nx=True, px=expire_ms)  # type: ignore[arg-type]
+            return pipe.execute(raise_on_error=False)
+
+        answers = self._call("put", op, None)
+        if answers is None:
+            return PutOutcome(0, 0, tuple(range(len(items))), "the remote store is unavailable")
+        self._note_refusals("put", answers)
+        failed = tuple(index for index, answer in enumerate(answers) if answer not in (True, None))
+        refusal = next((answer for answer in answers if isinstance(answer, Exception)), None)
+        return PutOutcome(
+            num_stored=sum(1 for answer in answers if answer is True),
+            num_already_present=sum(1 for answer in answers if answer is None),
+            failed_indices=failed,
+            error=None if refusal is None else self._text(refusal),
+        )
+
+    def delete(self, key: bytes) -> None:
+        """Remove a value (one that failed its checks); a miss if the store is down."""
+        self._call("delete", lambda client: client.delete(self.key_name(key)), 0)
+
+    # --- the state machine --------------------------------------------------------
+
+    def _call(self, what: str, op: Callable[[redis.Redis], T], miss: T) -> T:
+        go = self._begin()
+        if go is _Go.SKIP:
+            return miss
+        try:
+            result = op(self._redis)
+        except _OUTAGE_ERRORS as exc:
+            self._failed(exc, go)
+            return miss
+        except ResponseError as exc:  # up, but this command was refused
+            self._succeeded(go)
+            self._note_refusals(what, [exc])
+            return miss
+        except BaseException:
+            if go is _Go.PROBE:  # a bug, not the store: let a later call probe again
+                with self._lock:
+                    self._probing = False
+            raise
+        self._succeeded(go)
+        return result
+
+    def _begin(self) -> _Go:
+        with self._lock:
+            if self._state is _State.UP:
+                return _Go.RUN
+            if self._state is _State.OFF or self._probing:
+                return _Go.SKIP
+            if self._clock() < self._next_probe_s:
+                return _Go.SKIP
+            self._probing = True
+            return _Go.PROBE
+
+    def _failed(self, exc: BaseException, go: _Go) -> None:
+        with self._lock:
+            if self._state is _State.UP:
+                self._enter_down_locked()
+                went_down = True
+            else:
+                went_down = False
+                if go is _Go.PROBE:
+                    self._backoff.grow()
+                    self._next_probe_s = self._clock() + self._backoff.delay_s
+                    self._probing = False
+            delay_s = self._backoff.delay_s
+        if went_down:
+            LOGGER.warning(
+                "remote store at %s is unreachable (%s); the remote tier is off, "
+                "retrying in %g s",
+                self.url.shown, self._text(exc), delay_s,
+            )  # fmt: skip
+
+    def _succeeded(self, go: _Go) -> None:
+        if go is not _Go.PROBE:
+            return
+        with self._lock:
+            self._probing = False
+            if self._state is not _State.DOWN:  # closed meanwhile
+                return
+            self._state = _State.UP
+            self._backoff.reset()
+            down_s = self._clock() - self._down_since_s
+        LOGGER.warning("remote store at %s is reachable again after %.1f s", self.url.shown, down_s)
+
+    def _enter_down_locked(self) -> None:
+        now_s = self._clock()
+        self._state = _State.DOWN
+        self._num_outages += 1
+        self._down_since_s = now_s
+        self._backoff.reset()
+        self._next_probe_s = now_s + self._backoff.delay_s
+
+    def _note_refusals(self, what: str, answers: Sequence[object]) -> None:
+        for answer in answers:
+            if isinstance(answer, ResponseError):
+                kind = f"{what}:{type(answer).__name__}"
+                with self._lock:
+                    first = kind not in self._logged_refusals
+                    self._logged_refusals.add(kind)
+                if first:
+                    LOGGER.warning(
+                        "remote store at %s refused a %s (%s); those blocks are misses",
+                        self.url.shown, what, self._text(answer),
+                    )  # fmt: skip
+
+    def _check_server(self) -> tuple[str | None, bool]:
+        """(problem, retryable): None when the store is a Redis / Valkey server."""
+        where = f"remote store at {self.url.shown}"
+        try:
+            self._redis.ping()
+            info = self._redis.info("server")
+        except AuthenticationError:
+            if self.url.password is None:
+                return f"{where} needs a password (in the URL or {PASSWORD_ENV})", False
+            source = f" (from {PASSWORD_ENV})" if self.url.password_from_env else ""
+            return f"{where} refused the password{source}", False
+        except InvalidResponse:
+            return f"{where} did not answer in the Redis protocol (not a Redis server?)", False
+        except _OUTAGE_ERRORS as exc:
+            return f"{where} is unreachable ({self._text(exc)})", True
+        except ResponseError as exc:
+            if "DB index" in str(exc):
+                return f"{where} has no db {self.url.db} ({self._text(exc)})", False
+            return f"{where} refused the connection ({self._text(exc)})", False
+        for field in ("valkey_version", "redis_version"):
+            if field in info:
+                self.server_version = f"{field.partition('_')[0]} {info[field]}"
+                return None, False
+        return f"{where} speaks the protocol but is not a Redis or Valkey server", False
+
+    def _text(self, exc: BaseException) -> str:
+        """An exception as one line, this URL's password masked."""
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        return self.url.scrub(f"{type(exc).__name__}: {text}")
+
+
+def _make_redis(url: RemoteUrl, timeout_s: float, socket_read_bytes: int) -> redis.Redis:
+    """One client over one pool. No driver retries (an outage is ours to handle), RESP2
+    (every Redis and Valkey speaks it), bytes in and out, and a command packer that
+    sends large values from their own buffers (see `_zero_copy_packer`)."""
+    options: dict[str, Any] = {
+        "db": url.db,
+        "username": url.username,
+        "password": url.password,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "socket_read_size": socket_read_bytes,
+        "retry": Retry(NoBackoff(), 0),
+        "protocol": 2,
+        "health_check_interval": 0,
+    }
+    packer = _zero_copy_packer()
+    if packer is not None:
+        options["command_packer"] = packer
+    connection_class: type[
+        redis.connection.Connection | redis.connection.UnixDomainSocketConnection
+    ]
+    if url.scheme == "unix":
+        connection_class = redis.connection.UnixDomainSocketConnection
+        options["path"] = url.socket_path
+    else:
+        options.update(host=url.host, port=url.port)
+        connection_class = redis.connection.Connection
+        if url.uses_tls:
+            connection_class = redis.connection.SSLConnection
+            options["ssl_ca_certs"] = url.ssl_ca_certs
+    pool = redis.ConnectionPool(connection_class=connection_class, **options)
+    return redis.Redis(connection_pool=pool)
+
+
+def _zero_copy_packer() -> object | None:
+    """redis-py's pure-Python command packer, which passes a memoryview argument to
+    `sendall` as it is. With hiredis installed redis-py packs every command with
+    hiredis, which copies each value twice (to bytes, then into the packed command):
+    two fresh 1 MiB allocations per block written. None (use the default) where this
+    redis-py has no such packer."""
+    serializer = getattr(redis.connection, "PythonRespSerializer", None)
+    if serializer is None:
+        return None
+    packer: object = serializer(_BUFFER_CUTOFF_BYTES, _encode_argument)
+    return packer
+
+
+def _encode_argument(value: object) -> bytes | bytearray | memoryview:
+    """A command argument as the protocol sends it (the packer's `encode`)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value).encode()
+    raise TypeError(f"cannot send a {type(value).__name__} to the store")
