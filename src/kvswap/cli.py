@@ -10,9 +10,11 @@ from typing import NoReturn
 from kvswap import __version__
 from kvswap.commands import bench as bench_command
 from kvswap.commands import generate as generate_command
+from kvswap.commands import loadgen as loadgen_command
 from kvswap.commands import plan as plan_command
 from kvswap.commands import report as report_command
 from kvswap.commands import run as run_command
+from kvswap.commands import serve as serve_command
 from kvswap.commands import simulate as simulate_command
 from kvswap.commands import tune as tune_command
 from kvswap.errors import KvSwapError
@@ -40,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.register(commands)
     bench_command.register(commands)
     run_command.register(commands)
+    serve_command.register(commands)
     generate_command.register(commands)
     report_command.register(commands)
     simulate_command.register(commands)
     tune_command.register(commands)
+    loadgen_command.register(commands)
     return parser
 
 

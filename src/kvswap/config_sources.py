@@ -13,6 +13,12 @@ from typing import Any
 from kvswap.errors import ConfigError
 from kvswap.readers import parse_toml
 
+#: KVSWAP_* variables that carry secrets, not settings: read where they are used,
+#: never merged into the config (whose values may be printed).
+API_KEY_VARIABLE = "KVSWAP_API_KEY"
+REMOTE_PASSWORD_VARIABLE = "KVSWAP_REMOTE_PASSWORD"
+SECRET_VARIABLES = frozenset({API_KEY_VARIABLE, REMOTE_PASSWORD_VARIABLE})
+
 
 def read_toml(path: Path) -> dict[str, Any]:
     """The file's table, or a one-line ConfigError naming the file and the problem."""
@@ -38,7 +44,7 @@ def source_values(
     """
     values: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or name in SECRET_VARIABLES:
             continue
         field = name[len(prefix) :].lower()
         if field not in field_sections:

@@ -20,6 +20,7 @@ from kvswap.serve.service import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequest,
     PromptTooLong,
     QueueFull,
     RequestHandle,
@@ -150,8 +151,13 @@ def test_stop_early_keeps_the_prefix_for_the_next_request(service: EngineThreadS
 
 
 def test_limits_are_refused_with_their_reason(service: EngineThreadService) -> None:
-    with pytest.raises(PromptTooLong, match="must fit the GPU tier"):
+    assert service.max_model_tokens == (24 - 1) * 8  # what the GPU tier holds beside sinks
+    with pytest.raises(PromptTooLong, match="at most 184"):
         service.submit(GenerationRequest(prompt(1, 300), max_new_tokens=10))
+    with pytest.raises(PromptTooLong, match="must fit the GPU tier"):
+        service.submit(GenerationRequest(prompt(1, 150), max_new_tokens=100))
+    with pytest.raises(InvalidRequest, match=r"must be in \[0, 256\)"):
+        service.submit(GenerationRequest((1, 2, 999), max_new_tokens=1))
 
     async def flood() -> None:
         handles = []

@@ -33,10 +33,11 @@ _SHOWN_CHARS = 60  # of an invalid value in the error line
 def register(commands: Any) -> None:
     parser = commands.add_parser(
         "report",
-        help="compare run reports (written by run/simulate --report) on one page",
+        help="compare run reports (written by run/simulate/loadgen --report) on one page",
         description="Read the report.json of each DIR and write one HTML page comparing the "
         "runs side by side: summary table, configuration differences, diagnosis, and the "
-        "latency, occupancy, link and swap-wait plots with the runs overlaid. With one DIR "
+        "latency, occupancy, link and swap-wait plots with the runs overlaid (for load tests "
+        "of servers, `kvswap loadgen --report`: latency, TTFT and throughput). With one DIR "
         "the run's own page is rendered again. report.json is only read, never rewritten.",
     )
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="report directories")
@@ -87,7 +88,7 @@ def read_report(directory: Path) -> RunReport:
         field, value = invalid
         raise KvSwapError(
             f"{path}: field {field!r} is invalid ({_short(value)}); report.json is only read here, "
-            "write a new one with `kvswap run --report` or `kvswap simulate --report`"
+            "write a new one with `kvswap run --report` (or simulate, loadgen)"
         )
     return report
 

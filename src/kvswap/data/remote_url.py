@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
+from kvswap.config_sources import REMOTE_PASSWORD_VARIABLE
 from kvswap.errors import ConfigError
 from kvswap.redact import MASK, redact_url
 
 #: Where the password is read from when the URL carries none.
-PASSWORD_ENV = "KVSWAP_REMOTE_PASSWORD"
+PASSWORD_ENV = REMOTE_PASSWORD_VARIABLE
 DEFAULT_PORT = 6379
 #: Redis numbers databases 0..databases-1 (16 by default; a server may have more).
 MAX_DB = 2**31 - 1

@@ -82,6 +82,65 @@ SUMMARY_ROWS: tuple[Row, ...] = (
 )  # fmt: skip
 
 
+def _count_or_dash(summary: Mapping[str, object], key: str) -> str:
+    value = lookup(summary, key)
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else "-"
+
+
+def _requests_cell(s: Mapping[str, object]) -> str:
+    return (
+        f"{integer_or(s, 'requests_completed')} completed, {integer_or(s, 'requests_failed')} "
+        f"failed, {integer_or(s, 'requests_cancelled')} cancelled "
+        f"({integer_or(s, 'requests_sent')} sent of {integer_or(s, 'requests_planned')})"
+    )
+
+
+def _goodput_cell(s: Mapping[str, object]) -> str:
+    slos = [
+        f"{name} <= {value:g} ms"
+        for name, key in (("TTFT", "slo_ttft_ms"), ("TPOT", "slo_tpot_ms"))
+        if isinstance(value := lookup(s, key), int | float) and not isinstance(value, bool)
+    ]
+    within = " and ".join(slos) if slos else "no SLO given"
+    return (
+        f"{number_or(s, 'goodput_requests_per_s'):.2f} ({integer_or(s, 'goodput_requests')} of "
+        f"{integer_or(s, 'requests_completed')} requests; {within})"
+    )
+
+
+def _cached_cell(s: Mapping[str, object]) -> str:
+    share = lookup(s, "cached_token_share")
+    if not isinstance(share, int | float) or isinstance(share, bool):
+        return f"{_count_or_dash(s, 'cached_tokens')} (not reported by the server)"
+    return f"{_count_or_dash(s, 'cached_tokens')} ({100 * share:.1f} % of prompt tokens)"
+
+
+#: A load test of a server (`kvswap loadgen`): what the client measured.
+LOADGEN_SUMMARY_ROWS: tuple[Row, ...] = (
+    ("requests", _requests_cell),
+    ("duration (s)", lambda s: f"{number_or(s, 'duration_s'):.2f}"),
+    ("request throughput (req/s)", lambda s: f"{number_or(s, 'requests_per_s'):.2f}"),
+    ("output throughput (tok/s)", lambda s: f"{number_or(s, 'throughput_tok_s'):.1f}"),
+    ("goodput (req/s)", _goodput_cell),
+    ("TTFT (ms)", _pct("ttft_ms")),
+    ("TPOT (ms)", _pct("tpot_ms")),
+    ("inter-token latency (ms)", _pct("itl_ms")),
+    ("end-to-end latency (ms)", _pct("e2e_latency_ms")),
+    ("send delay (ms)", _pct("send_delay_ms")),
+    ("output tokens", lambda s: str(integer_or(s, "tokens_generated"))),
+    ("prompt tokens", lambda s: _count_or_dash(s, "prompt_tokens")),
+    ("cached prompt tokens", _cached_cell),
+    ("errors", lambda s: _mapping_text(lookup(s, "errors_by_kind"))),
+    ("stopped by", lambda s: str(lookup(s, "stopped_by") or "end of workload")),
+)
+
+NO_FINDING = "No rule fired: the four numbers look healthy."
+LOADGEN_NO_FINDING = (
+    "Measured at the client: the server's swap wait, link and pinned pool are not "
+    "visible over HTTP, so the engine-side rules do not apply."
+)
+
+
 def _mapping_text(value: object) -> str:
     if not isinstance(value, Mapping) or not value:
         return "-"
@@ -118,9 +177,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], diff: Sequence[
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _findings(findings: Sequence[Finding]) -> str:
+def _findings(findings: Sequence[Finding], empty_text: str = NO_FINDING) -> str:
     if not findings:
-        return '<p class="ok">No rule fired: the four numbers look healthy.</p>'
+        return f'<p class="ok">{escape(empty_text)}</p>'
     return "".join(
         f'<div class="finding"><b>{escape(f.symptom)}</b> &mdash; {escape(f.figure)}<br>'
         f"cause: {escape(f.cause)}<br>advice: {escape(f.advice)}<br>"
@@ -153,13 +212,15 @@ def run_page(
     config: Mapping[str, object],
     findings: Sequence[Finding],
     plots: Mapping[str, str],
+    rows: Sequence[Row] = SUMMARY_ROWS,
+    no_finding: str = NO_FINDING,
 ) -> str:
-    summary_rows = [(label, cell(summary)) for label, cell in SUMMARY_ROWS]
+    summary_rows = [(label, cell(summary)) for label, cell in rows]
     config_rows = sorted(flatten(config).items())
     raw = sorted((k, str(v)) for k, v in summary.items() if k not in ("rejections", "diagnosis"))
     body = (
         f"{_table(('run', ''), run_rows(run, summary))}"
-        f"<h2>Diagnosis</h2>{_findings(findings)}"
+        f"<h2>Diagnosis</h2>{_findings(findings, no_finding)}"
         f"<h2>Plots</h2>{_plots(plots)}"
         f"<h2>Summary</h2>{_table(('metric', 'value'), summary_rows)}"
         f"<h2>Configuration</h2>{_table(('setting', 'value'), config_rows)}"
@@ -178,9 +239,11 @@ def comparison_page(
     findings: Sequence[Sequence[Finding]],
     changes: Sequence[Finding | None],
     plots: Mapping[str, str],
+    rows: Sequence[Row] = SUMMARY_ROWS,
+    no_finding: str = NO_FINDING,
 ) -> str:
     header = ("", *labels)
-    summary_rows = [[label] + [cell(s) for s in summaries] for label, cell in SUMMARY_ROWS]
+    summary_rows = [[label] + [cell(s) for s in summaries] for label, cell in rows]
     flat = [flatten(c) for c in configs]
     keys = sorted({k for f in flat for k in f})
     config_rows = [[k] + [f.get(k, "-") for f in flat] for k in keys]
@@ -190,7 +253,7 @@ def comparison_page(
         for label, link in zip(labels, links, strict=True)
     )
     diagnosis = "".join(
-        f"<h3>{escape(label)}</h3>{_findings(found)}"
+        f"<h3>{escape(label)}</h3>{_findings(found, no_finding)}"
         + (f"<p>Compared with {escape(labels[0])}:</p>{_findings([change])}" if change else "")
         for label, found, change in zip(labels, findings, changes, strict=True)
     )

@@ -1,14 +1,20 @@
-"""The report's four pictures, as PNG files; several runs are drawn overlaid.
+"""The report's pictures, as PNG files; several runs are drawn overlaid.
 
 matplotlib's object API with the Agg canvas: no pyplot, no global backend
 switch, no display needed, safe to call from any thread. Every function takes
 a list of runs, so a single-run report and `kvswap report A B` share the code:
 run i is drawn in colour Ci everywhere.
+
+Two sets: an engine run (`run`, `simulate`) draws PLOT_FILES (token latency,
+tier occupancy, link throughput, swap-wait share); a load test against a
+server (`loadgen`), which sees only what comes back over HTTP, draws
+LOADGEN_PLOT_FILES (token latency, TTFT, output tokens per second and
+requests in flight), which any run's series also has.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.rates import rate_unit
 from kvswap.obs.timeseries import SeriesPoint, TimeSeries
 from kvswap.obs.watermarks import Watermarks
@@ -27,11 +34,18 @@ PLOT_FILES: dict[str, str] = {
     "link_throughput": "link_throughput.png",
     "swap_wait_share": "swap_wait_share.png",
 }
+LOADGEN_PLOT_FILES: dict[str, str] = {
+    "latency_cdf": "latency_cdf.png",
+    "ttft_cdf": "ttft_cdf.png",
+    "token_throughput": "token_throughput.png",
+}
 PLOT_TITLES: dict[str, str] = {
     "latency_cdf": "Token latency CDF",
     "tier_occupancy": "Tier occupancy over time",
     "link_throughput": "Link throughput per direction",
     "swap_wait_share": "Swap-wait share over time",
+    "ttft_cdf": "Time to first token CDF",
+    "token_throughput": "Output tokens per second and requests in flight",
 }
 _TIER_TITLES = {"gpu": "GPU", "cpu": "CPU (pinned pool)", "nvme": "NVMe"}
 _DIRECTION_TITLES = {
@@ -47,25 +61,30 @@ _DPI = 100
 class PlotRun:
     label: str
     series: TimeSeries
-    watermarks: Watermarks
+    watermarks: Watermarks | None  # None: not an engine run (a load test of a server)
     link_gb_per_s: float | None = None
     write_link_share: float = 0.60  # the diagnosis threshold drawn on the write plot
     swap_wait_limit: float = 0.10
 
 
-def write_plots(runs: Sequence[PlotRun], out_dir: Path) -> dict[str, str]:
-    """Write the four PNGs into `out_dir`; returns {plot name: file name}."""
+def write_plots(
+    runs: Sequence[PlotRun], out_dir: Path, files: Mapping[str, str] = PLOT_FILES
+) -> dict[str, str]:
+    """Write the PNGs of `files` (PLOT_FILES or LOADGEN_PLOT_FILES) into `out_dir`;
+    returns {plot name: file name}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     painters: dict[str, Callable[[Sequence[PlotRun]], Figure]] = {
         "latency_cdf": latency_cdf,
         "tier_occupancy": tier_occupancy,
         "link_throughput": link_throughput,
         "swap_wait_share": swap_wait_share,
+        "ttft_cdf": ttft_cdf,
+        "token_throughput": token_throughput,
     }
-    for name, paint in painters.items():
-        figure = paint(runs)
-        figure.savefig(out_dir / PLOT_FILES[name], dpi=_DPI)
-    return dict(PLOT_FILES)
+    for name, file in files.items():
+        figure = painters[name](runs)
+        figure.savefig(out_dir / file, dpi=_DPI)
+    return dict(files)
 
 
 def _figure(rows: int = 1, height_in: float = 3.6) -> tuple[Figure, list[Axes]]:
@@ -108,10 +127,36 @@ def _finish(figure: Figure, axes: list[Axes], title: str, runs: Sequence[PlotRun
 
 
 def latency_cdf(runs: Sequence[PlotRun]) -> Figure:
+    return _cdf(
+        runs,
+        lambda series: series.itl,
+        PLOT_TITLES["latency_cdf"] + " (inter-token latency)",
+        "no token latencies",
+        "fraction of tokens",
+    )
+
+
+def ttft_cdf(runs: Sequence[PlotRun]) -> Figure:
+    return _cdf(
+        runs,
+        lambda series: series.ttft,
+        PLOT_TITLES["ttft_cdf"],
+        "no first tokens",
+        "fraction of requests",
+    )
+
+
+def _cdf(
+    runs: Sequence[PlotRun],
+    histogram: Callable[[TimeSeries], LogHistogram],
+    title: str,
+    empty_text: str,
+    y_label: str,
+) -> Figure:
     figure, (axes,) = _figure()
     drawn = False
     for i, run in enumerate(runs):
-        cdf = run.series.itl.cdf()
+        cdf = histogram(run.series).cdf()
         if not cdf:
             continue
         xs = [value_s * 1e3 for value_s, _ in cdf]
@@ -127,10 +172,10 @@ def latency_cdf(runs: Sequence[PlotRun]) -> Figure:
             axes.annotate(f"P{level * 100:g}", (0.005, level), xycoords=("axes fraction", "data"),
                           fontsize="x-small", color="0.4", va="top")  # fmt: skip
     else:
-        _no_data(axes, "no token latencies")
+        _no_data(axes, empty_text)
     axes.set_ylim(0, 1.02)
-    axes.set_ylabel("fraction of tokens")
-    figure.suptitle(PLOT_TITLES["latency_cdf"] + " (inter-token latency)")
+    axes.set_ylabel(y_label)
+    figure.suptitle(title)
     axes.set_xlabel("latency (ms)")
     axes.grid(alpha=0.3)
     if drawn:
@@ -141,7 +186,7 @@ def latency_cdf(runs: Sequence[PlotRun]) -> Figure:
 def _watermark_lines(ax: Axes, tier: str, runs: Sequence[PlotRun]) -> None:
     """High (dashed) and low (dotted) watermarks: once in grey when every run has the
     same, else once per run in its colour."""
-    levels = [run.watermarks.for_tier(tier) for run in runs]
+    levels = [None if run.watermarks is None else run.watermarks.for_tier(tier) for run in runs]
     if not levels or levels[0] is None:
         return
     shared = all(level == levels[0] for level in levels)
@@ -227,3 +272,35 @@ def swap_wait_share(runs: Sequence[PlotRun]) -> Figure:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("% of step time")
     return _finish(figure, axes, PLOT_TITLES["swap_wait_share"], runs)
+
+
+def _tokens_per_s(points: Sequence[SeriesPoint]) -> list[float]:
+    """Output tokens per second of each window (`tokens_generated` is cumulative)."""
+    rates, before = [], 0
+    for point in points:
+        tokens, before = point.tokens_generated - before, point.tokens_generated
+        rates.append(tokens / point.duration_s if point.duration_s > 0 else 0.0)
+    return rates
+
+
+def token_throughput(runs: Sequence[PlotRun]) -> Figure:
+    figure, axes = _figure(2)
+    rate_ax, flight_ax = axes
+    for i, run in enumerate(runs):
+        points = run.series.points
+        if not points:
+            continue
+        edges = [points[0].start_s] + [p.end_s for p in points]
+        rate_ax.stairs(_tokens_per_s(points), edges, baseline=None, color=f"C{i}", label=run.label)
+        _stairs(flight_ax, points, lambda p: float(p.num_running), color=f"C{i}",
+                label=run.label)  # fmt: skip
+    for ax in axes:
+        if not any(r.series.points for r in runs):
+            _no_data(ax)
+        ax.set_ylim(bottom=0)
+    rate_ax.set_ylabel("tokens / s")
+    rate_ax.set_title("Output tokens per second", fontsize="medium", loc="left")
+    flight_ax.set_ylabel("requests")
+    flight_ax.set_title("Requests in flight (an engine run: running)", fontsize="medium",
+                        loc="left")  # fmt: skip
+    return _finish(figure, axes, PLOT_TITLES["token_throughput"], runs)

@@ -1,10 +1,18 @@
-"""Run reports on disk: `report.json`, four PNG plots and an `index.html`, per run;
+"""Run reports on disk: `report.json`, PNG plots and an `index.html`, per run;
 and one comparison page over several runs (`kvswap report A B`).
 
     DIR/report.json        {"version", "label", "run", "config", "summary",
                             "diagnosis", "watermarks", "link_gb_per_s", "time_series"}
-    DIR/*.png              latency CDF, tier occupancy, link throughput, swap-wait share
+    DIR/*.png              an engine run: latency CDF, tier occupancy, link throughput,
+                           swap-wait share; a load test: latency CDF, TTFT CDF, throughput
     DIR/index.html         the page (relative links only: copy DIR anywhere)
+
+Two kinds of run share the format. An engine run (`kvswap run`, `simulate`) has
+the engine's configuration, watermarks and diagnosis. A load test of a server
+(`kvswap loadgen`, `run.command == "loadgen"`) has the load generator's settings
+as `config`, `watermarks: null` and no diagnosis: its series holds only what the
+client saw (latencies, tokens, requests in flight). A comparison of load tests
+uses the load-test rows and plots; one mixing both kinds shows what both have.
 """
 
 from __future__ import annotations
@@ -17,9 +25,17 @@ from pathlib import Path
 
 from kvswap.errors import KvSwapError
 from kvswap.obs.diagnosis import Finding, diagnose_change
-from kvswap.obs.html import comparison_page, run_page
+from kvswap.obs.html import (
+    LOADGEN_NO_FINDING,
+    LOADGEN_SUMMARY_ROWS,
+    NO_FINDING,
+    SUMMARY_ROWS,
+    Row,
+    comparison_page,
+    run_page,
+)
 from kvswap.obs.jsonvalues import as_mapping, lookup, number
-from kvswap.obs.plots import PlotRun, write_plots
+from kvswap.obs.plots import LOADGEN_PLOT_FILES, PLOT_FILES, PlotRun, write_plots
 from kvswap.obs.timeseries import TimeSeries
 from kvswap.obs.watermarks import Watermarks
 from kvswap.readers import parse_json
@@ -27,6 +43,9 @@ from kvswap.readers import parse_json
 REPORT_FILE = "report.json"
 INDEX_FILE = "index.html"
 REPORT_VERSION = 1
+LOADGEN_COMMAND = "loadgen"
+#: The rows both kinds of run fill: requests, tokens, duration, throughput, latencies.
+_SHARED_ROWS = 7
 
 
 @dataclass(frozen=True)
@@ -37,8 +56,12 @@ class RunReport:
     summary: dict[str, object]  # the --json object
     series: TimeSeries = field(compare=False)
     findings: tuple[Finding, ...]
-    watermarks: Watermarks
+    watermarks: Watermarks | None  # None: a load test of a server (no engine of ours)
     link_gb_per_s: float | None = None
+
+    @property
+    def is_loadgen(self) -> bool:
+        return self.run.get("command") == LOADGEN_COMMAND
 
     def plot_run(self, label: str | None = None) -> PlotRun:
         return PlotRun(label or self.label, self.series, self.watermarks, self.link_gb_per_s)
@@ -51,7 +74,7 @@ class RunReport:
             "config": self.config,
             "summary": self.summary,
             "diagnosis": [f.to_json() for f in self.findings],
-            "watermarks": self.watermarks.to_json(),
+            "watermarks": None if self.watermarks is None else self.watermarks.to_json(),
             "link_gb_per_s": self.link_gb_per_s,
             "time_series": self.series.to_json(),
         }
@@ -81,7 +104,11 @@ class RunReport:
                 Finding.from_json(as_mapping(f, f"{where}: diagnosis"))
                 for f in (diagnosis if isinstance(diagnosis, list) else [])
             ),
-            watermarks=Watermarks.from_json(as_mapping(data.get("watermarks", {}), where)),
+            watermarks=(
+                None
+                if "watermarks" in data and data["watermarks"] is None
+                else Watermarks.from_json(as_mapping(data.get("watermarks", {}), where))
+            ),
             link_gb_per_s=number(data, "link_gb_per_s"),
         )
 
@@ -145,9 +172,11 @@ def _check_fields(data: Mapping[str, object], where: str) -> None:
     label = data.get("label")
     if label is not None and not isinstance(label, str):
         raise _invalid(where, "label", label, "a string")
-    for key in ("run", "config", "summary", "time_series", "watermarks"):
+    for key in ("run", "config", "summary", "time_series"):
         if key in data and not isinstance(data[key], Mapping):
             raise _invalid(where, key, data[key], "an object")
+    if data.get("watermarks") is not None and not isinstance(data["watermarks"], Mapping):
+        raise _invalid(where, "watermarks", data["watermarks"], "an object or null")
     link = data.get("link_gb_per_s")
     if link is not None and not _in_range(link, 0.0, None):
         raise _invalid(where, "link_gb_per_s", link, "a number > 0 or null")
@@ -191,14 +220,18 @@ def write_report_page(
     """The plots and index.html of one run into `out_dir`, never report.json (which
     `kvswap report` only reads); returns the page. `flag` names the option in errors."""
     out = _writable_dir(out_dir, flag)
-    plots = write_plots([report.plot_run()], out)
+    files, rows, no_finding = _layout([report])
+    plots = write_plots([report.plot_run()], out, files)
+    command = LOADGEN_COMMAND if report.is_loadgen else "run"
     page = run_page(
-        f"kvswap run report: {report.label}",
+        f"kvswap {command} report: {report.label}",
         report.run,
         report.summary,
         report.config,
         report.findings,
         plots,
+        rows,
+        no_finding,
     )
     (out / INDEX_FILE).write_text(page)
     return out / INDEX_FILE
@@ -209,7 +242,8 @@ def load_report(run_dir: str | os.PathLike[str]) -> RunReport:
     path = Path(run_dir) / REPORT_FILE
     if not path.is_file():
         raise KvSwapError(
-            f"{run_dir}: no {REPORT_FILE} there; write one with `kvswap run --report {run_dir}`"
+            f"{run_dir}: no {REPORT_FILE} there; write one with `kvswap run --report {run_dir}` "
+            "(or simulate, loadgen)"
         )
     try:
         raw = path.read_bytes()
@@ -240,13 +274,20 @@ def write_comparison(
         raise KvSwapError("kvswap report: give at least one report directory")
     out = _writable_dir(out_dir, flag)
     labels = unique_labels(reports, dirs)
-    plots = write_plots([r.plot_run(label) for r, label in zip(reports, labels, strict=True)], out)
+    files, rows, no_finding = _layout(reports)
+    plot_runs = [r.plot_run(label) for r, label in zip(reports, labels, strict=True)]
+    plots = write_plots(plot_runs, out, files)
     links = [
         Path(os.path.relpath(Path(d).resolve() / INDEX_FILE, out.resolve())).as_posix()
         for d in dirs
     ]
-    base = reports[0].summary
-    changes = [None] + [diagnose_change(base, r.summary) for r in reports[1:]]
+    base = reports[0]
+    # The latency-trend rules read an engine's own tail; between two servers (or a
+    # server and an engine) a latency change has other causes, so none is claimed.
+    changes = [None] + [
+        None if base.is_loadgen or r.is_loadgen else diagnose_change(base.summary, r.summary)
+        for r in reports[1:]
+    ]
     page = comparison_page(
         f"kvswap comparison: {' vs '.join(labels)}",
         labels,
@@ -256,9 +297,20 @@ def write_comparison(
         [r.findings for r in reports],
         changes,
         plots,
+        rows,
+        no_finding,
     )
     (out / INDEX_FILE).write_text(page)
     return out / INDEX_FILE
+
+
+def _layout(reports: Sequence[RunReport]) -> tuple[dict[str, str], Sequence[Row], str]:
+    """The plots, summary rows and empty-diagnosis text for a page over `reports`."""
+    kinds = {r.is_loadgen for r in reports}
+    if kinds == {False}:
+        return PLOT_FILES, SUMMARY_ROWS, NO_FINDING
+    rows = LOADGEN_SUMMARY_ROWS if kinds == {True} else SUMMARY_ROWS[:_SHARED_ROWS]
+    return LOADGEN_PLOT_FILES, rows, LOADGEN_NO_FINDING if kinds == {True} else NO_FINDING
 
 
 def _writable_dir(path: str | os.PathLike[str], flag: str) -> Path:

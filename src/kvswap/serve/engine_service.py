@@ -49,6 +49,7 @@ from kvswap.serve.service import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequest,
     PromptTooLong,
     QueueFull,
     RequestHandle,
@@ -241,7 +242,13 @@ class EngineThreadService(EngineService):
     ) -> None:
         self.engine = engine
         self.model_id = model_id
-        self.max_model_tokens = engine.arch.max_position_tokens
+        # The longest sequence that can run: the model's positions, and what the GPU
+        # tier holds beside the protected sinks (a running sequence is all on the GPU).
+        gpu_tokens = (engine.swapper.num_gpu_blocks - engine.swapper.protected_blocks) * (
+            engine.swapper.block_tokens
+        )
+        self.max_model_tokens = min(engine.arch.max_position_tokens, gpu_tokens)
+        self.vocab_size = engine.arch.vocab_size
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_model_tokens,
                                      self.max_model_tokens)  # fmt: skip
         self.max_waiting_requests = max_waiting_requests
@@ -281,6 +288,15 @@ class EngineThreadService(EngineService):
         if num_prompt > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"the prompt has {num_prompt} tokens; allowed: at most {self.max_prompt_tokens}"
+            )
+        if (
+            request.prompt_ids
+            and not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < self.vocab_size
+        ):
+            # One bad id would fail the step of every request sharing it.
+            raise InvalidRequest(
+                f"the prompt's token ids must be in [0, {self.vocab_size}); "
+                f"got {min(request.prompt_ids)}..{max(request.prompt_ids)}"
             )
         reason = self._scheduler.rejection_reason(num_prompt, request.max_new_tokens)
         if reason is not None:

@@ -64,6 +64,11 @@ class ServiceError(KvSwapError):
         self.retry_after_s = retry_after_s
 
 
+class InvalidRequest(ServiceError):
+    status = 400
+    code = "invalid_request_error"
+
+
 class PromptTooLong(ServiceError):
     status = 413
     code = "context_length_exceeded"

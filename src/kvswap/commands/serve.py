@@ -1,0 +1,161 @@
+"""`kvswap serve`: the reference engine behind an OpenAI-compatible HTTP API.
+
+    flags checked -> port bound -> engine built (pools, weights, its thread)
+    -> text loaded (tokenizer, chat template) -> app served until a stop signal
+    -> service closed (open requests finish or are aborted by --shutdown-timeout-s,
+       pools released, the NVMe slab removed) -> exit 0
+
+A stop signal before the server is up unwinds like any command (128 + N); once
+it listens, SIGINT / SIGTERM / SIGHUP / SIGQUIT are its normal way to end: exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+from typing import Any
+
+from kvswap.commands.common import add_config_arguments, config_from_args
+from kvswap.commands.run import ENGINE_DTYPES, engine_model
+from kvswap.config import KvSwapConfig
+from kvswap.config_sources import API_KEY_VARIABLE
+from kvswap.errors import KvSwapError
+from kvswap.obs.prometheus import is_loopback_address
+from kvswap.serve.app import AppSettings, build_app
+from kvswap.serve.http_server import ApiServer, bind_listener
+from kvswap.signals import signal_name
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+#: Tier sizes when neither flags, KVSWAP_* nor --config give them: room for a few
+#: thousand-token conversations of the built-in `small` model (256 GPU blocks of 16
+#: tokens, 512 pinned CPU blocks); size a real checkpoint's tiers in bytes instead.
+SERVE_DEFAULTS: dict[str, object] = {
+    "gpu_kv_capacity_blocks": 256,
+    "cpu_kv_capacity_blocks": 512,
+    "protected_sink_blocks": 2,
+    "max_num_seqs": 16,
+}
+MAX_PORT = 65535
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve the reference engine over an OpenAI-compatible HTTP API",
+        description="Serve a Llama-family model over the tiered KV store: /v1/completions, "
+        "/v1/chat/completions (streaming or not), /v1/models, /health, /metrics.",
+    )
+    parser.add_argument(
+        "--model", default=None,
+        help="checkpoint dir (its tokenizer.json and chat template give text) or preset "
+        "(tiny, small: a built-in byte-level tokenizer); default: [model] preset, else small",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=ENGINE_DTYPES, default=None,
+        help="weights and KV dtype (default: [model] dtype, else the checkpoint's)",
+    )  # fmt: skip
+    group = parser.add_argument_group("server")
+    group.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)",
+    )  # fmt: skip
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any)")
+    group.add_argument(
+        "--api-key", default=None,
+        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_VARIABLE})",
+    )  # fmt: skip
+    group.add_argument(
+        "--served-model-name", default=None,
+        help="the model's name in the API (default: the --model basename)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-prompt-tokens", type=int, default=None,
+        help="longer prompts get 413 (default: the model's context length)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-waiting-requests", type=int, default=None,
+        help="requests queued beyond max_num_seqs before 429 (default 256)",
+    )  # fmt: skip
+    group.add_argument(
+        "--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on a stop signal, open requests get this long to finish (default 10)",
+    )  # fmt: skip
+    add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
+    parser.set_defaults(handler=serve)
+
+
+def check_server_arguments(args: argparse.Namespace) -> None:
+    """The flags no other reader checks, before a port is bound or a weight loaded."""
+    if not 0 <= args.port <= MAX_PORT:
+        raise KvSwapError(f"--port {args.port}: allowed: 0..{MAX_PORT} (0: any free port)")
+    for flag, value in (
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-waiting-requests", args.max_waiting_requests),
+    ):
+        if value is not None and value < 1:
+            raise KvSwapError(f"{flag} {value}: allowed: an integer >= 1")
+    timeout_s = args.shutdown_timeout_s
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise KvSwapError(f"--shutdown-timeout-s {timeout_s}: allowed: a number >= 0")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise KvSwapError("--served-model-name: empty; allowed: any non-empty name")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    key: str | None = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else API_KEY_VARIABLE
+        raise KvSwapError(f"{source}: empty; give a key, or leave it unset to serve without one")
+    return key
+
+
+def serve(args: argparse.Namespace) -> int:
+    check_server_arguments(args)
+    key = api_key(args)
+    config = config_from_args(args, SERVE_DEFAULTS)
+    listener = bind_listener(args.host, args.port)
+    try:
+        address = str(listener.getsockname()[0])
+        if not is_loopback_address(address):
+            # Said before the engine loads: an open port is a security decision.
+            unguarded = "" if key is not None else ", and no --api-key is set"
+            print(
+                f"kvswap: warning: --host {args.host} is not a loopback address; the API on "
+                f"port {listener.getsockname()[1]} is reachable from other machines{unguarded}",
+                file=sys.stderr,
+            )
+        return _serve_on(args, config, listener, key)
+    finally:
+        listener.close()
+
+
+def _serve_on(
+    args: argparse.Namespace, config: KvSwapConfig, listener: socket.socket, key: str | None
+) -> int:
+    # Imported here: the engine side (torch, the model) is the integrator's to build,
+    # and nothing of it is needed to parse flags or to test the HTTP side.
+    from kvswap.serve.engine_service import build_engine_service
+    from kvswap.serve.tokenizer import load_text
+
+    service = build_engine_service(config, args)
+    timeout_s = float(args.shutdown_timeout_s)
+    try:
+        vocab_size = service.engine.arch.vocab_size
+        model, _dtype = engine_model(args, config)  # as build_engine_service resolved it
+        codec = load_text(model, vocab_size)
+        if codec is None:
+            print(
+                f"kvswap serve: {model} has no tokenizer.json: token-id prompts only",
+                file=sys.stderr,
+            )
+        app = build_app(service, codec, AppSettings(api_key=key, model_vocab_size=vocab_size))
+        server = ApiServer(app, service, model_name=service.model_id, shutdown_timeout_s=timeout_s)
+        stopped_by = server.run([listener])
+    finally:
+        service.close(timeout_s)  # a second close is a no-op; here for a start-up failure
+    if stopped_by is not None:
+        print(f"kvswap serve: stopped by {signal_name(stopped_by)}", file=sys.stderr)
+    return 0

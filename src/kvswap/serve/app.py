@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP app (starlette) over an `EngineService`.
+
+    POST /v1/completions        prompt: text or token ids; stream or not
+    POST /v1/chat/completions   messages rendered by the model's chat template
+    GET  /v1/models             the one served model
+    GET  /health                200 while the engine runs, 503 once it stopped
+    GET  /metrics               the service's Prometheus text (same port)
+
+With an API key every /v1 route needs `Authorization: Bearer <key>` (compared in
+constant time); /health and /metrics stay open for probes and scrapers, as in vLLM.
+
+Nothing here waits on compute: `submit` only enqueues, tokens arrive as events on
+this loop, and tokenizing a prompt (and rendering a chat) runs in a worker thread.
+A client that leaves is noticed, streaming or not, and its request is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvswap.serve.errors import (
+    ApiError,
+    api_error,
+    from_status_error,
+    http_exception,
+    internal_error,
+)
+from kvswap.serve.http_generation import (
+    Generation,
+    OutputText,
+    Sampling,
+    plan_generation,
+    submit,
+)
+from kvswap.serve.http_responses import CHAT_SHAPE, COMPLETION_SHAPE, ResponseShape, ResponseWriter
+from kvswap.serve.http_stream import collect, event_stream
+from kvswap.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from kvswap.serve.service import EngineService
+from kvswap.serve.text_errors import TextRequestError
+from kvswap.serve.tokenizer import TextCodec
+
+#: A body past this is refused before it is parsed (413): a million-token prompt as
+#: token ids is about 7 MiB of JSON, as text about 4 MiB.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Bodies up to this are parsed on the event loop (well under a millisecond); longer
+#: ones in a worker thread, like tokenizing, so a long prompt never stalls other clients.
+INLINE_PARSE_BYTES = 64 * 1024
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: The model's ids: a token-id prompt is checked against them, so no id outside the
+    #: embedding ever reaches the engine (None: the tokenizer's, when there is one).
+    model_vocab_size: int | None = None
+
+
+def build_app(
+    service: EngineService, codec: TextCodec | None, settings: AppSettings | None = None
+) -> Starlette:
+    """The app; `codec` None serves token-id prompts only (a model without a tokenizer)."""
+    settings = settings or AppSettings()
+    api = _Api(service, codec, settings)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            HTTPException: http_exception,
+            ApiError: api_error,
+            Exception: internal_error,
+        },
+    )
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+class _Api:
+    def __init__(self, service: EngineService, codec: TextCodec | None, settings: AppSettings):
+        self.service = service
+        self.codec = codec
+        self.settings = settings
+        self.created = int(time.time())
+        self.vocab_size = settings.model_vocab_size
+        if self.vocab_size is None and codec is not None:
+            self.vocab_size = codec.vocab_size
+
+    # -- the endpoints -------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(CompletionRequest, request)
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            codec = self._codec()
+            prompt = body.prompt
+            prompt_ids = await self._encode(lambda: codec.encode(prompt, add_special_tokens=True))
+        else:
+            prompt_ids = body.prompt
+        return await self._generate(request, body, prompt_ids, COMPLETION_SHAPE)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(ChatCompletionRequest, request)
+        self._check_model(body.model)
+        codec = self._codec()
+        messages = [message.to_template() for message in body.messages]
+        prompt_ids = await self._encode(lambda: codec.encode_chat(messages))
+        return await self._generate(request, body, prompt_ids, CHAT_SHAPE)
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.service.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvswap",
+            "root": self.service.model_id,
+            "parent": None,
+            "max_model_len": self.service.max_model_tokens,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.service.healthy():
+            return JSONResponse({"status": "ok"})
+        message = "the engine is not running (the server is stopping, or the engine stopped)"
+        return ApiError(503, message, code="service_unavailable").response()
+
+    async def metrics(self, request: Request) -> Response:
+        text, content_type = self.service.metrics_text()
+        return Response(text, headers={"Content-Type": content_type})
+
+    # -- the steps -----------------------------------------------------------------------
+
+    async def _parse(self, model: type[Body], request: Request) -> Body:
+        raw = await self._body(request)
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return parse_body(model, raw)
+        return await asyncio.to_thread(parse_body, model, raw)  # a long prompt: off the loop
+
+    async def _body(self, request: Request) -> bytes:
+        """The raw body, refused (413) as soon as it passes the byte limit."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _body_too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.service.model_id:
+            raise ApiError(
+                404, f"model {model!r} does not exist; this server serves "
+                f"{self.service.model_id!r} (see GET /v1/models)",
+                code="model_not_found", param="model",
+            )  # fmt: skip
+
+    def _codec(self, param: str = "prompt") -> TextCodec:
+        if self.codec is None:
+            raise ApiError(
+                400, f"model {self.service.model_id!r} has no tokenizer, so text (prompts, "
+                "chat messages, stop strings) cannot be tokenized; give the prompt as token "
+                "ids (a list of integers) to /v1/completions, without stop strings",
+                code="no_tokenizer", param=param,
+            )  # fmt: skip
+        return self.codec
+
+    async def _encode(self, encode: Callable[[], list[int]]) -> tuple[int, ...]:
+        try:
+            return tuple(await asyncio.to_thread(encode))
+        except TextRequestError as error:
+            raise from_status_error(error) from None
+
+    async def _generate(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: tuple[int, ...],
+        shape: ResponseShape,
+    ) -> Response:
+        sampling = Sampling(
+            body.requested_max_tokens, body.temperature, body.top_p, body.seed, body.cache_salt
+        )
+        stop_ids: frozenset[int] = frozenset()
+        if self.codec is not None and not body.ignore_eos:
+            stop_ids = self.codec.eos_token_ids
+        if body.stop:
+            self._codec("stop")
+        planned = plan_generation(
+            prompt_ids, sampling, self.service, stop_token_ids=stop_ids,
+            vocab_size=self.vocab_size, max_tokens_field=body.max_tokens_field,
+        )  # fmt: skip
+        output = OutputText(self.codec, prompt_ids, body.stop)
+        generation = Generation(self.service, submit(self.service, planned), output)
+        writer = ResponseWriter(shape, self.service.model_id, include_usage=body.include_usage)
+        with_ids = self.codec is None
+        if body.streaming:
+            return event_stream(generation, writer, with_token_ids=with_ids)
+        return await collect(request, generation, writer, with_token_ids=with_ids)
+
+
+def _body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413, f"request body: over {limit} bytes; send a shorter prompt",
+        code="request_too_large",
+    )  # fmt: skip
+
+
+class ApiKeyMiddleware:
+    """Every /v1 route answers 401 unless `Authorization: Bearer <api_key>` comes with it."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        # compare_digest takes time independent of where the bytes first differ.
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        what = "missing" if not given else "wrong"
+        error = ApiError(
+            401, f"API key {what}: send the header `Authorization: Bearer <key>` with the key "
+            "this server was started with (--api-key or KVSWAP_API_KEY)",
+            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+        )  # fmt: skip
+        await error.response()(scope, receive, send)

@@ -1,0 +1,8 @@
+"""`kvswap loadgen`: replay a workload against any OpenAI-compatible server.
+
+prompts.py   token ids of a workload -> text (equal hash ids -> equal text)
+client.py    the HTTP client: GET /v1/models, streamed POSTs, SSE parsing
+replay.py    one asyncio loop sending requests at their arrival times
+results.py   per-request records -> the summary (percentiles, goodput, errors)
+series.py    per-request records -> the report's time series
+"""

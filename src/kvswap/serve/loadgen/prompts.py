@@ -1,0 +1,136 @@
+"""Text for workloads that only have lengths and block hashes.
+
+A remote server tokenizes text itself, so the workload's token ids (see
+`kvswap.workload.tokens`) are rendered as words: id i is `WORDS[i]`, words
+joined by single spaces. The workload is built with `vocab_size = VOCAB_SIZE`,
+so every id names a word. What carries over from the ids:
+
+- equal hash ids give equal word blocks, hence equal text prefixes, on any
+  server: two trace rows sharing their first k hash ids share the text of
+  their first k blocks, and a server's prefix cache can see exactly the
+  sharing the trace describes (and no sharing it does not);
+- the same trace or seed gives the same text on every run and machine.
+
+Lengths are approximate: the words are short, common lowercase English words
+that BPE tokenizers of the Llama, Qwen, Mistral and GPT families encode as
+about one token each (a leading space included), so a block of 512 x
+`--length-scale` ids is roughly that many tokens; a chat template adds its
+own few tokens per message. The server's `usage.prompt_tokens` is the real
+count, and it is what the summary reports.
+
+Conversations (`PromptBook`):
+
+    turn 0   [system: sys words] [user: user0 words]                 (chat)
+    turn 1   turn-0 messages + [assistant: reply0 as returned] + [user: user1]
+    completions: turn k's prompt = turn k-1's prompt + reply + " " + user k words
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from kvswap.workload.request import Workload
+
+Endpoint = Literal["chat", "completions"]
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions")
+
+# 256 short common words (a power of two, so the id -> word map is uniform).
+WORDS: tuple[str, ...] = tuple(
+    """
+    the of and to in is it you that he was for on are as with his they at be this
+    have from or one had by word but not what all were we when your can said there
+    use an each which she do how their if will up other about out many then them
+    these so some her would make like him into time has look two more write go see
+    number no way could people my than first water been call who oil its now find
+    long down day did get come made may part over new sound take only little work
+    know place year live me back give most very after thing our just name good
+    man think say great where help through much before line right too mean old any
+    same tell boy follow came want show also around form three small set put end
+    does another well large must big even such because turn here why ask went men
+    read need land different home us move try kind hand picture again change off
+    play spell air away animal house point page letter mother answer found study
+    still learn should world high every near add food between own below country
+    plant last school father keep tree never start city earth eye light thought
+    head under story saw left few while along might close something seem next hard
+    open example begin life always those both paper together got group often run
+    music color black white green blue red fish bird river song
+    """.split()  # noqa: SIM905 (a block of words reads better than 256 quoted strings)
+)
+VOCAB_SIZE = len(WORDS)
+assert VOCAB_SIZE == 256 and len(set(WORDS)) == VOCAB_SIZE, "the word list has 256 words"
+
+
+def words_text(ids: Sequence[int]) -> str:
+    """The ids as words, separated by single spaces (ids must be < VOCAB_SIZE)."""
+    return " ".join([WORDS[i] for i in ids])
+
+
+Message = dict[str, str]
+
+
+class PromptBook:
+    """The input of every request of `workload`, built when the request is sent.
+
+    `input_for(request_id)` gives {"messages": [...]} (chat) or {"prompt": "..."}
+    (completions). A later turn needs its previous turn's input and reply: the
+    replay calls `record_reply` once that turn completed. A turn's input is kept
+    only while a follow-up still needs it, so memory stays bounded by the
+    conversations in flight.
+
+    `system_prompt_tokens` is the synthetic workload's system prompt length: the
+    first that many ids of a first turn are sent as the system message (chat) so
+    that every session starts with the same system text. 0: no system message.
+    """
+
+    def __init__(self, workload: Workload, endpoint: Endpoint, system_prompt_tokens: int = 0):
+        self.workload = workload
+        self.endpoint = endpoint
+        self.system_prompt_tokens = system_prompt_tokens
+        self._inputs: dict[int, list[Message] | str] = {}
+        self._replies: dict[int, str] = {}
+
+    def input_for(self, request_id: int) -> dict[str, object]:
+        request = self.workload[request_id]
+        follow_up = request.follow_up
+        current: list[Message] | str
+        if follow_up is None:
+            current = self._first_turn(request.prompt_ids)
+        else:
+            previous_id = follow_up.previous_request_id
+            previous = self._inputs.pop(previous_id)
+            reply = self._replies.pop(previous_id)
+            user_text = words_text(follow_up.new_user_ids)
+            if isinstance(previous, str):
+                current = f"{previous}{reply} {user_text}"
+            else:
+                current = [
+                    *previous,
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": user_text},
+                ]
+        if self.workload.follow_ups_of(request_id):
+            self._inputs[request_id] = current
+        if isinstance(current, str):
+            return {"prompt": current}
+        return {"messages": current}
+
+    def record_reply(self, request_id: int, reply_text: str) -> None:
+        """The assistant's reply to `request_id`, exactly as the server returned it."""
+        if request_id in self._inputs:
+            self._replies[request_id] = reply_text
+
+    def forget(self, request_id: int) -> None:
+        """`request_id` failed or was cancelled: its follow-ups will not be sent."""
+        self._inputs.pop(request_id, None)
+        self._replies.pop(request_id, None)
+
+    def _first_turn(self, prompt_ids: Sequence[int]) -> list[Message] | str:
+        if self.endpoint == "completions":
+            return words_text(prompt_ids)
+        num_system = min(self.system_prompt_tokens, len(prompt_ids))
+        messages: list[Message] = []
+        if num_system:
+            messages.append({"role": "system", "content": words_text(prompt_ids[:num_system])})
+        messages.append({"role": "user", "content": words_text(prompt_ids[num_system:])})
+        return messages

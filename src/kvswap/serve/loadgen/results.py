@@ -1,0 +1,169 @@
+"""What a load test measured: one record per request, and the run's summary.
+
+Times are seconds since the replay started. Per request, from SSE chunk arrivals:
+
+    due_s ....... sent_s ...... first text chunk ... chunk ... last chunk .. done_s
+                  |<--- TTFT --->|<-- ITL -->|<- ITL ->|
+                                 |<- TPOT x (output_tokens - 1) ->|
+
+Which requests count where (invariants the summary keeps):
+- latencies (TTFT, TPOT, ITL, end-to-end), output, prompt and cached tokens come
+  from completed requests only, so the throughput figures and the percentiles
+  describe the same set;
+- sent = completed + failed + cancelled; planned = sent + not sent. A request is
+  cancelled when the run stopped (--duration-s reached, Ctrl-C) while it was in
+  flight; follow-ups of a turn that did not complete are never sent.
+- output tokens are the server's `usage.completion_tokens` when it gives them,
+  else the number of text chunks (one token per chunk, as most servers stream);
+  an inter-token latency is the gap between two text chunks, so a server that
+  streams k tokens per chunk shows gaps of k tokens;
+- the send delay (sent_s - due_s, every request sent) shows a client held back
+  by --max-concurrency or unable to keep up with the arrival times.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvswap.drive.summary import percentiles_ms
+
+MAX_LISTED_ERRORS = 20
+
+
+class Outcome(enum.Enum):
+    PENDING = "pending"  # not sent (yet)
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class RequestRecord:
+    request_id: int
+    session_id: int | None
+    turn: int
+    max_tokens: int
+    due_s: float
+    outcome: Outcome = Outcome.PENDING
+    sent_s: float | None = None
+    done_s: float | None = None
+    # Text chunks, in order (the replay stores an array('d'): 8 bytes per token).
+    chunk_times_s: Sequence[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    http_status: int | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.sent_s is None or not self.chunk_times_s:
+            return None
+        return self.chunk_times_s[0] - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None for a single token."""
+        if self.output_tokens < 2 or len(self.chunk_times_s) < 2:
+            return None
+        return (self.chunk_times_s[-1] - self.chunk_times_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        times = self.chunk_times_s
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.sent_s is None or self.done_s is None:
+            return None
+        return self.done_s - self.sent_s
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives a request must meet to count in the goodput."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met_by(self, record: RequestRecord) -> bool:
+        ttft_s, tpot_s = record.ttft_s, record.tpot_s
+        if self.ttft_ms is not None and (ttft_s is None or ttft_s * 1e3 > self.ttft_ms):
+            return False
+        # A one-token reply has no TPOT: it cannot miss a TPOT objective.
+        return self.tpot_ms is None or tpot_s is None or tpot_s * 1e3 <= self.tpot_ms
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    duration_s: float,
+    slo: Slo,
+    stopped_by: str | None,
+) -> dict[str, object]:
+    """The --json object of a load test (see the module docstring for what counts)."""
+    by_outcome = Counter(r.outcome for r in records)
+    done = [r for r in records if r.outcome is Outcome.COMPLETED]
+    sent = sum(1 for r in records if r.sent_s is not None)
+    output_tokens = sum(r.output_tokens for r in done)
+    prompt_counts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+    cached_counts = [r.cached_tokens for r in done if r.cached_tokens is not None]
+    good = sum(1 for r in done if slo.met_by(r))
+    ttfts = [t for r in done if (t := r.ttft_s) is not None]
+    tpots = [t for r in done if (t := r.tpot_s) is not None]
+    e2es = [t for r in done if (t := r.e2e_s) is not None]
+    send_delays = [r.sent_s - r.due_s for r in records if r.sent_s is not None]
+    itls = [itl for r in done for itl in r.itls_s]
+    failed = [r for r in records if r.outcome is Outcome.FAILED]
+
+    def per_s(count: float) -> float:
+        return round(count / duration_s, 3) if duration_s > 0 else 0.0
+
+    prompt_tokens = sum(prompt_counts) if prompt_counts else None
+    cached_tokens = sum(cached_counts) if cached_counts else None
+    return {
+        "requests_planned": len(records),
+        "requests_sent": sent,
+        "requests_completed": by_outcome[Outcome.COMPLETED],
+        "requests_failed": by_outcome[Outcome.FAILED],
+        "requests_cancelled": by_outcome[Outcome.CANCELLED],
+        "requests_not_sent": len(records) - sent,
+        "duration_s": round(duration_s, 6),
+        "tokens_generated": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "cached_token_share": (
+            round(cached_tokens / prompt_tokens, 6)
+            if cached_tokens is not None and prompt_tokens
+            else None
+        ),
+        "requests_per_s": per_s(len(done)),
+        "throughput_tok_s": per_s(output_tokens),
+        "goodput_requests": good,
+        "goodput_requests_per_s": per_s(good),
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "ttft_ms": percentiles_ms(ttfts),
+        "tpot_ms": percentiles_ms(tpots),
+        "itl_ms": percentiles_ms(itls),
+        "e2e_latency_ms": percentiles_ms(e2es),
+        "send_delay_ms": percentiles_ms(send_delays),
+        "errors_by_kind": dict(sorted(Counter(_error_kind(r) for r in failed).items())),
+        "errors": [
+            {"request_id": r.request_id, "status": r.http_status, "message": r.error or ""}
+            for r in failed[:MAX_LISTED_ERRORS]
+        ],
+        "stopped_by": stopped_by,
+    }
+
+
+def _error_kind(record: RequestRecord) -> str:
+    if record.http_status is not None and record.http_status != 200:
+        return f"HTTP {record.http_status}"
+    message = record.error or ""
+    return message.split(":", 1)[0] if ":" in message else (message or "unknown")
