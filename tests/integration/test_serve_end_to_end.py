@@ -85,7 +85,10 @@ def conversation(url: str) -> tuple[list[str], int, dict[str, float]]:
         {"role": "user", "content": "Name three tiers of memory a KV block can live in."},
     ]
     first = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
     )
     reply = first.choices[0].message.content or ""
     for other in range(4):
@@ -96,7 +99,10 @@ def conversation(url: str) -> tuple[list[str], int, dict[str, float]]:
     messages += [{"role": "assistant", "content": reply},
                  {"role": "user", "content": "And which one is slowest?"}]  # fmt: skip
     second = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0  # type: ignore[arg-type]
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
     )
     usage = second.usage
     assert usage is not None and usage.prompt_tokens_details is not None
