@@ -55,6 +55,8 @@ class PlanInputs:
     gpu_to_cpu_gb_per_s: float = DEFAULT_LINK_GB_PER_S
     cpu_to_gpu_gb_per_s: float = DEFAULT_LINK_GB_PER_S
     link_note: str | None = None
+    # The link to a shared remote store (network, GB/s); None: no remote tier planned.
+    remote_gb_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,11 @@ class Plan:
     swap_in_chunk_blocks: int
     swap_in_chunk_bytes: int
     swap_in_chunk_ms: float
+    # Over the remote store's link (None without --remote-gb-per-s): a fetch moves
+    # swap-in chunks (remote -> CPU), the write-behind swap-out chunks (CPU -> remote).
+    remote_gb_per_s: float | None = None
+    remote_fetch_chunk_ms: float | None = None
+    remote_write_chunk_ms: float | None = None
     warnings: list[str] = field(default_factory=list)
 
     def to_json_dict(self) -> dict[str, object]:
@@ -145,6 +152,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     """Compute the bill and the seed article's warnings for one configuration."""
     check_link_gb_per_s(inputs.gpu_to_cpu_gb_per_s, "gpu_to_cpu_gb_per_s")
     check_link_gb_per_s(inputs.cpu_to_gpu_gb_per_s, "cpu_to_gpu_gb_per_s")
+    if inputs.remote_gb_per_s is not None:
+        check_link_gb_per_s(inputs.remote_gb_per_s, "remote_gb_per_s")
     shape = inputs.shape
     per_token = kv_bytes_per_token(shape, inputs.dtype)
     per_block = per_token * inputs.block_tokens
@@ -213,6 +222,10 @@ def make_plan(inputs: PlanInputs) -> Plan:
         )
     if inputs.link_note:
         warnings.append(inputs.link_note)
+    remote_fetch_ms = remote_write_ms = None
+    if inputs.remote_gb_per_s is not None:
+        remote_fetch_ms = round(transfer_ms(in_bytes, inputs.remote_gb_per_s), 4)
+        remote_write_ms = round(transfer_ms(out_bytes, inputs.remote_gb_per_s), 4)
 
     return Plan(
         model=shape.name,
@@ -248,6 +261,9 @@ def make_plan(inputs: PlanInputs) -> Plan:
         swap_in_chunk_blocks=inputs.swap_in_chunk_blocks,
         swap_in_chunk_bytes=in_bytes,
         swap_in_chunk_ms=round(in_ms, 4),
+        remote_gb_per_s=inputs.remote_gb_per_s,
+        remote_fetch_chunk_ms=remote_fetch_ms,
+        remote_write_chunk_ms=remote_write_ms,
         warnings=warnings,
     )
 

@@ -6,12 +6,21 @@ function of its chain position and tokens, written into its GPU slot when the
 block is computed, exactly where the model would write it. After every step:
 each ready copy on every tier equals that function of the block as it is now,
 no slot has two owners, and each tier's occupancy equals the copies it holds.
+
+The remote tier, when drawn, is an in-memory store of key -> bytes behind a
+`RemoteIndex`; its chunks are executed at submit (their sources are reserved
+and their destinations owned, so the bytes are final either way) and reported
+through the same gate. Keys vanish (a TTL ran out) and the store goes down and
+comes back at random: a remote copy the control plane trusts is checked
+against the store whenever the store still holds its key, and a fetch of a key
+that is gone must end as a lost, recomputed block, never as wrong bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,10 +30,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.settings import SwapSettings
+from kvswap.control.remote import RemoteIndex
+from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import CopyEngine, Tier, TransferChunk, TransferResult
+from kvswap.control.transfer import (
+    REMOTE_DIRECTIONS,
+    CopyEngine,
+    Direction,
+    Tier,
+    TransferChunk,
+    TransferResult,
+)
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
@@ -44,12 +61,81 @@ def block_bytes(block: Block) -> torch.Tensor:
     return torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=generator)
 
 
+class MemoryStore(RemoteIndex):
+    """The shared store: key -> the block's bytes. A `ghost` is a key whose value
+    expired but that lookups still report (the expiry raced the lookup)."""
+
+    def __init__(self) -> None:
+        self.values: dict[bytes, torch.Tensor] = {}
+        self.ghosts: set[bytes] = set()
+        self.up = True
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        held = 0
+        while (
+            self.up
+            and held < len(keys)
+            and (keys[held] in self.values or keys[held] in self.ghosts)
+        ):
+            held += 1
+        return held
+
+    @property
+    def available(self) -> bool:
+        return self.up
+
+
+class RemoteCopyEngine(CopyEngine):
+    """The local engine for local chunks; remote chunks copied between the host pool
+    and the `MemoryStore` at submit, their results kept for `wait`."""
+
+    def __init__(self, local: LocalCopyEngine, host: HostPool, store: MemoryStore):
+        self.local, self.host, self.store = local, host, store
+        self.results: dict[int, TransferResult] = {}
+
+    def submit(self, chunk: TransferChunk) -> None:
+        if chunk.direction not in REMOTE_DIRECTIONS:
+            self.local.submit(chunk)
+            return
+        failed: list[int] = []
+        if not self.store.up:
+            failed = list(chunk.dst_slots)
+        elif chunk.direction is Direction.CPU_TO_REMOTE:
+            for slot, key in zip(chunk.src_slots, chunk.keys, strict=True):
+                self.store.values[key] = self.host.byte_view(slot).clone()
+                self.store.ghosts.discard(key)
+        else:
+            for slot, key in zip(chunk.dst_slots, chunk.keys, strict=True):
+                value = self.store.values.get(key)
+                if value is None:
+                    failed.append(slot)
+                else:
+                    self.host.byte_view(slot).copy_(value)
+        ok = not (chunk.direction is Direction.CPU_TO_REMOTE and failed)
+        self.results[chunk.transfer_id] = TransferResult(
+            chunk.transfer_id, ok, chunk.num_bytes, 0.0, 0.0, None, tuple(failed)
+        )
+
+    def poll(self) -> list[TransferResult]:
+        raise AssertionError("the gate collects results one by one")
+
+    def wait(self, transfer_id: int) -> TransferResult:
+        result = self.results.pop(transfer_id, None)
+        return result if result is not None else self.local.wait(transfer_id)
+
+    def wait_all(self) -> list[TransferResult]:
+        raise AssertionError("the gate collects results one by one")
+
+    def close(self) -> None:
+        self.local.close()
+
+
 class GatedCopyEngine(CopyEngine):
     """The real copy engine, but the control plane learns of a finished chunk only
     once the test releases it (or waits for it): bytes move on real threads while
     every decision stays reproducible, so hypothesis can replay and shrink."""
 
-    def __init__(self, inner: LocalCopyEngine):
+    def __init__(self, inner: CopyEngine):
         self.inner = inner
         self.unreleased: list[int] = []
         self.released: set[int] = set()
@@ -97,14 +183,35 @@ class TieredStoreMachine(RuleBasedStateMachine):
         nvme=st.integers(0, 8),
         protected=st.integers(0, 1),
         residency=st.integers(0, 3),
+        remote=st.sampled_from([None, *RemoteWritePolicy]),
     )
-    def setup(self, gpu: int, cpu: int, nvme: int, protected: int, residency: int) -> None:
+    def setup(
+        self,
+        gpu: int,
+        cpu: int,
+        nvme: int,
+        protected: int,
+        residency: int,
+        remote: RemoteWritePolicy | None,
+    ) -> None:
         self.directory = Path(f"/tmp/kvswap-hypothesis-{time.monotonic_ns()}")
         self.directory.mkdir()
+        self.store = MemoryStore()
+        self.sizes = (gpu, cpu, nvme, protected, residency)
+        self.remote = remote
+        self._start()
+
+    def _start(self) -> None:
+        """Pools, engine and swapper of a fresh process (the store outlives it)."""
+        gpu, cpu, nvme, protected, residency = self.sizes
+        remote = self.remote
         self.device = DevicePool(LAYOUT, gpu, "cpu")
         self.host = HostPool(LAYOUT, cpu)
         self.disk = DiskPool(self.directory, BLOCK_BYTES, nvme) if nvme else None
-        self.engine = GatedCopyEngine(LocalCopyEngine(self.device, self.host, self.disk))
+        local = LocalCopyEngine(self.device, self.host, self.disk)
+        self.engine = GatedCopyEngine(
+            local if remote is None else RemoteCopyEngine(local, self.host, self.store)
+        )
         self.swapper = Swapper(
             StoreLayout(BLOCK_TOKENS, gpu, cpu, nvme, protected),
             PolicyOptions(sink_protection=protected > 0, min_residency_steps=residency),
@@ -115,6 +222,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             ),
             self.engine,
             clock_s=time.perf_counter,
+            remote_index=None if remote is None else self.store,
+            remote=None if remote is None else RemoteSettings("test", remote, 4, 2),
         )  # fmt: skip
         self.step = 0
         self.next_seq = 0
@@ -122,15 +231,18 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.paused: set[int] = set()
         self.next_token = 100
 
-    def teardown(self) -> None:
-        if not hasattr(self, "engine"):
-            return
+    def _stop(self) -> None:
         self.swapper.drain()
         self.engine.close()
         self.host.close()
         if self.disk is not None:
             self.disk.close()
         assert not any(self.directory.iterdir()), "the NVMe slab outlived its pool"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        self._stop()
         self.directory.rmdir()
 
     # ----------------------------------------------------------------- helpers
@@ -148,6 +260,19 @@ class TieredStoreMachine(RuleBasedStateMachine):
                 self.device.byte_view(copy.slot).copy_(block_bytes(block))
         return True
 
+    def _ready(self, seq_id: int) -> bool:
+        """Bring the (running) sequence's blocks to the GPU, recomputing from its first
+        lost block as the scheduler does (a fetch of a key that vanished); False when
+        there is no room for it now."""
+        if self.swapper.wait_ready([seq_id]).not_ready:
+            return False
+        first_lost = self.swapper.first_lost_token(seq_id)
+        if first_lost is None:
+            return True
+        tokens = [t for b in self.swapper.store.sequence_blocks(seq_id) for t in b.token_ids]
+        self.swapper.truncate(seq_id, first_lost)
+        return self._grow(seq_id, tokens[first_lost:])
+
     # ------------------------------------------------------------------- rules
 
     @rule(prefix=st.sampled_from(PREFIXES), extra=st.integers(0, 6))
@@ -158,7 +283,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.next_token += extra
         self.swapper.open_sequence(seq_id, tokens)
         self.swapper.set_running(seq_id, True)
-        if self.swapper.wait_ready([seq_id]).not_ready or not self._grow(
+        if not self._ready(seq_id) or not self._grow(
             seq_id, tokens[self.swapper.store.sequences[seq_id].num_tokens :]
         ):
             self.swapper.finish(seq_id)  # no room: give it up, nothing may leak
@@ -189,7 +314,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def resume(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.paused)))
         self.swapper.set_running(seq_id, True)
-        if self.swapper.wait_ready([seq_id]).not_ready:
+        if not self._ready(seq_id):
             self.swapper.set_running(seq_id, False)  # no room now; stays paused
             return
         self.paused.discard(seq_id)
@@ -205,6 +330,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
 
     @rule()
     def end_step(self) -> None:
+        self.store.up = True
         self.swapper.end_step()
         self.step += 1
         self.swapper.begin_step(self.step)
@@ -220,6 +346,35 @@ class TieredStoreMachine(RuleBasedStateMachine):
     @rule()
     def drain(self) -> None:
         self.swapper.drain()
+
+    @precondition(lambda self: self.remote is not None)
+    @rule(prefix=st.sampled_from(PREFIXES), extra=st.integers(0, 6))
+    def restart(self, prefix: tuple[int, ...], extra: int) -> None:
+        """The process ends (every sequence with it) and a new one starts on the same
+        store, its first request a known prefix: what it finds there it restores
+        instead of recomputing."""
+        for seq_id in sorted(self.running | self.paused):
+            self.swapper.finish(seq_id)
+        self.running.clear()
+        self.paused.clear()
+        self.swapper.end_step()  # the last step's end: its write-behind is sent
+        self._stop()  # drained: every write has landed or failed
+        self._start()
+        self.open_sequence(prefix, extra)
+
+    @precondition(lambda self: self.store.values)
+    @rule(data=st.data(), ghost=st.booleans())
+    def a_key_vanishes(self, data: st.DataObject, ghost: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.store.values)))
+        del self.store.values[key]
+        if ghost:
+            self.store.ghosts.add(key)
+
+    @precondition(lambda self: self.remote is not None)
+    @rule()
+    def store_outage(self) -> None:
+        """The store is unreachable until the next step ends."""
+        self.store.up = False
 
     # -------------------------------------------------------------- invariants
 
@@ -237,6 +392,12 @@ class TieredStoreMachine(RuleBasedStateMachine):
                     got = self.device.byte_view(copy.slot)
                 elif tier is Tier.CPU:
                     got = self.host.byte_view(copy.slot)
+                elif tier is Tier.REMOTE:
+                    assert block.key is not None
+                    value = self.store.values.get(block.key)
+                    if value is None:
+                        continue  # vanished: the fetch will fail and the block be lost
+                    got = value
                 else:
                     assert self.disk is not None
                     got = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
@@ -260,3 +421,33 @@ TieredStoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestTieredStore = TieredStoreMachine.TestCase
+
+
+def test_a_restarted_process_restores_its_prefix_and_recomputes_a_vanished_block() -> None:
+    # The machine's own rules in a fixed order, with the real pools: a process serves
+    # (1..8) + 2 tokens and ends; the next one restores both full blocks from the store.
+    machine = TieredStoreMachine()
+    machine.setup(
+        gpu=8, cpu=5, nvme=0, protected=0, residency=0, remote=RemoteWritePolicy.ON_FINISH
+    )
+    try:
+        machine.open_sequence(PREFIXES[0], 2)
+        machine.end_step()
+        machine.restart(PREFIXES[0], 2)  # finishes 0, writes [1..4] [5..8], opens it again
+        metrics = machine.swapper.metrics
+        assert metrics.remote_found_blocks == metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] == 2
+        machine.every_ready_copy_holds_its_bytes()
+        machine.running_sequences_are_resident()
+        # The second block's value expires, but lookups still report it: the next
+        # process fetches it, the read fails, and the block is recomputed in place.
+        second = machine.swapper.store.sequence_blocks(0)[1]
+        assert second.key is not None
+        del machine.store.values[second.key]
+        machine.store.ghosts.add(second.key)
+        machine.restart(PREFIXES[0], 2)
+        metrics = machine.swapper.metrics
+        assert (metrics.remote_fetch_failures, metrics.lost_blocks) == (1, 1)
+        machine.every_ready_copy_holds_its_bytes()
+        machine.running_sequences_are_resident()
+    finally:
+        machine.teardown()

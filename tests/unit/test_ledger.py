@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvswap.commands.plan import render
+from kvswap.errors import KvSwapError
 from kvswap.ledger import PlanInputs, make_plan, transfer_ms
 from kvswap.model.presets import preset_description as preset_shape
 from kvswap.units import GIB, MIB
@@ -78,3 +82,22 @@ def test_transfer_times_match_the_article() -> None:
     assert abs(transfer_ms(20_000_000, 25) - 0.8) < 1e-9
     assert abs(transfer_ms(1_000_000_000, 25) - 40) < 1e-9
     assert abs(transfer_ms(2_000_000_000, 25) - 80) < 1e-9
+
+
+def test_a_remote_link_shows_a_chunks_time_over_it() -> None:
+    plain = make_plan(article_plan())
+    assert plain.remote_gb_per_s is None and plain.remote_fetch_chunk_ms is None
+    # A 10 GbE store, 1.25 GB/s: a swap-in chunk (8 MiB) takes ~6.7 ms to come back,
+    # 20x the 0.34 ms it takes over PCIe; the write-behind chunk (16 MiB) ~13.4 ms.
+    plan = make_plan(article_plan(remote_gb_per_s=1.25))
+    assert plan.remote_fetch_chunk_ms == round(transfer_ms(8 * MIB, 1.25), 4)
+    assert plan.remote_write_chunk_ms == round(transfer_ms(16 * MIB, 1.25), 4)
+    assert (
+        plan.remote_fetch_chunk_ms is not None and abs(plan.remote_fetch_chunk_ms - 6.711) < 0.001
+    )
+    assert plan.to_json_dict()["remote_gb_per_s"] == 1.25
+    rendered = render(plan)
+    assert "remote fetch chunk (4 blocks)" in rendered and "6.711 ms at 1.25 GB/s" in rendered
+    assert "remote" not in render(plain)
+    with pytest.raises(KvSwapError, match="remote_gb_per_s"):
+        make_plan(article_plan(remote_gb_per_s=0.0))

@@ -24,6 +24,7 @@ from kvswap.obs.diagnosis import (
     latency_trend,
     link_saturated,
     pinned_pool_full,
+    remote_fetches_failing,
     swap_in_stalls,
     swap_wait_high,
     tail_attribution,
@@ -323,3 +324,17 @@ def test_the_article_configuration_with_small_prefill_chunks_has_no_tail_to_expl
     assert summary["bytes_cpu_to_gpu"] > 0
     assert summary["itl_ms"]["p99"] < 2 * summary["itl_ms"]["p50"]
     assert "tail_attribution" not in [f["rule"] for f in summary["diagnosis"]]
+
+
+def test_remote_hits_that_fail_to_arrive_are_named_with_the_stores_counters() -> None:
+    summary, series = record(healthy())
+    assert "remote_fetches_failing" not in rules(diagnose(summary, series, link_gb_per_s=25.0))
+    summary["remote"] = {"found_blocks": 40, "fetch_failures": 3, "outages": 1, "corrupt": 0}
+    assert remote_fetches_failing(summary, series) is None  # 7.5 %: within the 10 %
+    summary["remote"] = {"found_blocks": 40, "fetch_failures": 12, "outages": 2, "corrupt": 1}
+    finding = remote_fetches_failing(summary, series)
+    assert finding is not None and finding.rule in rules(diagnose(summary, series))
+    assert "12 of 40 blocks" in finding.figure and "2 outages" in finding.figure
+    assert finding.values["share"] == pytest.approx(0.3)
+    summary["remote"] = {"found_blocks": 4, "fetch_failures": 4}
+    assert remote_fetches_failing(summary, series) is None  # too few to judge

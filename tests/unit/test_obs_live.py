@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import urllib.request
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -222,3 +223,20 @@ def test_finish_adds_the_diagnosis_to_the_summary() -> None:
         summary = m.finish({"swap_wait_share": 0.5, "swap_wait_s": 1.5})
     diagnosis = summary["diagnosis"]
     assert isinstance(diagnosis, list) and [f["rule"] for f in diagnosis] == ["swap_wait_high"]
+
+
+def test_a_remote_tier_gets_its_own_row_and_nothing_without_one() -> None:
+    out, _ = console(terminal=False)
+    panel = LivePanel(out, watermarks=Watermarks())
+    plain = samples([Step()] * 3)
+    panel.on_step(plain[-1])
+    assert not any(line.startswith("remote") for line in panel_lines(panel))
+    assert "remote" not in panel.log_line()
+    remote = replace(
+        plain[-1], remote_enabled=True, remote_hit_tokens=384, remote_misses=2,
+        remote_writes=12, remote_known_blocks=40,
+    )  # fmt: skip
+    panel.on_step(remote)
+    [row] = [line for line in panel_lines(panel) if line.startswith("remote")]
+    assert row.startswith("remote  hits 384 tok  misses 2  written 12 blk  known 40 blk  in ")
+    assert panel.log_line().endswith("| remote hits 384 tok misses 2")

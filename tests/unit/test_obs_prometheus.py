@@ -13,6 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswap.config import load_config
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.transfer import Tier
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.errors import KvSwapError
 from kvswap.obs.observer import StepObserver, StepSample
@@ -176,3 +178,46 @@ def test_every_metric_in_the_grafana_dashboard_is_exported() -> None:
         if word.startswith("kvswap_")
     }
     assert used and used <= exported, used - exported
+
+
+def test_the_remote_tier_is_exported_live_and_brought_up_to_the_summary() -> None:
+    kv = KVMetrics()
+    store_counters = {"outages": 0, "corrupt": 0}
+    exporter = PrometheusExporter(
+        block_bytes=64, block_tokens=16, watermarks=Watermarks(), kv_metrics=kv,
+        remote_counters=lambda: store_counters,
+    )  # fmt: skip
+
+    def scrape_now() -> Scrape:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(exporter.exposition())
+            for s in f.samples
+        }
+
+    # Every remote series exists at 0 from the first scrape.
+    first = scrape_now()
+    assert value(first, "kvswap_remote_lookup_blocks_total", result="hit") == 0
+    assert value(first, "kvswap_transfer_bytes_total", direction="remote_to_cpu") == 0
+    assert value(first, "kvswap_prefix_hit_tokens_total", tier="remote") == 0
+    kv.remote_lookups, kv.remote_lookup_blocks, kv.remote_found_blocks = 3, 10, 4
+    kv.remote_lookup_misses, kv.remote_fetch_failures = 1, 1
+    kv.remote_writes, kv.remote_write_failures, kv.remote_writes_skipped = 6, 1, 2
+    kv.prefix_hit_blocks_by_tier[Tier.REMOTE] = 4
+    store_counters["outages"] = 1
+    steps = [Step(moved={"remote_to_cpu": 256, "cpu_to_remote": 64})] * 2
+    record(steps, observers=[exporter])
+    live = scrape_now()
+    assert value(live, "kvswap_remote_lookups_total") == 3
+    assert value(live, "kvswap_remote_lookup_blocks_total", result="hit") == 4
+    assert value(live, "kvswap_remote_lookup_blocks_total", result="miss") == 6
+    assert value(live, "kvswap_remote_misses_total", kind="fetch") == 1
+    assert value(live, "kvswap_remote_writes_total", result="skipped") == 2
+    assert value(live, "kvswap_prefix_hit_tokens_total", tier="remote") == 64
+    assert value(live, "kvswap_transfer_bytes_total", direction="remote_to_cpu") == 512
+    assert value(live, "kvswap_remote_store_events_total", event="outage") == 1
+    # The summary's remote object has the last word (the data plane's final counters).
+    exporter.on_finish({"remote": {"writes": 7, "corrupt": 2, "outages": 1}})
+    final = scrape_now()
+    assert value(final, "kvswap_remote_writes_total", result="written") == 7
+    assert value(final, "kvswap_remote_store_events_total", event="corrupt") == 2

@@ -181,3 +181,25 @@ def test_trailing_rate_covers_the_last_window() -> None:
     assert rate.per_s()["gpu_to_cpu"] < 1000.0
     assert format_rate(1.5e9) == "1.5 GB/s" and format_rate(0) == "0 B/s"
     assert not math.isnan(rate.per_s()["gpu_to_cpu"])
+
+
+def test_windows_count_remote_hits_and_misses_and_keep_them_through_json() -> None:
+    recorder = TimeSeriesRecorder(max_points=4, window_s=0.02)
+    run = samples([Step(moved={"remote_to_cpu": 1000})] * 40)
+    for index, sample in enumerate(run):
+        recorder.on_step(
+            replace(
+                sample, remote_enabled=True, remote_hit_tokens=16 * index, remote_misses=index // 10
+            )
+        )
+    series = recorder.series()
+    assert sum(p.remote_hit_tokens for p in series.points) == 16 * 39
+    assert sum(p.remote_misses for p in series.points) == 3
+    assert sum(p.bytes_by_direction["remote_to_cpu"] for p in series.points) == 40 * 1000
+    again = TimeSeries.from_json(series.to_json())
+    assert [p.remote_hit_tokens for p in again.points] == [
+        p.remote_hit_tokens for p in series.points
+    ]
+    # A point written before the remote tier existed reads as none.
+    old = {k: v for k, v in series.points[0].to_json().items() if not k.startswith("remote")}
+    assert type(series.points[0]).from_json(old).remote_hit_tokens == 0

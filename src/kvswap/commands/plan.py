@@ -70,6 +70,13 @@ def register(commands: Any) -> None:
     link.add_argument(
         "--bench", metavar="FILE", help="take the bandwidth from `kvswap bench --out`"
     )
+    parser.add_argument(
+        "--remote-gb-per-s",
+        type=float,
+        default=None,
+        metavar="GB_PER_S",
+        help="bandwidth to a shared remote store (Redis), GB/s: shows a chunk's time over it",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_arguments(parser, ("model", "cache", "swap"))
     parser.set_defaults(handler=run)
@@ -85,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     nvme_bytes = _optional_gib(args.nvme_gib, "--nvme-gib")
     if args.link_gb_per_s is not None:
         check_link_gb_per_s(args.link_gb_per_s, "--link-gb-per-s")
+    if args.remote_gb_per_s is not None:
+        check_link_gb_per_s(args.remote_gb_per_s, "--remote-gb-per-s")
     if cpu_pool_bytes is not None:
         args.cfg_cpu_kv_capacity_bytes = cpu_pool_bytes
     if nvme_bytes is not None:
@@ -125,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             gpu_to_cpu_gb_per_s=d2h_gb_per_s,
             cpu_to_gpu_gb_per_s=h2d_gb_per_s,
             link_note=link_note,
+            remote_gb_per_s=args.remote_gb_per_s,
         )
     )
     if not capacities.gpu_is_configured:
@@ -190,6 +200,20 @@ def render(plan: Plan) -> str:
             f"at {plan.cpu_to_gpu_gb_per_s:g} GB/s",
         ),
     ]
+    if plan.remote_gb_per_s is not None:
+        remote = f"at {plan.remote_gb_per_s:g} GB/s (remote link)"
+        rows += [
+            (
+                f"remote fetch chunk ({plan.swap_in_chunk_blocks} blocks)",
+                f"{format_bytes(plan.swap_in_chunk_bytes):>12}  "
+                f"{plan.remote_fetch_chunk_ms:.3f} ms {remote}",
+            ),
+            (
+                f"remote write chunk ({plan.swap_out_chunk_blocks} blocks)",
+                f"{format_bytes(plan.swap_out_chunk_bytes):>12}  "
+                f"{plan.remote_write_chunk_ms:.3f} ms {remote}",
+            ),
+        ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     lines += [f"warning: {text}" for text in plan.warnings]

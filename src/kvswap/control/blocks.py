@@ -6,7 +6,13 @@ evicting the upper copy later is a free drop, not another transfer. The last,
 partial block of a sequence changes on every append; appending invalidates
 its lower copies.
 
-    Block 7 --copies--> {GPU: slot 12 (ready), CPU: slot 40 (ready), NVMe: -}
+    Block 7 --copies--> {GPU: slot 12 (ready), CPU: slot 40 (ready), NVMe: -, remote: key}
+
+A remote copy lives in a store shared by processes and is addressed by the
+block's key, not by a slot (its `slot` is `REMOTE_SLOT`, never read). It counts
+as a copy below like an NVMe copy: dropping the copies above it is free, and
+if the store lost the key after all, the fetch fails and the block is
+recomputed (lost), never read wrong.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from kvswap.control.transfer import Tier
 
 #: The tiers slower than each tier, fastest first.
 TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
-    Tier.GPU: (Tier.CPU, Tier.NVME),
-    Tier.CPU: (Tier.NVME,),
-    Tier.NVME: (),
+    Tier.GPU: (Tier.CPU, Tier.NVME, Tier.REMOTE),
+    Tier.CPU: (Tier.NVME, Tier.REMOTE),
+    Tier.NVME: (Tier.REMOTE,),
+    Tier.REMOTE: (),
 }
+#: The `slot` of every remote copy: the store addresses it by the block's key.
+REMOTE_SLOT = 0
 
 
 @dataclass(slots=True)
@@ -65,6 +74,12 @@ class Block:
     def ready_copy(self, tier: Tier) -> Copy | None:
         copy = self.copies.get(tier)
         return copy if copy is not None and copy.ready and not copy.stale else None
+
+    def has_local_copy(self) -> bool:
+        """A copy on a tier of this process (any state): what keeps an unreferenced
+        block worth remembering. A block known only remotely is found again by a lookup."""
+        copies = self.copies
+        return Tier.GPU in copies or Tier.CPU in copies or Tier.NVME in copies
 
     def has_ready_copy_below(self, tier: Tier) -> bool:
         """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped).

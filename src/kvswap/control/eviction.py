@@ -120,7 +120,7 @@ class Evictor:
             victim = self.store.cpu_policy.pop_victim(max_rank=2)
             if victim is None:
                 return None
-            if victim.ready_copy(Tier.NVME) is None and victim.ref_count == 0:
+            if not victim.has_ready_copy_below(Tier.CPU) and victim.ref_count == 0:
                 if block.ref_count == 0:
                     self.store.rerank(victim)  # stays: one cache entry for another is no gain
                     return None

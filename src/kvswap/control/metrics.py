@@ -1,5 +1,9 @@
 """One registry of what the KV store did: bytes, seconds, waits, stalls, evictions.
 
+The remote tier's figures are here in blocks (lookups, hits, failed fetches,
+writes); the data plane's own counters (corrupt values, outages) are not the
+control plane's to know and reach the summary through the backend.
+
 Torch-free and clock-free: the swapper records into it from transfer results
 and its own decisions, so the engine and the simulator fill it the same way.
 Exporters (Prometheus, reports) read `snapshot()`.
@@ -20,7 +24,7 @@ class KVMetrics:
         default_factory=lambda: dict.fromkeys(Direction, 0.0)
     )
     transfers_by_direction: Counter[Direction] = field(default_factory=Counter)
-    failed_transfers: int = 0
+    failed_transfers: int = 0  # not remote writes: those are remote_write_failures
     swap_wait_s: float = 0.0
     sync_stalls: int = 0
     evictions_by_reason: Counter[str] = field(default_factory=Counter)
@@ -30,6 +34,15 @@ class KVMetrics:
     lost_blocks: int = 0
     prefix_hit_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
     peak_used_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
+    # The remote tier, in blocks (its bytes and seconds are the remote directions').
+    remote_lookups: int = 0  # lookup calls (one round trip each)
+    remote_lookup_misses: int = 0  # lookups that found nothing
+    remote_lookup_blocks: int = 0  # keys asked, over all lookups
+    remote_found_blocks: int = 0  # of those, held by the store (the hit rate's numerator)
+    remote_fetch_failures: int = 0  # found, but the fetch failed: the block was recomputed
+    remote_writes: int = 0  # blocks written
+    remote_write_failures: int = 0  # blocks whose write failed or the store skipped
+    remote_writes_skipped: int = 0  # blocks due for a write never sent (store down, copy gone)
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float) -> None:
         self.bytes_by_direction[direction] += num_bytes
@@ -59,5 +72,13 @@ class KVMetrics:
             lost_blocks=self.lost_blocks,
             prefix_hit_blocks_by_tier={t.value: self.prefix_hit_blocks_by_tier[t] for t in Tier},
             peak_used_blocks_by_tier={t.value: self.peak_used_blocks_by_tier[t] for t in Tier},
+            remote_lookups=self.remote_lookups,
+            remote_lookup_misses=self.remote_lookup_misses,
+            remote_lookup_blocks=self.remote_lookup_blocks,
+            remote_found_blocks=self.remote_found_blocks,
+            remote_fetch_failures=self.remote_fetch_failures,
+            remote_writes=self.remote_writes,
+            remote_write_failures=self.remote_write_failures,
+            remote_writes_skipped=self.remote_writes_skipped,
         )
         return out

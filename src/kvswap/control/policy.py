@@ -172,7 +172,7 @@ class CpuResidencyPolicy:
     """LRU over CPU copies, to make room in the pinned pool and to demote to NVMe.
 
     Ranks, cheapest first:
-        0  a ready NVMe copy exists            -> drop the CPU copy
+        0  a ready NVMe or remote copy exists  -> drop the CPU copy
         1  unreferenced, CPU is the only copy  -> demote, or discard the cache entry
         2  a ready GPU copy exists             -> drop (the GPU copy becomes dirty)
         3  referenced, CPU is the only copy    -> demote only; never discarded
@@ -203,7 +203,7 @@ class CpuResidencyPolicy:
         cpu = block.copies.get(Tier.CPU)
         if cpu is None or cpu.is_busy or block.lost:
             return None
-        if block.ready_copy(Tier.NVME) is not None:
+        if block.has_ready_copy_below(Tier.CPU):
             return 0
         if block.ref_count == 0:
             return 1

@@ -6,7 +6,10 @@ turns a validated `KvSwapConfig` into these frozen records once.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+from kvswap.errors import KvSwapError
 
 
 @dataclass(frozen=True)
@@ -20,3 +23,42 @@ class SwapSettings:
     swap_in_chunk_blocks: int = 4
     cpu_demote_high_watermark: float = 0.90
     cpu_demote_low_watermark: float = 0.80
+
+
+class RemoteWritePolicy(enum.Enum):
+    """When full blocks are written to the shared store (the value is the config's)."""
+
+    ON_FINISH = "on_finish"  # a finished sequence's full blocks, once they have a CPU copy
+    ON_DEMOTE = "on_demote"  # a block leaving the pinned pool (demoted, or dropped by demotion)
+    OFF = "off"  # read only
+
+
+#: Keys asked in one lookup at most by default: one pipelined round trip of 512
+#: EXISTS is well under a millisecond of store time, and 512 blocks of 16 tokens
+#: cover an 8K-token prompt.
+DEFAULT_MAX_LOOKUP_BLOCKS = 512
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How the swapper uses a shared remote store (`kvswap.control.remote`).
+
+    `namespace` is the store's key prefix; it is the model fingerprint (weights
+    included) unless the configuration names one, so two models never share KV.
+    The data plane prefixes every key with it; the control plane only passes it on.
+    """
+
+    namespace: str
+    write_policy: RemoteWritePolicy = RemoteWritePolicy.ON_FINISH
+    max_lookup_blocks: int = DEFAULT_MAX_LOOKUP_BLOCKS
+    # Write chunks in flight at most: a slow store holds CPU slots (the sources stay
+    # reserved until the result is polled), so the write-behind waits instead.
+    max_inflight_write_chunks: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise KvSwapError(f"remote namespace = {self.namespace!r}; allowed: a non-empty string")
+        for name in ("max_lookup_blocks", "max_inflight_write_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KvSwapError(f"{name} = {value!r}; allowed: an integer >= 1")

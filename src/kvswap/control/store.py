@@ -10,6 +10,11 @@ goes through here and re-ranks the block in O(1).
                   |  |  |  '-- partial, GPU only
                   |  |  '----- GPU + CPU copies (dropping the GPU copy is free)
                   '--'-------- protected sinks: never leave the GPU while referenced
+
+Remote copies (`Tier.REMOTE`) take no slot: the shared store addresses them by
+block key. An unreferenced block left with no local copy is forgotten (the
+store is asked again by the next lookup), so what this process remembers
+stays bounded by its own tiers and the tables that reference blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvswap.control import identity
-from kvswap.control.blocks import Block, Copy
+from kvswap.control.blocks import REMOTE_SLOT, TIERS_BELOW, Block, Copy
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import CpuResidencyPolicy, PolicyOptions, ResidencyPolicy
 from kvswap.control.prefix_index import PrefixIndex
@@ -83,6 +88,7 @@ class BlockStore:
         # Blocks marked lost while referenced: lets the scheduler skip its per-step
         # scan of every table when (as almost always) none is.
         self._lost_referenced: set[int] = set()
+        self.num_remote_copies = 0  # copies known (or being written) in the remote store
 
     # ----------------------------------------------------------------- sequences
 
@@ -152,6 +158,47 @@ class BlockStore:
                 self.index.insert(block)
         self._unpublished.clear()
 
+    def next_prompt_blocks(
+        self, seq_id: int, prompt_ids: Sequence[int], max_blocks: int
+    ) -> list[tuple[bytes, list[int]]]:
+        """(key, tokens) of the full prompt blocks after the sequence's table, at most
+        `max_blocks`: the candidates of a remote lookup. Never the block holding the
+        last prompt token, as for a local hit (the admitting step computes it)."""
+        state = self.sequences[seq_id]
+        size = self.block_tokens
+        start = len(state.block_ids)
+        assert state.num_tokens == start * size, "asked right after the local prefix hits"
+        stop = min((len(prompt_ids) - 1) // size, start + max_blocks)
+        parent_key = self.blocks[state.block_ids[-1]].key if state.block_ids else state.root_key
+        assert parent_key is not None, "a table's blocks before its last are full"
+        candidates: list[tuple[bytes, list[int]]] = []
+        for position in range(start, stop):
+            tokens = list(prompt_ids[position * size : (position + 1) * size])
+            parent_key = identity.chain_key(parent_key, tokens)
+            candidates.append((parent_key, tokens))
+        return candidates
+
+    def attach_remote_blocks(
+        self, seq_id: int, found: Sequence[tuple[bytes, list[int]]]
+    ) -> list[Block]:
+        """Append blocks the remote store holds (`next_prompt_blocks` candidates, in
+        order) to the sequence: full, keyed, with a ready remote copy and no local one.
+        They are indexed at once: their KV exists, so a sequence admitted in the same
+        step shares them (and their fetch) instead of asking the store again."""
+        state = self.sequences[seq_id]
+        attached: list[Block] = []
+        for key, tokens in found:
+            block = self._new_block(state)
+            block.token_ids = list(tokens)
+            block.key = key
+            assert identity.chain_key(block.parent_key, block.token_ids) == key
+            self._attach(state, block)
+            state.num_tokens += self.block_tokens
+            self.place(block, Tier.REMOTE, ready=True)
+            self.index.insert(block)
+            attached.append(block)
+        return attached
+
     def set_running(self, seq_id: int, running: bool) -> None:
         """Mark a sequence as running (its blocks must stay on the GPU) or paused."""
         state = self.sequences[seq_id]
@@ -181,7 +228,7 @@ class BlockStore:
             if block.ref_count > 0:
                 self.gpu_policy.update(block)
                 continue
-            if block.key is None or block.lost:
+            if block.key is None or block.lost or not block.has_local_copy():
                 self.delete_block(block)
             else:
                 self._rerank(block)
@@ -200,7 +247,9 @@ class BlockStore:
             block.ref_count -= 1
             if position < self.layout.protected_blocks:
                 block.num_protected_refs -= 1
-            if block.ref_count == 0 and (block.key is None or block.lost):
+            if block.ref_count == 0 and (
+                block.key is None or block.lost or not block.has_local_copy()
+            ):
                 self.delete_block(block)
             else:
                 self._rerank(block)
@@ -243,8 +292,16 @@ class BlockStore:
     # -------------------------------------------------------------------- copies
 
     def place(self, block: Block, tier: Tier, *, ready: bool) -> Copy | None:
-        """Give `block` a slot on `tier` (None when the tier is full)."""
+        """Give `block` a slot on `tier` (None when the tier is full). A remote copy
+        takes no slot: the store has room for it as far as the control plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
+        if tier is Tier.REMOTE:
+            assert block.key is not None, "only full (keyed) blocks go to the remote store"
+            self.num_remote_copies += 1
+            copy = Copy(slot=REMOTE_SLOT, ready=ready)
+            block.copies[tier] = copy
+            self._rerank(block)
+            return copy
         slot = self.tiers[tier].allocate(block.block_id)
         if slot is None:
             return None
@@ -255,11 +312,12 @@ class BlockStore:
 
     def drop_copy(self, block: Block, tier: Tier) -> None:
         """Free `block`'s copy on `tier`. A block left with no copy is deleted if
-        nobody references it, else marked lost (its owners recompute it)."""
+        nobody references it, else marked lost (its owners recompute it); one nobody
+        references left with only a remote copy is forgotten (a lookup finds it)."""
         copy = block.copies.pop(tier)
         assert copy.num_readers == 0, f"dropping a {tier.value} copy that a transfer still reads"
-        self.tiers[tier].release(copy.slot, block.block_id)
-        if block.copies:
+        self._release(block, tier, copy)
+        if block.copies and (block.ref_count > 0 or block.has_local_copy()):
             self._rerank(block)
         elif block.ref_count == 0:
             self.delete_block(block)
@@ -272,7 +330,7 @@ class BlockStore:
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
-        for tier in (Tier.CPU, Tier.NVME):
+        for tier in TIERS_BELOW[Tier.GPU]:
             copy = block.copies.get(tier)
             if copy is None:
                 continue
@@ -291,7 +349,7 @@ class BlockStore:
                 copy.stale = True
             else:
                 del block.copies[tier]
-                self.tiers[tier].release(copy.slot, block.block_id)
+                self._release(block, tier, copy)
         self.gpu_policy.forget(block)
         self.cpu_policy.forget(block)
         if block.copies:
@@ -304,6 +362,13 @@ class BlockStore:
         self._rerank(block)
 
     # ------------------------------------------------------------------ internal
+
+    def _release(self, block: Block, tier: Tier, copy: Copy) -> None:
+        """Give back what a copy held: its slot, or its place in the remote count."""
+        if tier is Tier.REMOTE:
+            self.num_remote_copies -= 1
+        else:
+            self.tiers[tier].release(copy.slot, block.block_id)
 
     def _rerank(self, block: Block) -> None:
         if block.block_id not in self.blocks:
@@ -340,13 +405,23 @@ class BlockStore:
         for tier_slots in self.tiers.values():
             tier_slots.check_integrity()
         counted = {tier: 0 for tier in self.tiers}
+        num_remote = 0
         for block in self.blocks.values():
+            assert block.ref_count > 0 or block.has_local_copy() or block.lost, (
+                f"block {block.block_id}: unreferenced and only in the remote store"
+            )
             for tier, copy in block.copies.items():
+                if tier is Tier.REMOTE:
+                    num_remote += 1
+                    continue
                 owner = self.tiers[tier].owner(copy.slot)
                 assert owner == block.block_id, (
                     f"{tier.value} slot {copy.slot}: owner {owner}, copy of {block.block_id}"
                 )
                 counted[tier] += 1
+        assert num_remote == self.num_remote_copies, (
+            f"remote: {num_remote} copies but {self.num_remote_copies} counted"
+        )
         for tier, tier_slots in self.tiers.items():
             assert counted[tier] == tier_slots.num_used_slots, (
                 f"{tier.value}: {counted[tier]} copies but {tier_slots.num_used_slots} used slots"

@@ -1,8 +1,9 @@
 """Swap-in: prefetch ahead of need, and the wait a step makes for what is missing.
 
 Swap-in is the expensive direction (a decode step waits for it), so it runs
-on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on NVMe comes up
-in two hops: NVMe -> CPU, then CPU -> GPU as soon as it arrives (`arrived`).
+on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on NVMe or in the
+remote store comes up in two hops: NVMe (or remote) -> CPU, then CPU -> GPU as
+soon as it arrives (`arrived`); NVMe is read first when a block is in both.
 Time spent in `wait_ready` is the step's swap wait.
 """
 
@@ -93,7 +94,9 @@ class SwapIn:
                     self._prefetched.discard(block.block_id)
                     self.metrics.prefetch_hits += 1
             self.store.touch(blocks)
-            if self.store.sequences[seq_id].running:
+            # A lost block (its last copy failed) is not on the GPU: the owner truncates
+            # the table there, and the next wait checks the sequence again.
+            if self.store.sequences[seq_id].running and not any(b.lost for b in blocks):
                 self.resident.add(seq_id)
         wait_s = self._clock_s() - start_s
         self.metrics.swap_wait_s += wait_s
@@ -108,7 +111,7 @@ class SwapIn:
 
     def _fetch(self, seq_ids: Iterable[int], *, sync: bool) -> None:
         to_gpu: list[tuple[Block, Copy]] = []
-        to_cpu: list[tuple[Block, Copy]] = []
+        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {Tier.NVME: [], Tier.REMOTE: []}
         for seq_id in seq_ids:
             for block in self.store.sequence_blocks(seq_id):
                 if block.lost or Tier.GPU in block.copies:
@@ -124,16 +127,17 @@ class SwapIn:
                         continue
                     to_gpu.append((block, gpu))
                     self._note_fetch(block, sync)
-                elif Tier.CPU not in block.copies and block.ready_copy(Tier.NVME) is not None:
+                elif Tier.CPU not in block.copies and (source := _below_cpu(block)) is not None:
                     cpu = self.evictor.cpu_slot(block)
                     if cpu is not None:
-                        to_cpu.append(self.mover.reserve(block, Tier.NVME, cpu))
+                        to_cpu[source].append(self.mover.reserve(block, source, cpu))
                         self._wanted_on_gpu.add(block.block_id)
                         self._note_fetch(block, sync)
                 elif Tier.CPU in block.copies:
                     self._wanted_on_gpu.add(block.block_id)  # on its way up to the CPU
         self.mover.submit(Direction.CPU_TO_GPU, Priority.HIGH, to_gpu, evict=False)
-        self.mover.submit(Direction.NVME_TO_CPU, Priority.HIGH, to_cpu, evict=False)
+        self.mover.submit(Direction.NVME_TO_CPU, Priority.HIGH, to_cpu[Tier.NVME], evict=False)
+        self.mover.submit(Direction.REMOTE_TO_CPU, Priority.HIGH, to_cpu[Tier.REMOTE], evict=False)
 
     def _note_fetch(self, block: Block, sync: bool) -> None:
         if sync:
@@ -152,3 +156,11 @@ class SwapIn:
             if gpu is not None:
                 pair = self.mover.reserve(block, Tier.CPU, gpu)
                 self.mover.submit(Direction.CPU_TO_GPU, Priority.HIGH, [pair], evict=False)
+
+
+def _below_cpu(block: Block) -> Tier | None:
+    """The tier to bring `block` up from when it has no CPU copy: NVMe (local) first."""
+    for tier in (Tier.NVME, Tier.REMOTE):
+        if block.ready_copy(tier) is not None:
+            return tier
+    return None

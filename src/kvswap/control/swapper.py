@@ -8,14 +8,16 @@ Called by the scheduler (engine or simulator), once per step, in this order:
     wait_ready(seq_ids)       block until they are on the GPU (swap-wait time)
     ... the model runs ...
     end_step()                swap out past the high watermark (LOW queue),
-                              demote cold CPU copies to NVMe
+                              demote cold CPU copies to NVMe, write behind to
+                              the remote store
 
 The work is split by concept: `SwapIn` (swap_in.py: prefetch and waits),
 `Evictor` (eviction.py: watermarks, synchronous eviction, CPU slots),
-`Demoter` (demotion.py: CPU -> NVMe), all planning through the one `Mover`
-(mover.py), which reserves sources and applies completions. The scheduler
-asks questions here (is it resident, how much room, what is in flight) and
-never reaches into the store or the mover.
+`Demoter` (demotion.py: CPU -> NVMe), `RemoteTier` (remote_tier.py: lookups of
+prefixes that missed locally, the write-behind; only with a `RemoteIndex`),
+all planning through the one `Mover` (mover.py), which reserves sources and
+applies completions. The scheduler asks questions here (is it resident, how
+much room, what is in flight) and never reaches into the store or the mover.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from kvswap.control.eviction import Evictor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.settings import SwapSettings
+from kvswap.control.remote import RemoteIndex
+from kvswap.control.remote_tier import RemoteTier
+from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store import BlockStore, StoreLayout
 from kvswap.control.swap_in import SwapIn, WaitResult
 from kvswap.control.transfer import CopyEngine, Direction, Priority, Tier
@@ -52,7 +56,12 @@ class Swapper:
         engine: CopyEngine,
         clock_s: Callable[[], float],
         metrics: KVMetrics | None = None,
+        *,
+        remote_index: RemoteIndex | None = None,
+        remote: RemoteSettings | None = None,
     ):
+        """`remote_index`: the shared store's presence index; without one there is no
+        remote tier. `remote`: how it is used (default: the default settings)."""
         self.settings = settings
         self.options = options
         # Read-only to everyone but the swapper's parts (tests and exporters look).
@@ -65,7 +74,13 @@ class Swapper:
         )  # fmt: skip
         self.evictor = Evictor(self.store, self.mover, self.metrics, settings, clock_s)
         self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)
-        self.demoter = Demoter(self.store, self.mover, self.metrics, settings)
+        self.remote: RemoteTier | None = None
+        if remote_index is not None:
+            remote_settings = remote if remote is not None else RemoteSettings("unnamed")
+            self.remote = RemoteTier(
+                self.store, self.mover, self.metrics, remote_settings, remote_index
+            )
+        self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remote)
 
     # ------------------------------------------------------------ step bracket
 
@@ -79,6 +94,8 @@ class Swapper:
         self.mover.poll()
         self.evictor.swap_out_past_watermark()
         self.demoter.demote_past_watermark()
+        if self.remote is not None:
+            self.remote.flush()
         for tier, slots in self.store.tiers.items():
             peak = self.metrics.peak_used_blocks_by_tier
             peak[tier] = max(peak[tier], slots.peak_used_slots)
@@ -88,8 +105,11 @@ class Swapper:
     def open_sequence(
         self, seq_id: int, prompt_ids: Sequence[int], *, cache_salt: str | None = None
     ) -> int:
-        """Start a sequence; returns how many prompt tokens its prefix hits cover."""
+        """Start a sequence; returns how many prompt tokens its prefix hits cover.
+        Past the local hits, the remote store is asked for the next blocks."""
         hits = self.store.open_sequence(seq_id, prompt_ids, cache_salt=cache_salt)
+        if self.remote is not None:
+            hits += self.remote.extend_prefix(seq_id, prompt_ids)
         for block in hits:
             tier = next((t for t in Tier if block.ready_copy(t) is not None), Tier.GPU)
             self.metrics.prefix_hit_blocks_by_tier[tier] += 1
@@ -129,8 +149,10 @@ class Swapper:
             self.store.delete_block(block)
 
     def finish(self, seq_id: int) -> None:
-        """End a sequence and offload its reusable blocks at once (LOW queue)."""
+        """End a sequence and offload its reusable blocks at once (LOW queue); with a
+        remote tier written on finish, its full blocks follow to the store."""
         self.swap_in.forget(seq_id)
+        table = self.store.sequence_blocks(seq_id)
         released = self.store.close_sequence(seq_id)
         pairs = []
         for block in released:
@@ -142,6 +164,8 @@ class Swapper:
                 break
             pairs.append(self.mover.reserve(block, Tier.GPU, cpu))
         self.mover.submit(Direction.GPU_TO_CPU, Priority.LOW, pairs, evict=False)
+        if self.remote is not None:
+            self.remote.finished(table)
 
     def swap_out_sequence(self, seq_id: int) -> None:
         """Preempt by swapping: pause the sequence and move its unprotected GPU
@@ -172,6 +196,8 @@ class Swapper:
 
     def _arrived(self, block: Block, tier: Tier) -> None:
         self.swap_in.arrived(block, tier)
+        if self.remote is not None:
+            self.remote.arrived(block, tier)
 
     # ------------------------------------------------------------- questions
 
@@ -255,8 +281,13 @@ class Swapper:
         return True
 
     def drain(self) -> None:
-        """Wait for every transfer (shutdown, tests)."""
+        """Wait for every transfer (shutdown, tests). The write-behind still queued goes
+        to the remote store first, so a process that ends leaves its finished
+        prefixes to the next one."""
         self.mover.wait_all()
+        while self.remote is not None and self.remote.num_queued_blocks:
+            self.remote.flush()  # the queue shrinks each time: nothing is in flight here
+            self.mover.wait_all()
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
@@ -271,6 +302,7 @@ class Swapper:
             (record.chunk.direction.dst_tier, slot)
             for record in self.mover.inflight.values()
             for slot in record.chunk.dst_slots
+            if record.chunk.direction.dst_tier is not Tier.REMOTE  # keyed, not slotted
         }
         for tier, slot in busy_slots:
             assert self.store.tiers[tier].owner(slot) is not None, (

@@ -1,7 +1,9 @@
 """Build a control plane (store, policies, swapper, scheduler, metrics) from settings.
 
 The engine and the simulator both call `build_control_plane`; they differ
-only in the copy engine and the clock they hand it.
+only in the copy engine and the clock they hand it, and, with a remote tier,
+in the `RemoteIndex` (the engine's over a Redis client, the simulator's over
+its modelled shared store).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvswap.control.metrics import KVMetrics
+from kvswap.control.remote import RemoteIndex
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import CopyEngine
@@ -28,7 +31,17 @@ class ControlPlane:
 
 
 def build_control_plane(
-    settings: ControlSettings, copy_engine: CopyEngine, clock_s: Callable[[], float]
+    settings: ControlSettings,
+    copy_engine: CopyEngine,
+    clock_s: Callable[[], float],
+    remote_index: RemoteIndex | None = None,
 ) -> ControlPlane:
-    swapper = Swapper(settings.layout, settings.policy, settings.swap, copy_engine, clock_s)
+    """The control plane; with `remote_index` (and the copy engine executing remote
+    chunks) it reads from and writes to the shared store as `settings.remote` says.
+    Without one there is no remote tier, whatever the settings (the store was not
+    configured, or could not be reached and is not required)."""
+    swapper = Swapper(
+        settings.layout, settings.policy, settings.swap, copy_engine, clock_s,
+        remote_index=remote_index, remote=settings.remote,
+    )  # fmt: skip
     return ControlPlane(settings, swapper, Scheduler(swapper, settings.scheduler))

@@ -13,7 +13,12 @@ from kvswap.config import KvSwapConfig, TierCapacities
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Preemption, SchedulerSettings
-from kvswap.control.settings import SwapSettings
+from kvswap.control.settings import (
+    DEFAULT_MAX_LOOKUP_BLOCKS,
+    RemoteSettings,
+    RemoteWritePolicy,
+    SwapSettings,
+)
 from kvswap.control.store import StoreLayout
 from kvswap.errors import KvSwapError
 
@@ -24,6 +29,9 @@ class ControlSettings:
     policy: PolicyOptions
     swap: SwapSettings
     scheduler: SchedulerSettings
+    # None: no remote tier configured (`tiers.remote_url` unset). Its `namespace` is
+    # the key prefix the data plane's store client is built with.
+    remote: RemoteSettings | None = None
 
 
 def policy_options(config: KvSwapConfig) -> PolicyOptions:
@@ -35,6 +43,25 @@ def policy_options(config: KvSwapConfig) -> PolicyOptions:
     )
 
 
+def remote_settings(
+    config: KvSwapConfig, model_fingerprint: str, *, max_lookup_blocks: int | None = None
+) -> RemoteSettings | None:
+    """The remote tier's control-plane settings; None when no store is configured.
+    The namespace defaults to the model fingerprint, which names the weights too:
+    two checkpoints of one architecture never share a key prefix."""
+    tiers = config.tiers
+    if tiers.remote_url is None:
+        return None
+    return RemoteSettings(
+        namespace=tiers.remote_namespace or model_fingerprint,
+        write_policy=RemoteWritePolicy(tiers.remote_write_policy),
+        max_lookup_blocks=(
+            max_lookup_blocks if max_lookup_blocks is not None else DEFAULT_MAX_LOOKUP_BLOCKS
+        ),
+        max_inflight_write_chunks=tiers.remote_max_inflight_chunks,
+    )
+
+
 def control_settings(
     config: KvSwapConfig,
     capacities: TierCapacities,
@@ -43,11 +70,16 @@ def control_settings(
     model_fingerprint: str,
     policy: PolicyOptions | None = None,
     max_sequence_tokens: int | None = None,
+    remote_max_lookup_blocks: int | None = None,
 ) -> ControlSettings:
     """Everything the control plane is built with; `policy` overrides the config's
     (the simulator's findings compare policies on one configuration).
     `max_sequence_tokens` is the model's maximum position (the engine passes
-    `arch.max_position_tokens`): longer requests are rejected at admission."""
+    `arch.max_position_tokens`): longer requests are rejected at admission.
+    `model_fingerprint` names the model's blocks (its weights included: pass
+    `ModelDescription.fingerprint(weights=...)`); it roots every block key and is
+    the remote store's default namespace. `remote_max_lookup_blocks` bounds one
+    remote lookup (default `DEFAULT_MAX_LOOKUP_BLOCKS`)."""
     if max_sequence_tokens is not None and (
         isinstance(max_sequence_tokens, bool)
         or not isinstance(max_sequence_tokens, int)
@@ -83,5 +115,8 @@ def control_settings(
             max_num_batched_tokens=engine.max_num_batched_tokens,
             preemption=Preemption(engine.preemption),
             max_sequence_tokens=max_sequence_tokens,
+        ),
+        remote=remote_settings(
+            config, model_fingerprint, max_lookup_blocks=remote_max_lookup_blocks
         ),
     )

@@ -5,6 +5,11 @@ registry, so the engine and the simulator report the same quantities the
 same way. `RunSummary.to_json()` is the flat `--json` object (and what
 observers, reports and the diagnosis read); its key names are a public
 format, kept stable.
+
+The remote tier is one nested object, `remote` (`RemoteSummary`): the control
+plane's figures, and the data plane's counters, which a backend hands over as
+the mapping under the key `remote` of its `summary_extras` (e.g. corrupt,
+skipped_writes, outages, already_present; any integer it names is kept).
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.transfer import Direction, Tier
+
+#: The data plane's remote counters every summary carries (0 when none was reported).
+REMOTE_DATA_PLANE_KEYS = ("corrupt", "skipped_writes", "outages", "already_present")
 
 
 def percentiles_ms(values_s: Sequence[float]) -> dict[str, float]:
@@ -56,6 +65,93 @@ class Rejection:
 
 
 @dataclass(frozen=True)
+class RemoteSummary:
+    """The remote tier over a run. Blocks are counted in blocks, hits in tokens;
+    `misses` = lookups that found nothing + fetches that failed."""
+
+    enabled: bool
+    hit_tokens: int
+    lookups: int
+    lookup_misses: int
+    lookup_blocks: int
+    found_blocks: int
+    fetch_failures: int
+    writes: int
+    write_failures: int
+    writes_skipped: int
+    bytes_to_remote: int
+    bytes_from_remote: int
+    seconds_to_remote: float
+    seconds_from_remote: float
+    data_plane: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def misses(self) -> int:
+        return self.lookup_misses + self.fetch_failures
+
+    @property
+    def hit_rate(self) -> float:
+        """Blocks found of the blocks looked up (0 before any lookup)."""
+        return round(self.found_blocks / self.lookup_blocks, 6) if self.lookup_blocks else 0.0
+
+    @classmethod
+    def from_metrics(
+        cls,
+        metrics: KVMetrics,
+        *,
+        enabled: bool,
+        block_tokens: int,
+        data_plane: Mapping[str, object] | None = None,
+    ) -> RemoteSummary:
+        counters = dict.fromkeys(REMOTE_DATA_PLANE_KEYS, 0)
+        for key, value in (data_plane or {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                counters[str(key)] = value
+        return cls(
+            enabled=enabled,
+            hit_tokens=metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] * block_tokens,
+            lookups=metrics.remote_lookups,
+            lookup_misses=metrics.remote_lookup_misses,
+            lookup_blocks=metrics.remote_lookup_blocks,
+            found_blocks=metrics.remote_found_blocks,
+            fetch_failures=metrics.remote_fetch_failures,
+            writes=metrics.remote_writes,
+            write_failures=metrics.remote_write_failures,
+            writes_skipped=metrics.remote_writes_skipped,
+            bytes_to_remote=metrics.bytes_by_direction[Direction.CPU_TO_REMOTE],
+            bytes_from_remote=metrics.bytes_by_direction[Direction.REMOTE_TO_CPU],
+            seconds_to_remote=round(metrics.seconds_by_direction[Direction.CPU_TO_REMOTE], 6),
+            seconds_from_remote=round(metrics.seconds_by_direction[Direction.REMOTE_TO_CPU], 6),
+            data_plane=counters,
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """The `remote` object; a data-plane counter named like a control-plane figure
+        does not replace it."""
+        figures: dict[str, object] = {
+            "enabled": self.enabled,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_rate,
+            "lookups": self.lookups,
+            "lookup_blocks": self.lookup_blocks,
+            "found_blocks": self.found_blocks,
+            "misses": self.misses,
+            "lookup_misses": self.lookup_misses,
+            "fetch_failures": self.fetch_failures,
+            "writes": self.writes,
+            "write_failures": self.write_failures,
+            "writes_skipped": self.writes_skipped,
+            "bytes_to_remote": self.bytes_to_remote,
+            "bytes_from_remote": self.bytes_from_remote,
+            "seconds_to_remote": self.seconds_to_remote,
+            "seconds_from_remote": self.seconds_from_remote,
+        }
+        for key, count in sorted(self.data_plane.items()):
+            figures.setdefault(key, count)
+        return figures
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """What a run did. Latency figures are {p50, p95, p99} in ms; byte and block
     counts are exact; `backend` holds the driver's own keys (device, model,
@@ -88,6 +184,7 @@ class RunSummary:
     capacity_blocks_by_tier: Mapping[Tier, int]
     outputs_digest: str
     backend: Mapping[str, object] = field(default_factory=dict)
+    remote: RemoteSummary | None = None  # None: a summary built by hand, without one
 
     @property
     def requests_rejected(self) -> int:
@@ -137,6 +234,8 @@ class RunSummary:
                 "outputs_digest": self.outputs_digest,
             }
         )
+        if self.remote is not None:
+            out["remote"] = self.remote.to_json()
         out.update(self.backend)
         return out
 
@@ -165,6 +264,14 @@ def build_summary(
     occupancy = scheduler.swapper.occupancy()
     cpu = occupancy[Tier.CPU]
     block_tokens = scheduler.swapper.block_tokens
+    extras = dict(backend)
+    remote_counters = extras.pop("remote", None)
+    remote = RemoteSummary.from_metrics(
+        metrics,
+        enabled=scheduler.swapper.remote is not None,
+        block_tokens=block_tokens,
+        data_plane=remote_counters if isinstance(remote_counters, Mapping) else None,
+    )
     return RunSummary(
         requests_completed=len(completed),
         rejections=tuple(
@@ -198,5 +305,6 @@ def build_summary(
         peak_blocks_by_tier={t: occupancy[t].peak_used_blocks for t in Tier},
         capacity_blocks_by_tier={t: occupancy[t].num_blocks for t in Tier},
         outputs_digest=outputs_digest([(r.seq_id, r.output_ids) for r in completed]),
-        backend=dict(backend),
+        backend=extras,
+        remote=remote,
     )

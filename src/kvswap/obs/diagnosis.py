@@ -31,6 +31,9 @@ None when the run does not show the symptom. The rules and their terms:
    plain decode steps hold half the tail (uniformly slow steps, or sequences paused
    between tokens: rules 1 and 2 and the preemption count speak to those). Rule 1
    sees the tail grow over time; this one says who is in it, growing or not.
+7. With a remote tier: more than `remote_failure_share` (10%) of the blocks found in
+   the store (at least `min_remote_blocks` of them) failed to arrive and were
+   recomputed -> the store loses keys it reported, returns bad values or is down.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvswap.ledger import DEFAULT_LINK_GB_PER_S
-from kvswap.obs.jsonvalues import float_map, int_map, number, number_or
+from kvswap.obs.jsonvalues import float_map, int_map, integer_or, number, number_or
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.tail import DECODE, PREFILL, SWAP_WAIT, TailAttribution
 from kvswap.obs.timeseries import SeriesPoint, TimeSeries
@@ -69,6 +72,8 @@ class Thresholds:
     tail_ratio: float = 2.0
     min_tail_tokens: int = 5
     tail_cause_share: float = 0.5
+    remote_failure_share: float = 0.10
+    min_remote_blocks: int = 8
 
 
 @dataclass(frozen=True)
@@ -412,6 +417,37 @@ def tail_attribution(
     )
 
 
+def remote_fetches_failing(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    found = integer_or(summary, "remote", "found_blocks")
+    failed = integer_or(summary, "remote", "fetch_failures")
+    if found < max(1, t.min_remote_blocks) or failed <= t.remote_failure_share * found:
+        return None
+    share = failed / found
+    corrupt = integer_or(summary, "remote", "corrupt")
+    outages = integer_or(summary, "remote", "outages")
+    return Finding(
+        rule="remote_fetches_failing",
+        symptom=f"over {100 * t.remote_failure_share:.0f}% of remote hits recomputed",
+        metric='kvswap_remote_misses_total{kind="fetch"} (remote.fetch_failures)',
+        figure=f"{failed} of {found} blocks found in the remote store failed to arrive "
+        f"({100 * share:.0f}%): {corrupt} corrupt values, {outages} outages",
+        cause="the store drops keys between lookup and fetch (TTL, maxmemory eviction), "
+        "returns values that fail their checks, or is unreachable: those blocks were "
+        "computed again",
+        advice="raise remote_ttl_s or the store's maxmemory, check remote_timeout_ms and "
+        'kvswap_remote_store_events_total{event="outage"}',
+        values={
+            "found_blocks": float(found),
+            "fetch_failures": float(failed),
+            "share": share,
+            "corrupt": float(corrupt),
+            "outages": float(outages),
+        },
+    )
+
+
 def diagnose(
     summary: Mapping[str, object],
     series: TimeSeries,
@@ -427,6 +463,7 @@ def diagnose(
         swap_wait_high(summary, series, thresholds),
         pinned_pool_full(summary, series, thresholds),
         tail_attribution(summary, series, thresholds),
+        remote_fetches_failing(summary, series, thresholds),
     ]
     return [f for f in found if f is not None]
 

@@ -15,8 +15,11 @@ panel at all (none with --quiet or --json).
      GPU   [###################:####|--]  78%  234/300 blk  low : 65%  high | 85%
      CPU   [######----------------:|---]  20%   51/256 blk  low : 80%  high | 90%
     link  gpu>cpu 1.23 GB/s  cpu>gpu 803 MB/s  cpu>nvme 0 B/s  nvme>cpu 0 B/s
+    remote  hits 384 tok  misses 2  written 12 blk  known 40 blk  in 1.0 MB/s  out 0 B/s
 
-A figure past the seed article's threshold (`diagnosis.Thresholds`) is drawn red.
+The remote row (and the plain line's `remote` part) appears only with a remote
+tier. A figure past the seed article's threshold (`diagnosis.Thresholds`) is
+drawn red.
 """
 
 from __future__ import annotations
@@ -148,6 +151,8 @@ class LivePanel(StepObserver):
         sample = self._sample
         if sample is not None:
             parts += [self._tier_table(sample), Text("link  " + self._link_text())]
+            if sample.remote_enabled:
+                parts.append(Text("remote  " + self._remote_text(sample)))
         return Group(*parts)
 
     def log_line(self) -> str:
@@ -169,6 +174,10 @@ class LivePanel(StepObserver):
                 "pinned " + self._pinned_text(),
                 " ".join(tiers),
             ]
+            if sample.remote_enabled:
+                parts.append(
+                    f"remote hits {sample.remote_hit_tokens} tok misses {sample.remote_misses}"
+                )
         return " | ".join(parts)
 
     def _headline(self) -> Table:
@@ -250,6 +259,15 @@ class LivePanel(StepObserver):
         return "  ".join(
             f"{short} {format_rate(rates.get(direction, 0.0))}"
             for direction, short in _SHORT_DIRECTIONS.items()
+        )
+
+    def _remote_text(self, sample: StepSample) -> str:
+        rates = self._rate.per_s()
+        return (
+            f"hits {sample.remote_hit_tokens} tok  misses {sample.remote_misses}  "
+            f"written {sample.remote_writes} blk  known {sample.remote_known_blocks} blk  "
+            f"in {format_rate(rates.get('remote_to_cpu', 0.0))}  "
+            f"out {format_rate(rates.get('cpu_to_remote', 0.0))}"
         )
 
     def _swap_wait_share(self) -> float | None:

@@ -42,6 +42,12 @@ class StepSample:
     # sharing the step with the decodes (whose latency they stretch). A default keeps
     # samples built by hand valid; `sample_step` always fills it.
     num_prefill_tokens: int = 0
+    # The remote tier (cumulative; all 0 and `remote_enabled` False without one).
+    remote_enabled: bool = False
+    remote_hit_tokens: int = 0  # prompt tokens found in the remote store
+    remote_misses: int = 0  # lookups that found nothing + fetches that failed
+    remote_writes: int = 0  # blocks written
+    remote_known_blocks: int = 0  # blocks this process knows the store holds (now)
 
 
 class StepObserver(ABC):  # noqa: B024 - both hooks are optional
@@ -101,4 +107,9 @@ def sample_step(
         token_latencies_s=tuple(latencies),
         ttfts_s=tuple(ttfts),
         num_prefill_tokens=sum(len(item.token_ids) - int(item.samples) for item in plan.seqs),
+        remote_enabled=scheduler.swapper.remote is not None,
+        remote_hit_tokens=metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] * store.block_tokens,
+        remote_misses=metrics.remote_lookup_misses + metrics.remote_fetch_failures,
+        remote_writes=metrics.remote_writes,
+        remote_known_blocks=store.num_remote_copies,
     )

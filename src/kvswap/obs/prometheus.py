@@ -6,13 +6,16 @@ otherwise; `close()` stops it. The registry is private, so two exporters (two
 engines in one process, or tests) never collide and nothing global leaks in.
 
 Names are in base units with the usual suffixes; labels `direction`
-(gpu_to_cpu, cpu_to_gpu, cpu_to_nvme, nvme_to_cpu), `tier` (gpu, cpu, nvme),
-`reason`, `watermark` (high, low). Where vLLM or LMCache export the same
-quantity, the name follows theirs so a dashboard ports by renaming the prefix:
+(gpu_to_cpu, cpu_to_gpu, cpu_to_nvme, nvme_to_cpu, cpu_to_remote,
+remote_to_cpu), `tier` (gpu, cpu, nvme, remote), `reason`, `watermark` (high,
+low). The remote store has no slots: its tier's capacity series read 0 and
+`kvswap_remote_known_blocks` counts the blocks this process knows it holds.
+Where vLLM or LMCache export the same quantity, the name follows theirs so a
+dashboard ports by renaming the prefix:
 
     kvswap                                     vLLM / LMCache
     kvswap_transfer_bytes_total{direction}     vllm:kv_offload_total_bytes_total{transfer_type}
-                                               lmcache:num_remote_read_bytes / _write_bytes
+      {direction="remote_to_cpu"} / "cpu_to_remote"  lmcache:num_remote_read_bytes / _write_bytes
     kvswap_transfer_seconds_total{direction}   vllm:kv_offload_total_time_total{transfer_type}
     kvswap_transfers_total{direction}          lmcache:num_store_requests / num_retrieve_requests
     kvswap_link_throughput_bytes_per_second    (none; rate() of the bytes counter)
@@ -44,6 +47,15 @@ quantity, the name follows theirs so a dashboard ports by renaming the prefix:
     kvswap_num_requests_running / _waiting     vllm:num_requests_running / _waiting
     kvswap_num_requests_preempted              vllm:num_requests_swapped (v0)
     kvswap_block_size_bytes                    (vllm:cache_config_info block_size, in tokens)
+    kvswap_prefix_hit_tokens_total{tier="remote"}  lmcache:num_hit_tokens (remote backend)
+    kvswap_remote_lookups_total                lmcache:num_lookup_requests (one round trip each)
+    kvswap_remote_lookup_blocks_total{result}  hit | miss: the remote hit rate is hit / (hit + miss)
+    kvswap_remote_misses_total{kind}           lookup (found nothing) | fetch (found, then failed)
+    kvswap_remote_writes_total{result}         written | failed (or skipped by the store) | skipped
+                                               (never sent: store down, CPU copy gone first)
+    kvswap_remote_known_blocks                 (none)
+    kvswap_remote_store_events_total{event}    the data plane's counters: corrupt, outages,
+                                               skipped_writes, already_present
 
 The swapper's own counters (evictions, protected saves, prefetch, prefix hits)
 are not in `StepSample`; they are read live from the `KVMetrics` registry when
@@ -56,7 +68,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -82,6 +94,13 @@ TPOT_BUCKETS_S = (
 )  # fmt: skip
 DIRECTIONS = tuple(d.value for d in Direction)
 TIERS = tuple(t.value for t in Tier)
+#: The data plane's remote counters (the summary's `remote` keys) -> `event` label.
+REMOTE_STORE_EVENTS = {
+    "corrupt": "corrupt",
+    "outages": "outage",
+    "skipped_writes": "skipped_write",
+    "already_present": "already_present",
+}
 
 
 class PrometheusExporter(StepObserver):
@@ -93,8 +112,12 @@ class PrometheusExporter(StepObserver):
         watermarks: Watermarks,
         kv_metrics: KVMetrics | None = None,
         throughput_window_s: float = 1.0,
+        remote_counters: Callable[[], Mapping[str, int]] | None = None,
     ):
+        """`remote_counters`: the data plane's remote counters, read at every step
+        (the summary's `remote` object brings them up to date at the end anyway)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.remote_counters = remote_counters
         self.block_bytes = block_bytes
         self.block_tokens = block_tokens
         self.kv_metrics = kv_metrics
@@ -168,6 +191,26 @@ class PrometheusExporter(StepObserver):
         self.running = gauge("kvswap_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("kvswap_num_requests_waiting", "Requests not yet admitted")
         self.preempted = gauge("kvswap_num_requests_preempted", "Requests paused by preemption")
+        self.remote_lookups = counter(
+            "kvswap_remote_lookups", "Remote store lookups (one pipelined round trip each)"
+        )
+        self.remote_lookup_blocks = counter(
+            "kvswap_remote_lookup_blocks", "Blocks looked up in the remote store", ("result",)
+        )
+        self.remote_misses = counter(
+            "kvswap_remote_misses",
+            "Remote misses: lookups that found nothing, fetches that failed",
+            ("kind",),
+        )
+        self.remote_writes = counter(
+            "kvswap_remote_writes", "Blocks due for the remote store, by outcome", ("result",)
+        )
+        self.remote_known = gauge(
+            "kvswap_remote_known_blocks", "Blocks this process knows the remote store holds"
+        )
+        self.remote_events = counter(
+            "kvswap_remote_store_events", "The remote data plane's own counters", ("event",)
+        )
         gauge("kvswap_block_size_bytes", "Bytes of one KV block").set(block_bytes)
         # Known label values exist from the first scrape (at 0), as Prometheus advises.
         for direction in DIRECTIONS:
@@ -176,6 +219,14 @@ class PrometheusExporter(StepObserver):
             self.link_throughput.labels(direction).set(0.0)
         for tier in TIERS:
             self.prefix_hits.labels(tier)
+        for family, labels in (
+            (self.remote_lookup_blocks, ("hit", "miss")),
+            (self.remote_misses, ("lookup", "fetch")),
+            (self.remote_writes, ("written", "failed", "skipped")),
+            (self.remote_events, tuple(REMOTE_STORE_EVENTS.values())),
+        ):
+            for label in labels:
+                family.labels(label)
         for tier in ("gpu", "cpu"):
             levels = watermarks.for_tier(tier)
             assert levels is not None
@@ -257,8 +308,11 @@ class PrometheusExporter(StepObserver):
         self.running.set(sample.num_running)
         self.waiting.set(sample.num_waiting)
         self.preempted.set(sample.num_preempted)
+        self.remote_known.set(sample.remote_known_blocks)
         if self.kv_metrics is not None:
             self._swapper_counters(self.kv_metrics)
+        if self.remote_counters is not None:
+            self._remote_events(self.remote_counters())
 
     def _tiers(self, used: Mapping[str, int], capacity: Mapping[str, int]) -> None:
         for tier in TIERS:
@@ -285,6 +339,34 @@ class PrometheusExporter(StepObserver):
         for tier in Tier:
             hits = metrics.prefix_hit_blocks_by_tier[tier] * self.block_tokens
             self._total(self.prefix_hits, hits, tier.value)
+        self._remote(
+            {
+                "lookups": metrics.remote_lookups,
+                "found_blocks": metrics.remote_found_blocks,
+                "lookup_blocks": metrics.remote_lookup_blocks,
+                "lookup_misses": metrics.remote_lookup_misses,
+                "fetch_failures": metrics.remote_fetch_failures,
+                "writes": metrics.remote_writes,
+                "write_failures": metrics.remote_write_failures,
+                "writes_skipped": metrics.remote_writes_skipped,
+            }
+        )
+
+    def _remote(self, figures: Mapping[str, int]) -> None:
+        """The remote tier's counters from the summary's `remote` keys (or the registry's)."""
+        found, asked = figures.get("found_blocks", 0), figures.get("lookup_blocks", 0)
+        self._total(self.remote_lookups, figures.get("lookups", 0))
+        self._total(self.remote_lookup_blocks, found, "hit")
+        self._total(self.remote_lookup_blocks, max(0, asked - found), "miss")
+        self._total(self.remote_misses, figures.get("lookup_misses", 0), "lookup")
+        self._total(self.remote_misses, figures.get("fetch_failures", 0), "fetch")
+        self._total(self.remote_writes, figures.get("writes", 0), "written")
+        self._total(self.remote_writes, figures.get("write_failures", 0), "failed")
+        self._total(self.remote_writes, figures.get("writes_skipped", 0), "skipped")
+
+    def _remote_events(self, counters: Mapping[str, int]) -> None:
+        for key, event in REMOTE_STORE_EVENTS.items():
+            self._total(self.remote_events, counters.get(key, 0), event)
 
     def on_finish(self, summary: dict[str, object]) -> None:
         """Bring every counter to the summary's figure (transfers drained after the last
@@ -311,6 +393,9 @@ class PrometheusExporter(StepObserver):
         )
         for counter, key in plain:
             self._total(counter, integer_or(summary, key))
+        remote = int_map(summary, "remote")  # {} from a summary without a remote object
+        self._remote(remote)
+        self._remote_events(remote)
         self.running.set(0)
 
 

@@ -9,9 +9,11 @@ and the window length doubles. Points therefore tile the run without gaps:
     |--p0--|--p1--|--p2--| ... |--open window--|
     0     end0   end1   end2         (t_s of the latest step)
 
-Per window: bytes moved per direction (so throughput = bytes / duration),
-step and swap-wait seconds (so the window's swap-wait share), mean and peak
-occupancy per tier, and latency histograms (`LogHistogram`, mergeable).
+Per window: bytes moved per direction (so throughput = bytes / duration; the
+remote store's are `cpu_to_remote` / `remote_to_cpu`), step and swap-wait
+seconds (so the window's swap-wait share), mean and peak occupancy per tier,
+latency histograms (`LogHistogram`, mergeable), and the remote tier's hit
+tokens and misses.
 For the whole run, beside: token latencies by the class of their step
 (`TailLatencies`: swap wait, prefill, plain decode), which windows cannot keep.
 """
@@ -52,6 +54,8 @@ class SeriesPoint:
     tokens_generated: int  # cumulative at the window's end
     itl: LogHistogram = field(compare=False)  # inter-token latencies emitted in the window
     ttft: LogHistogram = field(compare=False)
+    remote_hit_tokens: int = 0  # prompt tokens found in the remote store in the window
+    remote_misses: int = 0  # remote lookups that found nothing + fetches that failed
 
     @property
     def duration_s(self) -> float:
@@ -103,6 +107,8 @@ class SeriesPoint:
             tokens_generated=later.tokens_generated,
             itl=self.itl.merged(later.itl),
             ttft=self.ttft.merged(later.ttft),
+            remote_hit_tokens=self.remote_hit_tokens + later.remote_hit_tokens,
+            remote_misses=self.remote_misses + later.remote_misses,
         )
 
     def to_json(self) -> dict[str, object]:
@@ -128,6 +134,8 @@ class SeriesPoint:
             "ttft_ms": _percentiles_ms(self.ttft),
             "itl_histogram": self.itl.to_json(),
             "ttft_histogram": self.ttft.to_json(),
+            "remote_hit_tokens": self.remote_hit_tokens,
+            "remote_misses": self.remote_misses,
         }
 
     @classmethod
@@ -149,6 +157,8 @@ class SeriesPoint:
             tokens_generated=integer_or(data, "tokens_generated"),
             itl=_histogram(data, "itl_histogram"),
             ttft=_histogram(data, "ttft_histogram"),
+            remote_hit_tokens=integer_or(data, "remote_hit_tokens"),
+            remote_misses=integer_or(data, "remote_misses"),
         )
 
 
@@ -190,12 +200,21 @@ class TimeSeries:
         )
 
 
+@dataclass(frozen=True)
+class _Remote:
+    """The remote tier's cumulative counters at a window's edge."""
+
+    hit_tokens: int
+    misses: int
+
+
 class _Window:
     """The window being filled: totals at its start, sums since."""
 
-    def __init__(self, start_s: float, start_bytes: Mapping[str, int]):
+    def __init__(self, start_s: float, start_bytes: Mapping[str, int], start_remote: _Remote):
         self.start_s = start_s
         self.start_bytes = dict(start_bytes)
+        self.start_remote = start_remote
         self.num_steps = 0
         self.step_s = self.swap_wait_s = 0.0
         self.usage_sum = dict.fromkeys(TIERS, 0.0)
@@ -239,6 +258,8 @@ class _Window:
             tokens_generated=last.tokens_generated,
             itl=self.itl.merged(),  # a copy: the open window keeps filling its own
             ttft=self.ttft.merged(),
+            remote_hit_tokens=last.remote_hit_tokens - self.start_remote.hit_tokens,
+            remote_misses=last.remote_misses - self.start_remote.misses,
         )
 
 
@@ -255,6 +276,7 @@ class TimeSeriesRecorder(StepObserver):
         self._open: _Window | None = None
         self._end_s = 0.0
         self._end_bytes: dict[str, int] = dict.fromkeys(DIRECTIONS, 0)
+        self._end_remote = _Remote(0, 0)
         self.itl = LogHistogram()
         self.ttft = LogHistogram()
         self.tail = TailRecorder()  # per-step facts the windows average away
@@ -262,7 +284,7 @@ class TimeSeriesRecorder(StepObserver):
     def on_step(self, sample: StepSample) -> None:
         self.tail.on_step(sample)
         if self._open is None:
-            self._open = _Window(self._end_s, self._end_bytes)
+            self._open = _Window(self._end_s, self._end_bytes, self._end_remote)
         window = self._open
         window.add(sample)
         self.itl.add_all(sample.token_latencies_s)
@@ -272,6 +294,7 @@ class TimeSeriesRecorder(StepObserver):
             self._open = None
             self._end_s = sample.t_s
             self._end_bytes = dict(sample.bytes_by_direction)
+            self._end_remote = _Remote(sample.remote_hit_tokens, sample.remote_misses)
             if len(self._points) >= 2 * self.max_points:
                 self._compact()
 

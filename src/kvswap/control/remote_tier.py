@@ -1,0 +1,180 @@
+"""The remote tier in the control plane: prefix lookups, and the write-behind.
+
+Reads. When a prompt's prefix misses on every local tier, the keys of its next
+full blocks (at most `max_lookup_blocks`, never the block holding the last
+prompt token) are asked of the `RemoteIndex` in ONE call (one pipelined round
+trip). The blocks it holds join the sequence with a ready remote copy; swap-in
+brings them up as it brings NVMe blocks (remote -> CPU on HIGH, then CPU ->
+GPU). A fetch that fails makes the block lost, and its owner recomputes it.
+
+Writes never sit on the decode path. They read a ready CPU copy, on the LOW
+queue in swap-out chunks, and hold that CPU slot until the result is polled:
+
+    on_finish   finish(seq)  -> its full blocks: a ready CPU copy   -> queued
+                                                  a CPU copy coming  -> queued on arrival
+    on_demote   the Demoter writes each block it takes from the pinned pool
+    end_step    flush(): queued blocks -> CPU_TO_REMOTE chunks, at most
+                `max_inflight_write_chunks` chunks in flight
+    completion  written: the block has a ready remote copy (a CPU drop loses nothing)
+                failed or skipped by the store: no remote copy
+
+A block with a remote copy (ready, or being written) is never written again.
+While `RemoteIndex.available` is False nothing is looked up or written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.mover import Mover
+from kvswap.control.remote import RemoteIndex
+from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
+from kvswap.control.store import BlockStore
+from kvswap.control.transfer import Direction, Priority, Tier
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        store: BlockStore,
+        mover: Mover,
+        metrics: KVMetrics,
+        settings: RemoteSettings,
+        index: RemoteIndex,
+    ):
+        self.store = store
+        self.mover = mover
+        self.metrics = metrics
+        self.settings = settings
+        self.index = index
+        # Blocks to write, oldest first; each had a ready CPU copy when queued (checked
+        # again at flush: nothing is reserved while queued, so a CPU drop may win).
+        self._queue: dict[int, Block] = {}
+        # Blocks to queue once their CPU copy lands (the finish offload gives them one).
+        self._on_cpu_arrival: set[int] = set()
+
+    # ------------------------------------------------------------------- reads
+
+    def extend_prefix(self, seq_id: int, prompt_ids: Sequence[int]) -> list[Block]:
+        """After the local prefix hits of a sequence just opened: the blocks the store
+        holds next, attached to it (empty when it holds none or is down)."""
+        if not self.index.available or self.store.tiers[Tier.CPU].num_slots == 0:
+            return []  # a fetch lands in a CPU slot: without a pinned pool, no reads
+        candidates = self.store.next_prompt_blocks(
+            seq_id, prompt_ids, self.settings.max_lookup_blocks
+        )
+        if not candidates:
+            return []
+        num_found = self.index.lookup([key for key, _ in candidates])
+        num_found = max(0, min(int(num_found), len(candidates)))
+        self.metrics.remote_lookups += 1
+        self.metrics.remote_lookup_blocks += len(candidates)
+        self.metrics.remote_found_blocks += num_found
+        if num_found == 0:
+            self.metrics.remote_lookup_misses += 1
+            return []
+        return self.store.attach_remote_blocks(seq_id, candidates[:num_found])
+
+    # ------------------------------------------------------------------ writes
+
+    @property
+    def demotes(self) -> bool:
+        """Whether the Demoter writes what leaves the pinned pool (on_demote, store up)."""
+        return self.settings.write_policy is RemoteWritePolicy.ON_DEMOTE and self.index.available
+
+    def finished(self, blocks: Iterable[Block]) -> None:
+        """A sequence finished with these blocks (its table, before it closed): under
+        on_finish, write its full ones once they have a CPU copy."""
+        if self.settings.write_policy is not RemoteWritePolicy.ON_FINISH:
+            return
+        for block in blocks:
+            if not self._due(block):
+                continue
+            cpu = block.copies.get(Tier.CPU)
+            if cpu is not None and cpu.ready and not cpu.stale:
+                self._queue[block.block_id] = block
+            elif cpu is None or not cpu.stale:
+                # On its way to the CPU (the finish offload), or there later when it is
+                # evicted (a block another sequence still runs with): written then.
+                self._on_cpu_arrival.add(block.block_id)
+        self._forget_gone()
+
+    def arrived(self, block: Block, tier: Tier) -> None:
+        """A copy of `block` became ready on `tier` (called by the mover)."""
+        if tier is Tier.CPU and block.block_id in self._on_cpu_arrival:
+            self._on_cpu_arrival.discard(block.block_id)
+            if self._due(block):
+                self._queue[block.block_id] = block
+                self._forget_gone()
+
+    def flush(self) -> None:
+        """Submit queued writes (LOW queue) within the in-flight bound; the rest wait."""
+        if not self._queue:
+            return
+        if not self.index.available:
+            self.metrics.remote_writes_skipped += len(self._queue)
+            self._queue.clear()
+            return
+        pairs: list[tuple[Block, Copy]] = []
+        room_blocks = self.write_room_blocks()
+        while self._queue and len(pairs) < room_blocks:
+            block_id = next(iter(self._queue))
+            block = self._queue.pop(block_id)
+            if not self._due(block):
+                continue  # written meanwhile, or gone: nothing to do
+            pair = self.plan_write(block)
+            if pair is None:
+                self.metrics.remote_writes_skipped += 1  # its CPU copy went first
+                continue
+            pairs.append(pair)
+        self.submit_writes(pairs, evict=False)
+
+    def write_room_blocks(self) -> int:
+        """Blocks that may still be sent now: the in-flight bound less what is in flight."""
+        inflight = self.mover.num_inflight_by_direction[Direction.CPU_TO_REMOTE]
+        room_chunks = max(0, self.settings.max_inflight_write_chunks - inflight)
+        return room_chunks * self.mover.chunk_blocks(Direction.CPU_TO_REMOTE, Priority.LOW)
+
+    def plan_write(self, block: Block) -> tuple[Block, Copy] | None:
+        """Reserve `block`'s ready CPU copy and give it a remote copy being written;
+        None when it has no ready CPU copy or is already in (or going to) the store."""
+        cpu = block.ready_copy(Tier.CPU)
+        if cpu is None or not self._due(block):
+            return None
+        remote = self.store.place(block, Tier.REMOTE, ready=False)
+        assert remote is not None, "a remote copy takes no slot"
+        return self.mover.reserve(block, Tier.CPU, remote)
+
+    def submit_writes(self, pairs: Sequence[tuple[Block, Copy]], *, evict: bool) -> None:
+        """Send planned writes; `evict`: free each CPU copy once its write succeeded."""
+        self.mover.submit(Direction.CPU_TO_REMOTE, Priority.LOW, pairs, evict=evict)
+
+    @property
+    def num_queued_blocks(self) -> int:
+        return len(self._queue)
+
+    # ---------------------------------------------------------------- internal
+
+    def _due(self, block: Block) -> bool:
+        """Whether `block` is one to write: alive, full, and not known to the store."""
+        return (
+            block.block_id in self.store.blocks
+            and block.key is not None
+            and not block.lost
+            and Tier.REMOTE not in block.copies
+        )
+
+    def _forget_gone(self) -> None:
+        """Keep the bookkeeping bounded while the store is slow or copies go first: a
+        queued block is worth keeping only with a ready CPU copy (so at most the pinned
+        pool's slots of them), a waiting id only while its block lives (ids are never
+        reused). Each purge is O(entries) and at least halves them, so O(1) amortised."""
+        if len(self._queue) > 2 * self.store.tiers[Tier.CPU].num_slots + 64:
+            for block_id, block in list(self._queue.items()):
+                if not self._due(block) or block.ready_copy(Tier.CPU) is None:
+                    del self._queue[block_id]
+                    self.metrics.remote_writes_skipped += int(self._due(block))
+        if len(self._on_cpu_arrival) > 2 * len(self.store.blocks) + 64:
+            self._on_cpu_arrival &= self.store.blocks.keys()
