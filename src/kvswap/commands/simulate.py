@@ -1,10 +1,19 @@
-"""`kvswap simulate`: the engine's control plane on a hardware model and a virtual clock."""
+"""`kvswap simulate`: the engine's control plane on a hardware model and a virtual clock.
+
+One engine by default (the output of `kvswap run --json` plus the simulator's
+keys). With `--engines N` the workload's sessions are split over N engines
+(`--route`), interleaved on their clocks; `--shared-remote-gib X` (or
+`tiers.remote_url` in the config: then the store is unbounded) gives them one
+modelled shared store, and `--compare-remote` runs the same engines without it
+too and prints the ratios: what a shared tier saves for N engines.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
@@ -22,18 +31,25 @@ from kvswap.commands.run import (
 )
 from kvswap.config import KvSwapConfig
 from kvswap.errors import KvSwapError
+from kvswap.obs.progress import ProgressBar
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 from kvswap.sim.hardware import (
     HARDWARE_NAMES,
     HardwareProfile,
     describe_hardware,
+    describe_remote_link,
     hardware_from_bench,
     hardware_preset,
+    with_remote_link,
 )
 from kvswap.sim.hit_rate import DEFAULT_CAPACITIES_TOKENS, hit_rate_curve, parse_capacities_tokens
+from kvswap.sim.multi import MAX_ENGINES, compare_remote, simulate_engines
+from kvswap.sim.multi_render import render_engines, render_store
+from kvswap.sim.remote_store import SharedRemoteStore
+from kvswap.sim.routing import ROUTE_NAMES, Route, parse_route
 from kvswap.sim.simulator import SimOptions, Simulator
 from kvswap.sim.trace import load_trace_workload
-from kvswap.units import format_bytes
+from kvswap.units import GIB, format_bytes, gib_to_bytes
 from kvswap.workload.mooncake import read_trace_rows
 from kvswap.workload.request import Workload
 
@@ -73,8 +89,41 @@ def register(commands: Any) -> None:
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress or live panel")
+    add_engine_arguments(parser)
     add_monitoring_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("several engines and a shared remote store")
+    group.add_argument(
+        "--engines", type=int, default=1, metavar="N",
+        help="split the workload's sessions over N simulated engines, each with its own "
+        f"control plane, copy engine and clock (default 1; at most {MAX_ENGINES})",
+    )  # fmt: skip
+    group.add_argument(
+        "--route", default=None, metavar="NAME",
+        help=f"{' or '.join(ROUTE_NAMES)} (default round-robin): a session's engine; hash: "
+        "of its first KV block's tokens, so equal first blocks meet on one engine",
+    )  # fmt: skip
+    group.add_argument(
+        "--shared-remote-gib", type=float, default=None, metavar="GIB",
+        help="model one remote store of GIB GiB (LRU eviction, tiers.remote_ttl_s) shared by "
+        "every engine; without it, tiers.remote_url models an unbounded one (the simulator "
+        "never connects)",
+    )  # fmt: skip
+    group.add_argument(
+        "--compare-remote", action="store_true",
+        help="also run the same engines without the shared store; print both and the ratios",
+    )  # fmt: skip
+    group.add_argument(
+        "--remote-gb-per-s", type=float, default=None, metavar="X",
+        help="the remote link's bandwidth per direction (default 2.5, a 25 GbE-class NIC)",
+    )  # fmt: skip
+    group.add_argument(
+        "--remote-rtt-ms", type=float, default=None, metavar="MS",
+        help="the remote link's round trip per chunk and per lookup (default 0.2)",
+    )  # fmt: skip
 
 
 def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +179,64 @@ def sim_workload(args: argparse.Namespace) -> Workload:
     return workload_from_args(args, vocab_size=32_000)
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """How many engines, how they are routed, and the shared store (if any)."""
+
+    num_engines: int
+    route: Route
+    store_capacity_bytes: int | None  # None: unbounded
+    has_store: bool
+    compare: bool
+
+    @property
+    def is_single(self) -> bool:
+        """Today's one-engine run (with or without a store): the full summary."""
+        return self.num_engines == 1 and not self.compare
+
+    def new_store(self, config: KvSwapConfig) -> SharedRemoteStore | None:
+        if not self.has_store:
+            return None
+        return SharedRemoteStore(self.store_capacity_bytes, ttl_s=config.tiers.remote_ttl_s)
+
+
+def fleet_from_args(args: argparse.Namespace, config: KvSwapConfig, block_bytes: int) -> Fleet:
+    """The engine flags, checked (one line per mistake)."""
+    num_engines = args.engines
+    if not 1 <= num_engines <= MAX_ENGINES:
+        raise KvSwapError(f"--engines {num_engines}: allowed: 1..{MAX_ENGINES}")
+    if args.route is not None and num_engines == 1:
+        raise KvSwapError("--route chooses among engines: give --engines N (N >= 2) with it")
+    route = parse_route(args.route) if args.route is not None else Route.ROUND_ROBIN
+    capacity_bytes = None
+    if args.shared_remote_gib is not None:
+        capacity_bytes = gib_to_bytes(args.shared_remote_gib, "--shared-remote-gib")
+        if capacity_bytes < block_bytes:
+            raise KvSwapError(
+                f"--shared-remote-gib {args.shared_remote_gib} holds no KV block of "
+                f"{format_bytes(block_bytes)}; allowed: at least {block_bytes / GIB:.6g} GiB"
+            )
+    has_store = capacity_bytes is not None or config.tiers.remote_url is not None
+    for flag, value in (("--remote-gb-per-s", args.remote_gb_per_s),
+                        ("--remote-rtt-ms", args.remote_rtt_ms),
+                        ("--compare-remote", args.compare_remote or None)):  # fmt: skip
+        if value is not None and not has_store:
+            raise KvSwapError(
+                f"{flag} is about the shared remote store: give --shared-remote-gib GIB "
+                "(or tiers.remote_url) with it"
+            )
+    fleet = Fleet(num_engines, route, capacity_bytes, has_store, bool(args.compare_remote))
+    if not fleet.is_single:
+        for flag, given in (("--report", args.report), ("--timeseries", args.timeseries),
+                            ("--metrics-port", args.metrics_port)):  # fmt: skip
+            if given is not None:
+                raise KvSwapError(
+                    f"{flag} follows one engine's control plane: drop it, or run one engine "
+                    "without --compare-remote"
+                )
+    return fleet
+
+
 def run(args: argparse.Namespace) -> int:
     if args.hit_rate_curve:
         return _hit_rate_curve(args)
@@ -137,7 +244,18 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.timeseries, "--timeseries")
     check_workload_arguments(args)
     config, hardware = simulation_from_args(args)
-    simulator = Simulator(config, hardware, options=SimOptions(pinned_host=not args.pageable))
+    if args.remote_gb_per_s is not None or args.remote_rtt_ms is not None:
+        hardware = with_remote_link(
+            hardware, gb_per_s=args.remote_gb_per_s, rtt_ms=args.remote_rtt_ms
+        )
+    options = SimOptions(pinned_host=not args.pageable)
+    simulator = Simulator(config, hardware, options=options)
+    fleet = fleet_from_args(args, config, simulator.setup.block_bytes)
+    if not fleet.is_single:
+        return _run_engines(args, config, hardware, fleet, sim_workload(args))
+    store = fleet.new_store(config)
+    if store is not None:
+        simulator = Simulator(config, hardware, options=options, remote_store=store)
     workload = sim_workload(args)
     if not args.json and not args.quiet:
         print(describe(simulator, workload))
@@ -149,7 +267,10 @@ def run(args: argparse.Namespace) -> int:
         link_gb_per_s=min(hardware.h2d_gb_per_s, hardware.d2h_gb_per_s),
     ) as monitoring:  # fmt: skip
         result = simulator.run(workload, monitoring.progress, monitoring.observers)
-        summary = monitoring.finish(result.to_json())
+        summary = result.to_json()
+        if store is not None:
+            summary |= {"shared_remote_store": store.to_json(), **remote_link_json(hardware)}
+        summary = monitoring.finish(summary)
         failures = [monitoring.report_error]
         if args.timeseries is not None:
             text = json.dumps(monitoring.recorder.series().to_json()) + "\n"
@@ -162,6 +283,60 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2) if args.json else render_simulation(summary))
     raise_first(failures)
     return 0
+
+
+def _run_engines(
+    args: argparse.Namespace,
+    config: KvSwapConfig,
+    hardware: HardwareProfile,
+    fleet: Fleet,
+    workload: Workload,
+) -> int:
+    """N engines (with the shared store when there is one; with --compare-remote, again
+    without it): per-engine and combined summaries, and the ratios."""
+    options = SimOptions(pinned_host=not args.pageable)
+    talk = not (args.json or args.quiet)
+    if talk:
+        print(describe(Simulator(config, hardware, options=options), workload))
+        print(describe_fleet(fleet, hardware))
+    passes = [fleet.new_store(config)] + ([None] if fleet.compare else [])
+    results = []
+    for store in passes:
+        label = (
+            "requests"
+            if not fleet.compare
+            else "requests, " + ("no store" if store is None else "shared store")
+        )
+        with ProgressBar(label, enabled=talk) as bar:
+            run = simulate_engines(
+                config, hardware, workload, num_engines=fleet.num_engines, route=fleet.route,
+                store=store, options=options, progress=bar.update,
+            )  # fmt: skip
+            results.append(run)
+    out: dict[str, object] = {"hardware": hardware.name, "workload": workload.name,
+                              "requests": len(workload), **results[0].to_json()}  # fmt: skip
+    if fleet.has_store:
+        out |= remote_link_json(hardware)
+    if fleet.compare:
+        without = results[1].combined()
+        out["without_remote"] = without
+        out["remote_vs_without"] = compare_remote(results[0].combined(), without)
+    print(json.dumps(out, indent=2) if args.json else render_engines(out))
+    return 0
+
+
+def remote_link_json(hardware: HardwareProfile) -> dict[str, object]:
+    """The modelled remote link, as the summaries name it."""
+    return {"remote_link": {"gb_per_s": hardware.remote_gb_per_s, "rtt_ms": hardware.remote_rtt_ms}}
+
+
+def describe_fleet(fleet: Fleet, hardware: HardwareProfile) -> str:
+    engines = f"{fleet.num_engines} engine(s), {fleet.route.value} by session"
+    if not fleet.has_store:
+        return f"{engines}; no shared remote store"
+    capacity = fleet.store_capacity_bytes
+    size = "unbounded" if capacity is None else format_bytes(capacity)
+    return f"{engines}; shared remote store {size}, {describe_remote_link(hardware)}"
 
 
 def raise_first(failures: list[KvSwapError | None]) -> None:
@@ -193,7 +368,10 @@ def render_simulation(summary: dict[str, Any]) -> str:
         ("re-swaps (ping-pong)", str(summary["re_swaps"])),
         ("simulated s / wall s", f"{summary['simulated_s_per_wall_s']:.1f}"),
     ]
-    return render(summary) + "\n" + "\n".join(f"{label:<20}  {value}" for label, value in extra)
+    text = render(summary) + "\n" + "\n".join(f"{label:<20}  {value}" for label, value in extra)
+    if "shared_remote_store" in summary:
+        text += "\n" + render_store(summary["shared_remote_store"])
+    return text
 
 
 def _hit_rate_curve(args: argparse.Namespace) -> int:

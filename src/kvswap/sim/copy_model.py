@@ -5,6 +5,8 @@
     CPU_TO_GPU  --> "cpu_to_gpu" link             CPU_TO_GPU --+--> "pcie" link
     CPU_TO_NVME --> "nvme" link (one drive: reads and writes queue together)
     NVME_TO_CPU --> "nvme" link
+    CPU_TO_REMOTE --> "cpu_to_remote" link  } with a shared remote store only: the
+    REMOTE_TO_CPU --> "remote_to_cpu" link  } NIC is full duplex, one link per direction
 
 Each link has the two priority queues of the real engine (see `link.py`). On
 one shared engine a swap-in (HIGH) that arrives while a swap-out chunk (LOW)
@@ -12,7 +14,12 @@ is on the link waits for that whole chunk, however big: the seed article's first
 pitfall. With an engine per direction it never waits for a swap-out.
 A chunk's time on its link is overhead + bytes / bandwidth, where pageable
 host memory lowers the GPU legs' bandwidth and stretches each chunk by a
-seeded exponential jitter. Times are on the simulator's `VirtualClock`:
+seeded exponential jitter. A remote chunk takes rtt + bytes / bandwidth of
+the profile's remote link; when it ends, the store decides: a read of a key
+the store no longer holds (evicted, expired, never written) and a write the
+store cannot hold report those destination slots failed, the chunk itself a
+success (it ran; the other keys are good), so the control plane drops only
+those copies and recomputes them. Times are on the simulator's `VirtualClock`:
 
 - `poll()` reports the chunks whose end time is <= now;
 - `wait(transfer_id)` jumps the clock to that chunk's end, which is how a
@@ -26,6 +33,7 @@ import random
 from collections.abc import Callable
 
 from kvswap.control.transfer import (
+    REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,
     TransferChunk,
@@ -34,6 +42,7 @@ from kvswap.control.transfer import (
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.link import Link, LinkJob
+from kvswap.sim.remote_store import RemoteStoreView
 
 GB = 1e9
 _GPU_LEGS = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
@@ -49,12 +58,17 @@ class ModelledCopyEngine(CopyEngine):
         prefetch_streams: int = 2,
         seed: int = 0,
         on_submit: Callable[[TransferChunk], None] | None = None,
+        remote: RemoteStoreView | None = None,
+        remote_streams: int = 1,
     ):
         if prefetch_streams < 1:
             raise ValueError(f"prefetch_streams must be >= 1, got {prefetch_streams}")
+        if remote_streams < 1:
+            raise ValueError(f"remote_streams must be >= 1, got {remote_streams}")
         self.hardware = hardware
         self.clock = clock
         self.pinned_host = pinned_host
+        self.remote = remote
         self._rng = random.Random(f"kvswap-sim-copy:{seed}")
         self._on_submit = on_submit
         yields = hardware.low_yields_per_block
@@ -71,6 +85,14 @@ class ModelledCopyEngine(CopyEngine):
             Direction.CPU_TO_NVME: nvme,
             Direction.NVME_TO_CPU: nvme,
         }
+        self._remote_write: Link | None = None
+        if remote is not None:
+            # Requests pipelined on the connection overlap their round trips with the
+            # previous chunk's data, as a second copy stream overlaps its launch.
+            self._remote_write = Link("cpu_to_remote", high_streams=remote_streams)
+            self.links[Direction.CPU_TO_REMOTE] = self._remote_write
+            self.links[Direction.REMOTE_TO_CPU] = Link("remote_to_cpu", high_streams=remote_streams)
+            remote.attach(self.settle_remote_writes)
         self._all_links = list({id(link): link for link in self.links.values()}.values())
         self._jobs: dict[int, tuple[Link, LinkJob]] = {}
         self._done: dict[int, TransferResult] = {}
@@ -87,6 +109,11 @@ class ModelledCopyEngine(CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         if chunk.transfer_id in self._jobs or chunk.transfer_id in self._done:
             raise ValueError(f"transfer {chunk.transfer_id}: id already in use")
+        if chunk.direction in REMOTE_DIRECTIONS and self.remote is None:
+            raise ValueError(
+                f"transfer {chunk.transfer_id}: {chunk.direction.value} but no remote store "
+                "is modelled"
+            )
         if self._on_submit is not None:
             self._on_submit(chunk)
         link = self.links[chunk.direction]
@@ -137,6 +164,8 @@ class ModelledCopyEngine(CopyEngine):
             return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gb_per_s * GB)
         if direction is Direction.NVME_TO_CPU:
             return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gb_per_s * GB)
+        if direction in REMOTE_DIRECTIONS:
+            return hw.remote_rtt_ms / 1e3, num_bytes / (hw.remote_gb_per_s * GB)
         gb_per_s = hw.d2h_gb_per_s if direction is Direction.GPU_TO_CPU else hw.h2d_gb_per_s
         if not self.pinned_host:
             gb_per_s *= hw.pageable_bandwidth_fraction
@@ -144,6 +173,16 @@ class ModelledCopyEngine(CopyEngine):
 
     def _jittered(self, direction: Direction) -> bool:
         return direction in _GPU_LEGS and not self.pinned_host and self.hardware.pageable_jitter > 0
+
+    def settle_remote_writes(self, t_s: float) -> None:
+        """Record in the store every write that ended by `t_s` (never past this
+        engine's clock: what it submits later cannot change those). Called by the
+        store before another engine looks up or reads."""
+        link = self._remote_write
+        if link is None:
+            return
+        link.advance(min(t_s, self.clock.now_s))
+        self._collect_link(link)
 
     def busy_s_by_link(self) -> dict[str, float]:
         """Seconds each link spent moving data (or paying overhead) so far."""
@@ -156,15 +195,36 @@ class ModelledCopyEngine(CopyEngine):
         return self._all_links
 
     def _collect(self) -> None:
+        # The remote write link comes before the read link: a read that a store
+        # settles first records this engine's finished writes (`_collect_link` of
+        # the write link only, never of the link being collected).
         for link in self._distinct_links():
-            for job in link.finished:
-                assert job.start_s is not None and job.end_s is not None
-                chunk = job.chunk
-                if job.blocked_high_s > 0:
-                    self.high_blocked_by_low_s.append(job.blocked_high_s)
-                    self.high_blocked_by_low_s_by_link[link.name].append(job.blocked_high_s)
-                del self._jobs[chunk.transfer_id]
-                self._done[chunk.transfer_id] = TransferResult(
-                    chunk.transfer_id, True, chunk.num_bytes, job.start_s, job.end_s
-                )
-            link.finished.clear()
+            self._collect_link(link)
+
+    def _collect_link(self, link: Link) -> None:
+        finished, link.finished = link.finished, []
+        for job in finished:
+            assert job.start_s is not None and job.end_s is not None
+            chunk = job.chunk
+            if job.blocked_high_s > 0:
+                self.high_blocked_by_low_s.append(job.blocked_high_s)
+                self.high_blocked_by_low_s_by_link[link.name].append(job.blocked_high_s)
+            del self._jobs[chunk.transfer_id]
+            failed = self._remote_outcome(chunk, job.end_s)
+            self._done[chunk.transfer_id] = TransferResult(
+                chunk.transfer_id, True, chunk.num_bytes, job.start_s, job.end_s,
+                error=f"the store failed {len(failed)} of {chunk.num_blocks} keys" if failed
+                else None,
+                failed_dst_slots=failed,
+            )  # fmt: skip
+
+    def _remote_outcome(self, chunk: TransferChunk, end_s: float) -> tuple[int, ...]:
+        """The destination slots of a remote chunk the store failed (none for others)."""
+        remote = self.remote
+        if remote is None or chunk.direction not in REMOTE_DIRECTIONS:
+            return ()
+        if chunk.direction is Direction.REMOTE_TO_CPU:
+            positions = remote.read(chunk.keys, end_s)
+        else:
+            positions = remote.write(chunk.keys, chunk.num_bytes // chunk.num_blocks, end_s)
+        return tuple(chunk.dst_slots[index] for index in positions)

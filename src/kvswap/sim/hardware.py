@@ -38,11 +38,24 @@ Sources and assumptions (GB/s = 1e9 bytes/s):
                                              shares one memory bus
 
   Turning the option off (or on) changes nothing else in a profile.
+- The remote link (a shared store such as Redis, reached over the network;
+  every preset has the same one): ASSUMED, not measured, a 25 GbE-class NIC
+  per engine. 25 Gbit/s is 3.125 GB/s on the wire; Ethernet, IP and TCP
+  framing leave ~2.9 GB/s, and a store's protocol and copies some more, so
+  `remote_gb_per_s` = 2.5 per direction (the NIC is full duplex: one link per
+  direction, as the host<->device link with one copy engine per direction).
+  `remote_rtt_ms` = 0.2: a same-rack TCP round trip is some tens of
+  microseconds; the store's request handling and the client's system calls
+  bring one request to about a fifth of a millisecond. A chunk takes
+  rtt + bytes / bandwidth; a lookup costs one rtt. The store's own NIC and CPU
+  are not modelled (each engine gets its full link however many share the
+  store). `kvswap simulate --remote-gb-per-s / --remote-rtt-ms` replace them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +97,9 @@ class HardwareProfile:
     # swap-out chunk delays a swap-in. False: one engine per direction (full duplex).
     shared_copy_engine: bool = False
     low_yields_per_block: bool = False  # a LOW chunk yields to HIGH between blocks
+    # The link to a shared remote store, per direction (assumptions: see the module).
+    remote_gb_per_s: float = 2.5
+    remote_rtt_ms: float = 0.2  # per chunk and per lookup: one request's round trip
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -105,7 +121,7 @@ class HardwareProfile:
 
 _MAY_BE_ZERO = frozenset(
     {"gpu_reserve_bytes", "step_overhead_s", "transfer_overhead_s", "pageable_jitter",
-     "nvme_latency_s", "seq_overhead_s"}
+     "nvme_latency_s", "seq_overhead_s", "remote_rtt_ms"}
 )  # fmt: skip
 
 
@@ -205,6 +221,33 @@ def describe_hardware(profile: HardwareProfile) -> str:
         f"{profile.h2d_gb_per_s:g}/{profile.d2h_gb_per_s:g} GB/s (h2d/d2h), NVMe "
         f"{profile.nvme_read_gb_per_s:g}/{profile.nvme_write_gb_per_s:g} GB/s (read/write), "
         f"{copy_engines(profile)}"
+    )
+
+
+def describe_remote_link(profile: HardwareProfile) -> str:
+    """The modelled link to a shared remote store, in words."""
+    return (
+        f"remote link {profile.remote_gb_per_s:g} GB/s per direction, "
+        f"{profile.remote_rtt_ms:g} ms round trip (assumed)"
+    )
+
+
+def with_remote_link(
+    profile: HardwareProfile, *, gb_per_s: float | None = None, rtt_ms: float | None = None
+) -> HardwareProfile:
+    """`profile` with the remote link replaced where a value is given; a value that is
+    not a finite number (> 0 for the bandwidth, >= 0 for the round trip) is an error."""
+    checks = (("--remote-gb-per-s", gb_per_s, True), ("--remote-rtt-ms", rtt_ms, False))
+    for flag, value, positive in checks:
+        if value is None:
+            continue
+        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+            allowed = "a number > 0" if positive else "a number >= 0"
+            raise KvSwapError(f"{flag} {value}: allowed: {allowed}")
+    return dataclasses.replace(
+        profile,
+        remote_gb_per_s=profile.remote_gb_per_s if gb_per_s is None else gb_per_s,
+        remote_rtt_ms=profile.remote_rtt_ms if rtt_ms is None else rtt_ms,
     )
 
 

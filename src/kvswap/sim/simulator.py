@@ -12,10 +12,19 @@ on (sequence, position) only, so later turns of a conversation still extend
 their own history. Time is virtual: a step lasts what the cost model says, a
 wait for a transfer jumps to its modelled end, an idle gap jumps to the next
 arrival. Same seed, same run.
+
+With a `SharedRemoteStore` the engine also has a remote tier: its swapper asks
+the store through this engine's `RemoteStoreView` (a `RemoteIndex`), and its
+copy engine moves remote chunks on the profile's remote link. Several
+simulators can share one store (`kvswap.sim.multi`); each has its own clock,
+and `driver()` hands out the loop one step at a time so they can be
+interleaved. Without a store nothing of this exists and the summary is the
+same as before the remote tier was modelled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,11 +32,12 @@ from dataclasses import dataclass
 from kvswap.config import KvSwapConfig
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend
-from kvswap.drive.loop import drive
+from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.model.description import ModelDescription
@@ -37,7 +47,9 @@ from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.cost import StepCostModel
 from kvswap.sim.hardware import HardwareProfile
+from kvswap.sim.remote_store import RemoteStoreView, SharedRemoteStore
 from kvswap.sim.setup import resolve_setup
+from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
 
 
@@ -47,6 +59,17 @@ class SimOptions:
     seed: int | None = None  # None: the config's [simulator] seed
     policy: PolicyOptions | None = None  # None: the engine's policy for the config
     ping_pong_window_steps: int = 64  # a swap-in this soon after the last one is a re-swap
+
+
+def store_settings(config: KvSwapConfig, model_fingerprint: str) -> RemoteSettings:
+    """The remote tier's settings for a modelled store the config names no URL for
+    (`--shared-remote-gib`): the config's write policy, in-flight bound and namespace."""
+    tiers = config.tiers
+    return RemoteSettings(
+        namespace=tiers.remote_namespace or model_fingerprint,
+        write_policy=RemoteWritePolicy(tiers.remote_write_policy),
+        max_inflight_write_chunks=tiers.remote_max_inflight_chunks,
+    )
 
 
 def placeholder_token(seq_id: int, position: int, vocab_size: int) -> int:
@@ -102,24 +125,42 @@ class Simulator(Backend):
         *,
         shape: ModelDescription | None = None,
         options: SimOptions | None = None,
+        remote_store: SharedRemoteStore | None = None,
+        request_ids: Sequence[int] | None = None,
     ):
+        """`remote_store`: the shared store this engine's remote tier uses (None: no
+        remote tier, whatever `tiers.remote_url` says). `request_ids`: the
+        workload-wide id of each of this engine's requests (its workload numbers
+        them 0..n-1); placeholder tokens follow them, so engines that split a
+        workload generate the tokens one engine would."""
         options = options if options is not None else SimOptions()
         self.config = config
         self.options = options
         self.setup = setup = resolve_setup(config, hardware, shape)
         self.clock = VirtualClock()
         self.tap = SwapInTap(options.ping_pong_window_steps)
+        self.remote: RemoteStoreView | None = None
+        if remote_store is not None:
+            self.remote = remote_store.view(self.clock, lookup_rtt_s=hardware.remote_rtt_ms / 1e3)
         self.copy_engine = ModelledCopyEngine(
             hardware, self.clock, pinned_host=options.pinned_host,
             prefetch_streams=config.swap.prefetch_stream_count,
             seed=config.simulator.seed if options.seed is None else options.seed,
-            on_submit=self.tap,
+            on_submit=self.tap, remote=self.remote,
+            remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
+        fingerprint = setup.shape.fingerprint(setup.dtype)
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
-            model_fingerprint=setup.shape.fingerprint(setup.dtype), policy=options.policy,
+            model_fingerprint=fingerprint, policy=options.policy,
         )  # fmt: skip
-        self.control = build_control_plane(settings, self.copy_engine, self.clock)
+        if self.remote is not None and settings.remote is None:
+            settings = dataclasses.replace(settings, remote=store_settings(config, fingerprint))
+        self.control = build_control_plane(
+            settings, self.copy_engine, self.clock, remote_index=self.remote
+        )
+        self._request_ids = tuple(request_ids) if request_ids is not None else None
+        self.tokens_computed = 0  # every token of every step's forward pass
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self._vocab_size = 0
         self._wall_start_s = time.perf_counter()
@@ -134,8 +175,24 @@ class Simulator(Backend):
     ) -> RunSummary:
         """Serve every request of `workload` in virtual time; returns the summary
         (the keys of `kvswap run --json` plus the simulator's own)."""
-        self._vocab_size = workload.vocab_size
+        self._start_workload(workload)
         return drive(self.control, self, workload, progress=progress, observers=observers)
+
+    def driver(self, workload: Workload, progress: RequestProgress | None = None) -> Driver:
+        """The loop over `workload`, one `step()` at a time (`run` runs it to the end);
+        `summary()` once `step()` returned False."""
+        self._start_workload(workload)
+        return Driver(
+            self.control, self, ArrivalQueue(workload), num_requests=lambda: len(workload),
+            progress=progress,
+        )  # fmt: skip
+
+    def _start_workload(self, workload: Workload) -> None:
+        if self._request_ids is not None and len(self._request_ids) != len(workload):
+            raise ValueError(
+                f"{len(self._request_ids)} request ids for a workload of {len(workload)}"
+            )
+        self._vocab_size = workload.vocab_size
 
     # ------------------------------------------------------------------ Backend
 
@@ -150,9 +207,13 @@ class Simulator(Backend):
 
     def execute(self, plan: StepPlan) -> Mapping[int, int]:
         self.clock.advance(self.cost.step_s(plan.seqs))
+        self.tokens_computed += sum(len(item.token_ids) for item in plan.seqs)
+        ids = self._request_ids
         return {
             item.seq_id: placeholder_token(
-                item.seq_id, item.start_position + len(item.token_ids), self._vocab_size
+                item.seq_id if ids is None else ids[item.seq_id],
+                item.start_position + len(item.token_ids),
+                self._vocab_size,
             )
             for item in plan.seqs
             if item.samples
@@ -169,7 +230,7 @@ class Simulator(Backend):
         hits = self.swapper.metrics.prefix_hit_blocks_by_tier
         block_tokens = setup.config.cache.kv_block_tokens
         busy = self.copy_engine.busy_s_by_link()
-        return {
+        extras: dict[str, object] = {
             "device": "simulated",
             "hardware": setup.hardware.name,
             "model": setup.shape.name,
@@ -195,3 +256,14 @@ class Simulator(Backend):
             "wall_s": round(wall_s, 3),
             "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
         }
+        if self.remote is not None:
+            # The data plane's side of this engine's remote tier (the summary's `remote`
+            # object merges it with the control plane's figures).
+            counters = self.remote.counters
+            extras["remote"] = {
+                "already_present": counters.already_present,
+                "evictions": counters.evictions,
+                "evicted_bytes": counters.evicted_bytes,
+                "lookup_wait_us": round(counters.lookup_wait_s * 1e6),
+            }
+        return extras

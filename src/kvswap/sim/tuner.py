@@ -83,6 +83,11 @@ def with_swap(config: KvSwapConfig, **values: object) -> KvSwapConfig:
         raise ConfigError(f"{values}: {error}") from None
 
 
+#: The simulator's host<->device link names (one shared engine, or one per direction);
+#: the NVMe drive and the remote links are not what the tuner's knobs load.
+_HOST_DEVICE_LINKS = frozenset({"pcie", "gpu_to_cpu", "cpu_to_gpu"})
+
+
 def measure(
     config: KvSwapConfig, hardware: HardwareProfile, workload: Workload, options: SimOptions,
     knob: str, value: float,
@@ -90,7 +95,7 @@ def measure(
     summary = Simulator(config, hardware, options=options).run(workload).to_json()
     itl, links = summary["itl_ms"], summary["link_utilization"]
     assert isinstance(itl, dict) and isinstance(links, dict)
-    pcie = [float(share) for name, share in links.items() if name != "nvme"]
+    pcie = [float(share) for name, share in links.items() if name in _HOST_DEVICE_LINKS]
     return Trial(
         knob=knob,
         value=value,

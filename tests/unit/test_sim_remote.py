@@ -1,0 +1,306 @@
+"""The simulator's remote tier: the modelled link, the shared store, several engines.
+
+Link tests use 2 MB blocks on a 2.5 GB/s link with a 0.2 ms round trip, so one
+block's data takes exactly 0.8 ms and a chunk rtt + n x 0.8 ms of virtual time.
+The store tests count in 1-byte values so capacities read as numbers of keys.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvswap.config import load_config
+from kvswap.control.transfer import Direction, Priority, TransferChunk
+from kvswap.errors import KvSwapError
+from kvswap.sim.clock import VirtualClock
+from kvswap.sim.copy_model import ModelledCopyEngine
+from kvswap.sim.hardware import hardware_preset, with_remote_link
+from kvswap.sim.multi import VOLATILE_KEYS, simulate_engines
+from kvswap.sim.remote_store import SharedRemoteStore, StoreCounters
+from kvswap.sim.routing import Route, route_requests, split_workload
+from kvswap.sim.simulator import Simulator
+from kvswap.workload.request import FollowUp, Request, Workload
+from tests.unit.test_sim_cli import SMALL_FLAGS, call
+
+BLOCK_BYTES = 2_000_000
+RTT_S = 0.2e-3
+BLOCK_S = BLOCK_BYTES / 2.5e9  # 0.8 ms
+KEYS = tuple(bytes([i]) * 32 for i in range(8))
+
+
+def remote_engine(
+    store: SharedRemoteStore, clock: VirtualClock | None = None
+) -> ModelledCopyEngine:
+    clock = clock if clock is not None else VirtualClock()
+    view = store.view(clock, lookup_rtt_s=RTT_S)
+    return ModelledCopyEngine(hardware_preset("h200"), clock, remote=view)
+
+
+def remote_chunk(
+    tid: int, direction: Direction, keys: tuple[bytes, ...], priority: Priority = Priority.HIGH
+) -> TransferChunk:
+    slots = tuple(range(len(keys)))
+    return TransferChunk(tid, direction, priority, slots, slots, len(keys) * BLOCK_BYTES, keys)
+
+
+# ------------------------------------------------------------------ the link
+
+
+def test_a_remote_chunk_takes_a_round_trip_plus_its_bytes_over_the_link() -> None:
+    store = SharedRemoteStore()
+    copies = remote_engine(store)
+    copies.submit(remote_chunk(1, Direction.CPU_TO_REMOTE, KEYS[:4], Priority.LOW))
+    written = copies.wait(1)
+    assert written.end_s == pytest.approx(RTT_S + 4 * BLOCK_S) and written.success
+    copies.submit(remote_chunk(2, Direction.REMOTE_TO_CPU, KEYS[:2]))
+    read = copies.wait(2)
+    assert read.duration_s == pytest.approx(RTT_S + 2 * BLOCK_S)
+    assert read.failed_dst_slots == () and store.counters.read_hit_keys == 2
+
+
+def test_the_nic_is_full_duplex_and_high_goes_first_on_each_direction() -> None:
+    store = SharedRemoteStore()
+    store.write(KEYS, 1, 0.0, StoreCounters())
+    copies = remote_engine(store)
+    copies.submit(remote_chunk(1, Direction.CPU_TO_REMOTE, KEYS[:8], Priority.LOW))
+    copies.submit(remote_chunk(2, Direction.REMOTE_TO_CPU, KEYS[:1], Priority.LOW))
+    copies.submit(remote_chunk(3, Direction.REMOTE_TO_CPU, KEYS[1:2], Priority.LOW))
+    copies.submit(remote_chunk(4, Direction.REMOTE_TO_CPU, KEYS[2:3], Priority.HIGH))
+    results = {r.transfer_id: r for r in copies.wait_all()}
+    assert results[2].start_s == 0.0  # a read never waits for a write
+    one_read_s = RTT_S + BLOCK_S
+    assert results[4].start_s == pytest.approx(one_read_s)  # HIGH before the LOW queued first
+    assert results[3].start_s == pytest.approx(2 * one_read_s)
+    busy = copies.busy_s_by_link()
+    assert busy["cpu_to_remote"] == pytest.approx(RTT_S + 8 * BLOCK_S)
+
+
+def test_keys_the_store_does_not_hold_come_back_as_failed_destination_slots() -> None:
+    store = SharedRemoteStore()
+    store.write((KEYS[0], KEYS[2]), 1, 0.0, StoreCounters())
+    copies = remote_engine(store)
+    chunk = TransferChunk(
+        1, Direction.REMOTE_TO_CPU, Priority.HIGH, (0, 1, 2), (40, 41, 42), 3 * BLOCK_BYTES,
+        KEYS[:3],
+    )  # fmt: skip
+    copies.submit(chunk)
+    result = copies.wait(1)
+    assert result.success and result.failed_dst_slots == (41,)  # the chunk ran; one key is gone
+    assert store.counters.read_miss_keys == 1
+
+
+def test_without_a_store_there_is_no_remote_link() -> None:
+    copies = ModelledCopyEngine(hardware_preset("h200"), VirtualClock())
+    assert "cpu_to_remote" not in copies.busy_s_by_link()  # one engine's summary is unchanged
+    with pytest.raises(ValueError, match="no remote store"):
+        copies.submit(remote_chunk(1, Direction.REMOTE_TO_CPU, KEYS[:1]))
+
+
+def test_the_remote_link_flags_are_checked() -> None:
+    base = hardware_preset("h200")
+    assert (base.remote_gb_per_s, base.remote_rtt_ms) == (2.5, 0.2)  # the documented defaults
+    assert with_remote_link(base, rtt_ms=0.0).remote_rtt_ms == 0.0
+    for bad in ({"gb_per_s": 0.0}, {"gb_per_s": float("nan")}, {"rtt_ms": -1.0}):
+        with pytest.raises(KvSwapError, match="allowed"):
+            with_remote_link(base, **bad)
+
+
+# ----------------------------------------------------------------- the store
+
+
+def test_a_write_is_visible_when_it_ends_even_before_its_engine_polls() -> None:
+    store = SharedRemoteStore()
+    writer_clock, reader_clock = VirtualClock(), VirtualClock()
+    writer = remote_engine(store, writer_clock)
+    reader = store.view(reader_clock, lookup_rtt_s=RTT_S)
+    writer.submit(remote_chunk(1, Direction.CPU_TO_REMOTE, KEYS[:2], Priority.LOW))
+    end_s = RTT_S + 2 * BLOCK_S
+    writer_clock.advance(1.0)  # the writer ran on without polling
+    reader_clock.advance_to(end_s / 2)
+    assert reader.lookup(KEYS[:2]) == 0  # still on the wire
+    reader_clock.advance_to(end_s)
+    assert reader.lookup(KEYS[:3]) == 2  # the leading run; the third was never written
+    assert reader_clock.now_s == pytest.approx(end_s + RTT_S)  # a lookup is one round trip
+    assert reader.counters.lookup_hit_keys == 2 and reader.counters.lookup_miss_keys == 2 + 1
+
+
+def test_lru_eviction_at_capacity_and_lookups_do_not_touch() -> None:
+    store, tally = SharedRemoteStore(capacity_bytes=3), StoreCounters()
+    a, b, c, d, e = KEYS[:5]
+    store.write((a, b, c), 1, 0.0, tally)
+    assert store.read((a,), 1.0, tally) == []  # a GET: `a` is now the most recent
+    store.write((d,), 1, 2.0, tally)
+    assert b not in store and a in store  # b was the least recently used
+    assert store.lookup((c,), 3.0, tally) == 1  # EXISTS leaves the LRU order alone
+    store.write((e,), 1, 4.0, tally)
+    assert c not in store and a in store and d in store and e in store
+    assert store.counters.evictions == 2 and store.used_bytes == 3
+    assert store.write((KEYS[5],), 4, 5.0, tally) == [0]  # larger than the store
+    assert store.counters.write_failed_keys == 1
+
+
+def test_keys_expire_after_the_ttl_and_a_rewrite_starts_it_again() -> None:
+    store, tally = SharedRemoteStore(ttl_s=1.0), StoreCounters()
+    store.write(KEYS[:2], 1, 0.0, tally)
+    assert store.lookup(KEYS[:2], 0.5, tally) == 2
+    store.write(KEYS[1:2], 1, 0.8, tally)  # SET again: a new TTL
+    assert store.lookup(KEYS[:1], 1.0, tally) == 0 and store.counters.expirations == 1
+    assert store.lookup(KEYS[1:2], 1.7, tally) == 1
+    assert store.read(KEYS[1:2], 1.8, tally) == [0] and len(store) == 0
+    assert tally.already_present == 1
+
+
+# --------------------------------------------------------------- the routing
+
+
+def request(rid: int, t_s: float, prompt: tuple[int, ...], new: int = 4, **kw: object) -> Request:
+    return Request(rid, t_s, prompt, new, **kw)  # type: ignore[arg-type]
+
+
+def test_routing_keeps_a_conversation_on_one_engine_and_renumbers() -> None:
+    follow = FollowUp(previous_request_id=0, new_user_ids=(9, 9), think_time_s=0.1)
+    workload = Workload(
+        (
+            request(0, 0.0, (1,) * 20, session_id=0),
+            request(1, 0.1, (1,) * 16 + (2,) * 4, session_id=1),
+            request(2, 0.2, (3,) * 20, session_id=2),
+            Request(3, 0.2, (), 4, session_id=0, turn=1, follow_up=follow),
+        ),
+        "w", 100,
+    )  # fmt: skip
+    assert route_requests(workload, 2, Route.ROUND_ROBIN, 16) == (0, 1, 0, 0)
+    by_hash = route_requests(workload, 2, Route.HASH, 16)
+    assert by_hash[0] == by_hash[1] == by_hash[3]  # equal first blocks meet on one engine
+    first, second = split_workload(workload, 2, Route.ROUND_ROBIN, 16)
+    assert first.request_ids == (0, 2, 3) and second.request_ids == (1,)
+    follow_up = first.workload[2].follow_up
+    assert follow_up is not None and follow_up.previous_request_id == 0  # local ids
+
+
+# ------------------------------------------------------------ several engines
+
+SMALL = {
+    "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 120, "cpu_kv_capacity_blocks": 400,
+    "protected_sink_blocks": 2, "min_residency_steps": 8, "max_num_seqs": 8,
+}  # fmt: skip
+
+
+def shared_prompt_workload() -> Workload:
+    """Round robin: engine 0 serves a 256-token shared prompt, then keeps running a
+    long request (so its write-behind goes on); engine 1 sees the shared prompt
+    only at t = 1 s, long after engine 0 finished with it."""
+    rng = random.Random(7)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(32_000) for _ in range(n))
+
+    shared = tokens(256)
+    return Workload(
+        (
+            request(0, 0.0, shared + tokens(64), 8),  # engine 0
+            request(1, 0.001, tokens(40), 1),  # engine 1
+            request(2, 0.002, tokens(40), 150),  # engine 0, stepping until ~2 s
+            request(3, 1.0, shared + tokens(64), 8),  # engine 1: the shared prompt again
+        ),
+        "shared prompt", 32_000,
+    )  # fmt: skip
+
+
+def engines_run(num_engines: int, store: SharedRemoteStore | None) -> dict[str, object]:
+    config = load_config(None, overrides=SMALL)
+    result = simulate_engines(
+        config, hardware_preset("article-40gb"), shared_prompt_workload(),
+        num_engines=num_engines, store=store,
+    )  # fmt: skip
+    out = result.to_json()
+    for engine in out["per_engine"]:  # type: ignore[attr-defined]
+        for key in VOLATILE_KEYS:
+            engine.pop(key)
+    return out
+
+
+def test_a_second_engine_finds_the_shared_prompt_in_the_store() -> None:
+    with_store = engines_run(2, SharedRemoteStore(capacity_bytes=1 << 30))
+    without = engines_run(2, None)
+    second, second_alone = with_store["per_engine"][1], without["per_engine"][1]  # type: ignore[index]
+    assert second["prefix_hit_tokens"]["remote"] >= 256  # the whole shared prompt
+    assert second["prefill_tokens_computed"] < second_alone["prefill_tokens_computed"]
+    assert second_alone["prefix_hit_tokens"]["remote"] == 0
+    combined = with_store["combined"]
+    assert combined["prefill_tokens_computed"] < without["combined"]["prefill_tokens_computed"]  # type: ignore[index]
+    # The same tokens whatever the engines and the store: one workload, one digest.
+    assert combined["outputs_digest"] == without["combined"]["outputs_digest"]  # type: ignore[index]
+    assert combined["outputs_digest"] == engines_run(1, None)["combined"]["outputs_digest"]  # type: ignore[index]
+
+
+def test_several_engines_are_deterministic() -> None:
+    first = engines_run(2, SharedRemoteStore(capacity_bytes=64 * BLOCK_BYTES))
+    second = engines_run(2, SharedRemoteStore(capacity_bytes=64 * BLOCK_BYTES))
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_one_engine_without_a_store_is_the_plain_simulator() -> None:
+    config = load_config(None, overrides=SMALL)
+    hardware = hardware_preset("article-40gb")
+    plain = Simulator(config, hardware).run(shared_prompt_workload()).to_json()
+    engine = engines_run(1, None)["per_engine"][0]  # type: ignore[index]
+    for key in VOLATILE_KEYS:
+        plain.pop(key)
+    assert {k: v for k, v in engine.items() if k not in ("engine", "prefill_tokens_computed")} == (
+        plain
+    )
+    assert "cpu_to_remote" not in plain["link_utilization"]  # type: ignore[operator]
+
+
+# ----------------------------------------------------------------- the command
+
+
+def test_simulate_engines_compare_remote_prints_both_and_the_ratios(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", *SMALL_FLAGS, "--engines", "2", "--shared-remote-gib", "1",
+            "--compare-remote", "--json"]  # fmt: skip
+    assert call(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engines"] == 2 and len(out["per_engine"]) == 2
+    assert out["combined"]["requests_completed"] == 12
+    assert out["shared_remote_store"]["capacity_bytes"] == 1 << 30
+    ratios = out["remote_vs_without"]
+    assert set(ratios) == {"ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s",
+                           "prefill_tokens_computed"}  # fmt: skip
+    assert ratios["prefill_tokens_computed"]["ratio"] <= 1.0
+    assert call(["simulate", *SMALL_FLAGS, "--engines", "2", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "2 engines, round-robin" in text and "\nall " in text
+
+
+def test_simulate_engine_flag_mistakes_are_one_line_errors() -> None:
+    cases = [
+        (["--engines", "0"], "--engines 0: allowed: 1..256"),
+        (["--route", "hash"], "--route chooses among engines"),
+        (["--engines", "2", "--route", "random"], "allowed: round-robin, hash"),
+        (["--compare-remote"], "--compare-remote is about the shared remote store"),
+        (["--remote-rtt-ms", "1"], "--remote-rtt-ms is about the shared remote store"),
+        (["--shared-remote-gib", "1e-9"], "holds no KV block"),
+        (["--shared-remote-gib", "1", "--remote-gb-per-s", "-2"], "allowed: a number > 0"),
+        (["--engines", "2", "--timeseries", "x.json"], "--timeseries follows one engine"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(KvSwapError, match=message):
+            call(["simulate", *SMALL_FLAGS, "--quiet", *flags])
+
+
+def test_one_engine_with_a_store_keeps_the_full_summary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert call(["simulate", *SMALL_FLAGS, "--shared-remote-gib", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert "diagnosis" in summary and summary["shared_remote_store"]["written_keys"] > 0
+    assert {"cpu_to_remote", "remote_to_cpu"} <= set(summary["link_utilization"])
+    assert summary["remote"]["enabled"] and summary["remote_link"]["gb_per_s"] == 2.5
+    # A URL in the config models an unbounded store; the simulator never connects to it.
+    assert call(["simulate", *SMALL_FLAGS, "--remote-url", "redis://127.0.0.1:1/0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shared_remote_store"]["capacity_bytes"] is None
