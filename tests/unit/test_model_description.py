@@ -190,9 +190,9 @@ def test_the_same_model_from_any_source_has_one_fingerprint(tmp_path: Path) -> N
     tiny = preset_description("tiny")
     # The preset, the checkpoint config the tests save for it, and the engine's view.
     assert describe_hf_dict(TINY_HF_CONFIG, "elsewhere").fingerprint() == tiny.fingerprint()
-    assert resolve_model("tiny", None)[0].fingerprint() == tiny.fingerprint()
+    assert resolve_model("tiny", None)[0].description.fingerprint() == tiny.fingerprint()
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
-    assert resolve_model(str(tmp_path), None)[0].fingerprint() == tiny.fingerprint()
+    assert resolve_model(str(tmp_path), None)[0].description.fingerprint() == tiny.fingerprint()
     # Name, parameter estimate and decoder-only keys are not part of the identity.
     renamed = {**TINY_HF_CONFIG, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
     assert describe_hf_dict(renamed, "other-name").fingerprint() == tiny.fingerprint()

@@ -100,6 +100,14 @@ class Swapper:
             peak = self.metrics.peak_used_blocks_by_tier
             peak[tier] = max(peak[tier], slots.peak_used_slots)
 
+    def tend(self) -> None:
+        """Nothing runs (the driver is idle): take finished transfers and send the
+        write-behind they queued, so an idle server still writes its finished
+        prefixes to the remote store."""
+        self.mover.poll()
+        if self.remote is not None:
+            self.remote.flush()
+
     # ------------------------------------------------------------- sequences
 
     def open_sequence(

@@ -102,6 +102,7 @@ class Driver:
         self.arrivals.admit_due(scheduler, now_s)
         next_s = self.arrivals.next_arrival_s()
         if not scheduler.has_work():
+            swapper.tend()
             self.arrivals.idle(backend, now_s)
             self._report_progress()  # rejected requests finish without a step
             return True

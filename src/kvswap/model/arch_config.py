@@ -124,10 +124,6 @@ class ModelArchConfig:
     def with_dtype(self, dtype: str) -> ModelArchConfig:
         return dataclasses.replace(self, description=self.description.with_kv_dtype(dtype))
 
-    def fingerprint(self) -> str:
-        """The description's fingerprint in the dtype the model runs in."""
-        return self.description.fingerprint()
-
 
 def _positive_int(raw: Mapping[str, object], key: str, default: int | None = None) -> int:
     value = raw.get(key, default)
