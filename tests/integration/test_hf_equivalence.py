@@ -4,8 +4,9 @@ Random-weight Llama (GQA, explicit head_dim, llama3 RoPE scaling), Qwen2 (q/k/v
 bias, tied embeddings) and Mistral (linear RoPE scaling) models are saved with
 `save_pretrained` (one file and sharded), loaded by kvswap, and compared: the
 logits at every prompt position within fp32 tolerance, and 16 greedy tokens
-identical to `generate(do_sample=False)`. transformers is a test-only
-dependency; nothing is downloaded.
+identical to `generate(do_sample=False)`, in both of the model's modes (fast:
+whole-batch matmuls and batched attention; exact: fixed tiles). transformers is
+a test-only dependency; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -113,9 +114,13 @@ def _prompt() -> list[int]:
     return torch.randint(0, _COMMON["vocab_size"], (PROMPT_TOKENS,), generator=generator).tolist()
 
 
-def _load(directory: Path) -> LlamaForCausal:
-    model, config = load_model(str(directory), None, CPU)
+MODES = {"fast": False, "exact": True}  # mode name -> batch_invariant
+
+
+def _load(directory: Path, mode: str = "fast") -> LlamaForCausal:
+    model, config = load_model(str(directory), None, CPU, batch_invariant=MODES[mode])
     assert config.dtype_name == "fp32"
+    assert model.batch_invariant is MODES[mode]
     return model
 
 
@@ -125,9 +130,10 @@ def _hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
     return out.logits[0].float()  # [T, vocab]
 
 
-def test_every_prompt_position_matches_token_by_token(saved: Any) -> None:
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_prompt_position_matches_token_by_token(saved: Any, mode: str) -> None:
     hf_model, single, _ = saved
-    model = _load(single)
+    model = _load(single, mode)
     prompt = _prompt()
     expected = _hf_logits(hf_model, prompt)
     table = tuple(range(-(-PROMPT_TOKENS // BLOCK_TOKENS)))
@@ -138,9 +144,10 @@ def test_every_prompt_position_matches_token_by_token(saved: Any) -> None:
         torch.testing.assert_close(got, expected[position], atol=ATOL, rtol=0)
 
 
-def test_prefill_in_one_and_in_chunks_match(saved: Any) -> None:
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_prefill_in_one_and_in_chunks_match(saved: Any, mode: str) -> None:
     hf_model, single, _ = saved
-    model = _load(single)
+    model = _load(single, mode)
     prompt = _prompt()
     expected = _hf_logits(hf_model, prompt)[-1]
     table = tuple(range(-(-PROMPT_TOKENS // BLOCK_TOKENS)))
@@ -153,9 +160,39 @@ def test_prefill_in_one_and_in_chunks_match(saved: Any) -> None:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_hf_generate(saved: Any) -> None:
+def test_a_mixed_batch_matches_hf_for_every_sequence(saved: Any) -> None:
+    """Fast mode, three sequences sharing steps: a whole prefill, a chunk after an
+    earlier chunk, and decodes of different context lengths batched in one call."""
     hf_model, single, _ = saved
-    model = _load(single)
+    model = _load(single, "fast")
+    prompt = _prompt()
+    expected = _hf_logits(hf_model, prompt)  # [T, vocab]
+    tables = ((0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (19, 11, 15, 13, 17, 10, 12, 14, 16, 18))
+    tables = (*tables, tuple(range(20, 30)))
+    kv = model.allocate_kv(30, BLOCK_TOKENS).normal_(generator=torch.Generator().manual_seed(2))
+    # (sequence, first position, new tokens) per step; every sequence reads `prompt`.
+    steps = [
+        [(0, 0, 9), (1, 0, 5)],
+        [(0, 9, 1), (1, 5, 14), (2, 0, 23)],
+        [(2, 23, 1), (0, 10, 1), (1, 19, 1)],
+        [(1, 20, 1), (2, 24, 1), (0, 11, 1)],
+    ]
+    for step in steps:
+        ids = [t for _, first, n in step for t in prompt[first : first + n]]
+        batch = AttentionBatch(
+            tuple(n for _, _, n in step),
+            tuple(first + n for _, first, n in step),
+            tuple(tables[seq] for seq, _, _ in step),
+        )
+        got = model(torch.tensor(ids), batch, kv)
+        for row, (_, first, n) in enumerate(step):
+            torch.testing.assert_close(got[row], expected[first + n - 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_generation_matches_hf_generate(saved: Any, mode: str) -> None:
+    hf_model, single, _ = saved
+    model = _load(single, mode)
     prompt = _prompt()
     with torch.no_grad():
         hf_out = hf_model.generate(

@@ -1,4 +1,7 @@
-"""The paged Llama decoder on the `tiny` preset (fp32, CPU): invariance, chunking, loading."""
+"""The paged Llama decoder on the `tiny` preset (fp32, CPU): invariance, chunking, loading.
+
+The bit-identity tests run the exact mode (`batch_invariant=True`), whose promise they
+check; the fast mode is compared with it in test_fast_path.py."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ BLOCK_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaForCausal:
-    return load_model("tiny", None, CPU)[0]
+    return load_model("tiny", None, CPU, batch_invariant=True)[0]
 
 
 def _tokens(count: int, seed: int) -> list[int]:
@@ -331,7 +334,7 @@ def test_bad_step_inputs_are_refused(tiny: LlamaForCausal) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_path_matches_cpu_and_is_placement_invariant(tiny: LlamaForCausal) -> None:
-    model, _ = load_model("tiny", None, torch.device("cuda"))
+    model, _ = load_model("tiny", None, torch.device("cuda"), batch_invariant=True)
     prompt = _tokens(19, 7)
     base = generate_reference(model, prompt, 8, block_tokens=BLOCK_TOKENS, prefill_chunk_tokens=6)
     moved = generate_reference(

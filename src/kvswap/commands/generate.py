@@ -30,6 +30,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help='print {"output_ids": [...]}')
+    # The engine's [engine] batch_invariant field (KVSWAP_BATCH_INVARIANT too), as in `run`.
+    parser.add_argument(
+        "--batch-invariant", metavar="BOOL", nargs="?", const="true", default=None,
+        help="exact mode: fixed tiles, bit-identical however the prompt is chunked",
+    )  # fmt: skip
     parser.set_defaults(handler=run)
 
 
@@ -53,7 +58,8 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     # KVSWAP_* variables apply here as everywhere (an unknown one is an error), and
     # [model] preset/dtype set by them name the model when the flags do not.
-    model_name, dtype = engine_model(args, load_config(), default_model="tiny")
+    config = load_config(overrides={"batch_invariant": args.batch_invariant})
+    model_name, dtype = engine_model(args, config, default_model="tiny")
     if args.max_new_tokens < 1:
         raise KvSwapError(f"--max-new-tokens = {args.max_new_tokens}: must be >= 1")
     # Everything the flags alone can refuse is refused before the weights load.
@@ -64,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     arch, _, _ = resolve_model(model_name, dtype)  # config only, no weights
     prompt = parse_ids(args.prompt_ids, arch.vocab_size)
     check_generation_length(len(prompt), args.max_new_tokens, arch, name="--max-new-tokens")
-    model, arch = load_model(model_name, dtype, device)
+    model, arch = load_model(
+        model_name, dtype, device, batch_invariant=config.engine.batch_invariant
+    )
     result = generate_reference(model, prompt, args.max_new_tokens, sampling=sampling)
     if args.json:
         print(json.dumps({"output_ids": list(result.token_ids)}))

@@ -25,11 +25,14 @@ import torch
 
 from kvswap.config import KvSwapConfig
 from kvswap.control.scheduler import StepPlan
+from kvswap.control.transfer import CopyEngine
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
+from kvswap.data.remote_copy import RemoteCopyEngine, open_remote_tier
+from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import drive
@@ -39,7 +42,8 @@ from kvswap.engine.runner import ModelRunner
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.generate import SamplingParams
-from kvswap.model.loader import load_model, resolve_model
+from kvswap.model.loader import PRESET_SEED, load_model, resolve_model
+from kvswap.model.weights_identity import block_fingerprint
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.signals import Terminated
@@ -54,9 +58,8 @@ class EngineOptions:
     model: str = "small"
     dtype: str | None = None
     sampling: SamplingParams | None = None
-    # Threads for the model on a CPU device. None: all cores but one, which the
-    # copy workers need; on a 2-core machine torch's spinning threads otherwise
-    # fight the copy threads and a step takes several times longer.
+    # Threads for the model on a CPU device. None: every core (the copy workers
+    # sleep while idle and copy single-threaded, so they take no core from it).
     cpu_threads: int | None = None
 
 
@@ -81,7 +84,8 @@ class Engine(Backend):
         self.host_pool: HostPool | None = None
         self.disk_pool: DiskPool | None = None
         self.device_pool: DevicePool | None = None
-        self.copy_engine: LocalCopyEngine | None = None
+        self.copy_engine: CopyEngine | None = None
+        self.remote: RemoteCopyEngine | None = None
         try:
             self._allocate(config, options)
         except BaseException as exc:
@@ -98,9 +102,11 @@ class Engine(Backend):
         """Weights, then the NVMe slab, the pinned pool, the device pool, the copy engine."""
         capacities = self.capacities
         if self.device.type == "cpu":
-            cores = os.cpu_count() or 1
-            torch.set_num_threads(options.cpu_threads or max(1, cores - 1))
-        model, arch = load_model(options.model, options.dtype, self.device)
+            torch.set_num_threads(options.cpu_threads or os.cpu_count() or 1)
+        model, arch = load_model(
+            options.model, options.dtype, self.device,
+            batch_invariant=config.engine.batch_invariant,
+        )  # fmt: skip
         self.model, self.arch = model, arch
         self.model_name = options.model
         if capacities.num_nvme_blocks:
@@ -113,19 +119,50 @@ class Engine(Backend):
             self.host_pool = HostPool(self.layout, capacities.num_cpu_blocks)
         device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
         self.device_pool = device_pool
-        copy_engine = LocalCopyEngine(
+        local = LocalCopyEngine(
             device_pool, self.host_pool, self.disk_pool,
             prefetch_streams=config.swap.prefetch_stream_count,
         )  # fmt: skip
-        self.copy_engine = copy_engine
+        self.copy_engine = local
+        fingerprint = block_fingerprint(
+            arch.description, options.model, preset_seed=PRESET_SEED,
+            batch_invariant=config.engine.batch_invariant,
+        )  # fmt: skip
         settings = control_settings(
             config, capacities, block_bytes=self.layout.block_bytes,
-            model_fingerprint=arch.description.fingerprint(),
-            max_sequence_tokens=arch.max_position_tokens,
+            model_fingerprint=fingerprint, max_sequence_tokens=arch.max_position_tokens,
         )  # fmt: skip
-        self.control = build_control_plane(settings, copy_engine, time.perf_counter)
+        copy_engine: CopyEngine = local
+        if settings.remote is not None:
+            self.remote = self._open_remote(settings.remote.namespace)
+            copy_engine = self.copy_engine = TieredCopyEngine(local, self.remote)
+        self.control = build_control_plane(
+            settings, copy_engine, time.perf_counter, remote_index=self.remote
+        )
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self.runner = ModelRunner(model, device_pool.kv, options.sampling)
+
+    def _open_remote(self, namespace: str) -> RemoteCopyEngine:
+        """The shared store (tiers.remote_*): one line and exit 2 if it is unusable and
+        `remote_required`; else a warning and the tier off until the store answers."""
+        tiers = self.config.tiers
+        assert tiers.remote_url is not None  # settings.remote exists only with a URL
+        if self.host_pool is None:
+            raise KvSwapError(
+                "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
+                "(or _bytes) > 0, or leave remote_url unset"
+            )
+        return open_remote_tier(
+            tiers.remote_url, self.host_pool, namespace=namespace,
+            timeout_ms=tiers.remote_timeout_ms, ttl_s=tiers.remote_ttl_s,
+            max_inflight_chunks=tiers.remote_max_inflight_chunks,
+            required=tiers.remote_required,
+        )  # fmt: skip
+
+    def remote_counters(self) -> Mapping[str, int]:
+        """The remote data plane's counters (corrupt, skipped writes, outages, ...);
+        empty without a remote tier. For exporters, read at every step."""
+        return self.remote.stats().counters() if self.remote is not None else {}
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -181,7 +218,9 @@ class Engine(Backend):
             "model": self.model_name,
             "preemption": self.config.engine.preemption,
             "block_bytes": self.layout.block_bytes,
+            "batch_invariant": self.config.engine.batch_invariant,
             **self._pool_sizes(),
+            **({"remote": self.remote_counters()} if self.remote is not None else {}),
         }
 
     def _pool_sizes(self) -> dict[str, object]:
@@ -201,6 +240,9 @@ class Engine(Backend):
         if self.copy_engine is not None:
             self.copy_engine.close()  # first: no worker may touch a pool being released
             self.copy_engine = None
+        elif self.remote is not None:
+            self.remote.close()  # opened, but the tiered engine was never built
+        self.remote = None
         if self.host_pool is not None:
             self.host_pool.close()
             released.append(f"released the pinned pool ({self.host_pool.configured_bytes} bytes)")

@@ -11,6 +11,9 @@ from kvswap.model.generate import SamplingParams, sample_token
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
 
+#: A sequence's sampling parameters by its id; None means greedy.
+SamplingFor = Callable[[int], SamplingParams | None]
+
 
 class ModelRunner:
     """Runs a `StepPlan` against the device pool tensor `kv`.
@@ -22,18 +25,18 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausal, kv: torch.Tensor, sampling: SamplingParams | None):
         self.model = model
         self.kv = kv  # [num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]
-        self.sampling = sampling
+        self.sampling = sampling  # engine-wide, for run() calls without `sampling_for`
 
     def run(
         self,
         plan: StepPlan,
         tables: Mapping[int, Sequence[int]],
-        sampling_for: Callable[[int], SamplingParams | None] | None = None,
+        sampling_for: SamplingFor | None = None,
     ) -> dict[int, int]:
         """Compute the plan's KV; returns the sampled token of each sampling sequence.
 
-        `sampling_for(seq_id)`: that sequence's sampling (None: greedy), for a server
-        whose requests each bring their own; None: the runner's one `sampling`."""
+        `sampling_for(seq_id)` gives each sequence's own sampling (None: greedy);
+        without it every sequence uses the engine-wide `self.sampling`."""
         ids = [token for item in plan.seqs for token in item.token_ids]
         batch = AttentionBatch(
             query_lens=tuple(len(item.token_ids) for item in plan.seqs),

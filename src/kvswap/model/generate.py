@@ -3,7 +3,10 @@
 The engine batches many sequences over the tiered store; this helper is the
 plain baseline its output is compared with (and what `kvswap generate` runs).
 Sampling happens on CPU with a seeded generator, so a seed gives the same
-tokens on every device as long as the logits agree.
+tokens on every device as long as the logits agree. The model runs in the mode
+it was built in (`LlamaForCausal(..., batch_invariant=...)`): the exact mode's
+output is bit-identical however the prompt is chunked or its blocks placed,
+the fast mode's equal to fp32 rounding.
 """
 
 from __future__ import annotations

@@ -7,16 +7,19 @@ Numerics follow transformers step for step (RMSNorm in float32, RoPE tables in
 float32 cast to the model dtype, logits cast to float32) so fp32 logits match
 `LlamaForCausalLM` to ~1e-5.
 
-Invariance (the product promises identical output with and without offload):
-a token's logits and K/V are bit-identical whatever physical slots its blocks
-occupy, whatever other sequences share the step, and however its prompt was
-chunked (one prefill, many chunks, token by token, or a recompute):
-- attention runs per sequence in block-aligned query tiles whose shapes depend
-  only on the tile's position (see `paged_attention`);
-- every linear layer runs in fixed tiles of `LINEAR_TILE_ROWS` rows (the last
-  one zero-padded). BLAS picks its blocking from the matrix shape, so a row
-  count that varies with the batch would change the last bits; a fixed tile
-  shape cannot. Norms, RoPE and activations are per row already.
+The model is built in one of two modes (`batch_invariant`), fixed for its life:
+- fast (default): every linear is one matmul over the whole step, attention
+  is a few large SDPA calls per layer (`fast_attention`), and the last layer
+  computes only what the LM head reads (each sequence's last token) besides
+  the K/V of every token. Logits match the exact mode and transformers to fp32
+  rounding.
+- exact (`batch_invariant=True`): a token's logits and K/V are bit-identical
+  whatever physical slots its blocks occupy, whatever other sequences share the
+  step, and however its prompt was chunked (one prefill, many chunks, token by
+  token, or a recompute): attention runs per sequence in block-aligned query
+  tiles whose shapes depend only on the tile's position (`paged_attention`),
+  and every linear layer runs in fixed row tiles (`linear.TiledLinear`). Norms,
+  RoPE and activations are per row already.
 """
 
 from __future__ import annotations
@@ -27,38 +30,16 @@ from torch import Tensor, nn
 
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
+from kvswap.model.fast_attention import FastPagedAttention
+from kvswap.model.linear import make_linear
 from kvswap.model.paged_attention import (
     AttentionBatch,
-    AttentionMetadata,
+    ExactPagedAttention,
+    StepAttention,
     allocate_kv_pool,
     build_attention_metadata,
-    paged_attention,
-    write_kv,
 )
 from kvswap.model.rope import RotaryEmbedding, apply_rope
-
-#: Rows per matmul call in every linear layer: decode batches up to this size
-#: cost one weight read, and no result depends on how many rows a step has.
-#: Small, because on a CPU a padded row costs real compute.
-LINEAR_TILE_ROWS = 8
-
-
-class TiledLinear(nn.Linear):
-    """nn.Linear computed in fixed [LINEAR_TILE_ROWS, in] tiles (batch-invariant)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, in] -> [T, out]."""
-        rows = x.shape[0]
-        tiles = []
-        for start in range(0, rows, LINEAR_TILE_ROWS):
-            part = x[start : start + LINEAR_TILE_ROWS]
-            if part.shape[0] < LINEAR_TILE_ROWS:
-                part = torch.cat(
-                    [part, part.new_zeros(LINEAR_TILE_ROWS - part.shape[0], x.shape[1])]
-                )
-            tiles.append(F.linear(part, self.weight, self.bias))
-        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
-        return out[:rows]
 
 
 class RMSNorm(nn.Module):
@@ -75,40 +56,56 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, batch_invariant: bool) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = TiledLinear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = TiledLinear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = TiledLinear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = TiledLinear(q_size, config.hidden_size, bias=config.o_bias)
+        hidden, qkv_bias, exact = config.hidden_size, config.qkv_bias, batch_invariant
+        self.q_proj = make_linear(hidden, q_size, bias=qkv_bias, batch_invariant=exact)
+        self.k_proj = make_linear(hidden, kv_size, bias=qkv_bias, batch_invariant=exact)
+        self.v_proj = make_linear(hidden, kv_size, bias=qkv_bias, batch_invariant=exact)
+        self.o_proj = make_linear(q_size, hidden, bias=config.o_bias, batch_invariant=exact)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, meta: AttentionMetadata
+        self, x: Tensor, cos: Tensor, sin: Tensor, attend: StepAttention, layer: int
     ) -> Tensor:
-        """x [T, hidden] -> [T, hidden]; writes this step's K (after RoPE) and V to `kv`."""
+        """x [T, hidden] -> [T, hidden]; `attend` stores this step's K (after RoPE) and V."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        write_kv(kv, layer, k, v, meta)
-        out: Tensor = self.o_proj(paged_attention(q, kv, layer, meta))
+        out: Tensor = self.o_proj(attend(q, k, v, layer))
+        return out
+
+    def last_tokens(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attend: FastPagedAttention, layer: int,
+        rows: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """x [T, hidden] -> [S, hidden] for the `rows` [S] only (each sequence's last
+        token); K and V are still computed and stored for every token."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x[rows]).view(rows.shape[0], self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos[rows], sin[rows])
+        k = apply_rope(k, cos, sin)
+        out: Tensor = self.o_proj(attend.last_tokens(q, k, v, layer))
         return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, batch_invariant: bool) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = TiledLinear(hidden, inner, bias=bias)
-        self.up_proj = TiledLinear(hidden, inner, bias=bias)
-        self.down_proj = TiledLinear(inner, hidden, bias=bias)
+        exact = batch_invariant
+        self.gate_proj = make_linear(hidden, inner, bias=bias, batch_invariant=exact)
+        self.up_proj = make_linear(hidden, inner, bias=bias, batch_invariant=exact)
+        self.down_proj = make_linear(inner, hidden, bias=bias, batch_invariant=exact)
 
     def forward(self, x: Tensor) -> Tensor:
         """SwiGLU: x [T, hidden] -> [T, hidden]."""
@@ -117,37 +114,58 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, batch_invariant: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, batch_invariant)
+        self.mlp = MLP(config, batch_invariant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, layer: int, meta: AttentionMetadata
+        self, x: Tensor, cos: Tensor, sin: Tensor, attend: StepAttention, layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, layer, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer)
+        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+    def last_tokens(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attend: FastPagedAttention, layer: int,
+        rows: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """The last layer of the fast mode: x [T, hidden] -> [S, hidden] for `rows` only.
+
+        Only each sequence's last token reaches the LM head, so the rest of the
+        step needs nothing from this layer but its K/V: for a prefill the query
+        projection, attention, o_proj and MLP of every other row are skipped."""
+        h = self.self_attn.last_tokens(self.input_layernorm(x), cos, sin, attend, layer, rows)
+        x = x[rows] + h
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, batch_invariant: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, batch_invariant) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausal(nn.Module):
-    """The decoder plus LM head; `forward` runs one engine step over a paged pool."""
+    """The decoder plus LM head; `forward` runs one engine step over a paged pool.
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    `batch_invariant` picks the mode (module docstring): True for the exact mode."""
+
+    def __init__(self, config: ModelArchConfig, *, batch_invariant: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.batch_invariant = batch_invariant
+        self.model = LlamaModel(config, batch_invariant)
+        self.lm_head = make_linear(
+            config.hidden_size, config.vocab_size, bias=False, batch_invariant=batch_invariant
+        )
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
 
@@ -187,11 +205,20 @@ class LlamaForCausal(nn.Module):
         meta = build_attention_metadata(batch, kv.shape[3], kv.shape[0], kv.device)
         cos, sin = self.rope.cos_sin(meta.positions)  # [T, head_dim] float32 each
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, decoder_layer in enumerate(self.model.layers):
-            x = decoder_layer(x, cos, sin, kv, layer, meta)
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        if self.batch_invariant:
+            exact = ExactPagedAttention(kv, meta)
+            for layer, decoder_layer in enumerate(layers):
+                x = decoder_layer(x, cos, sin, exact, layer)
+            x = x[meta.last_token_index]  # [num_seqs, hidden]
+        else:
+            fast = FastPagedAttention(kv, meta)
+            for layer, decoder_layer in enumerate(layers[:-1]):
+                x = decoder_layer(x, cos, sin, fast, layer)
+            last_layer = len(layers) - 1
+            x = layers[-1].last_tokens(x, cos, sin, fast, last_layer, meta.last_token_index)
         # RMSNorm is per row, so normalising only the rows we need changes nothing.
-        last = self.model.norm(x[meta.last_token_index])  # [num_seqs, hidden]
-        logits: Tensor = self.lm_head(last).to(torch.float32)  # [num_seqs, vocab]
+        logits: Tensor = self.lm_head(self.model.norm(x)).to(torch.float32)  # [num_seqs, vocab]
         return logits
 
     def _check_step(self, input_ids: Tensor, batch: AttentionBatch, kv: Tensor) -> None:

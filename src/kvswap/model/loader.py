@@ -82,18 +82,20 @@ def resolve_model(
 
 
 def load_model(
-    source: str, dtype: str | None, device: torch.device
+    source: str, dtype: str | None, device: torch.device, *, batch_invariant: bool = False
 ) -> tuple[LlamaForCausal, ModelArchConfig]:
     """A preset name (`tiny`, `small`) or a directory with config.json + *.safetensors.
 
     `dtype` overrides the checkpoint's own dtype (presets default to fp32). The
     returned config's `dtype_name` is the dtype the weights were loaded in.
+    `batch_invariant` builds the model in the exact mode (`kvswap.model.llama`);
+    the weights are the same in both modes.
     """
     config, torch_dtype, directory = resolve_model(source, dtype)
     if directory is not None:
         # resolve_model skipped the check for a directory without weights; here it refuses.
         check_checkpoint_shapes(config, directory)
-    model = _empty_model(config, torch_dtype, device)
+    model = _empty_model(config, torch_dtype, device, batch_invariant)
     if directory is None:
         _fill_random(model, PRESET_SEED)
     else:
@@ -109,10 +111,10 @@ def read_checkpoint_config(directory: Path) -> ModelArchConfig:
 
 
 def _empty_model(
-    config: ModelArchConfig, dtype: torch.dtype, device: torch.device
+    config: ModelArchConfig, dtype: torch.dtype, device: torch.device, batch_invariant: bool
 ) -> LlamaForCausal:
     with torch.device("meta"):
-        model = LlamaForCausal(config).to(dtype=dtype)
+        model = LlamaForCausal(config, batch_invariant=batch_invariant).to(dtype=dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each parameter fresh storage: share again
     return model

@@ -1,4 +1,4 @@
-"""Attention that reads K and V from a paged KV pool through block tables.
+"""Attention that reads K and V from a paged KV pool through block tables; exact mode.
 
 Pool layout (owned by the store; the model only receives it):
 
@@ -11,20 +11,20 @@ Token `t` of a sequence lives in block `block_table[t // block_tokens]` at
 offset `t % block_tokens`.
 
 A step mixes prefill chunks and decode tokens, flattened to `[num_tokens]`.
-Each sequence's attention is computed on its own, with shapes that depend only
-on (query_len, context_len): its blocks are gathered into a fresh contiguous
-tensor, so which physical slots hold them cannot change a single bit of the
-result, and neither can the other sequences in the step. (The projections and
-the MLP run over all tokens of the step at once; see `LlamaForCausal.forward`
-for what that means for batch invariance.)
-
-Plain PyTorch has no fused paged-attention kernel, so CUDA takes the same
-gather + `scaled_dot_product_attention` path the CPU tests exercise.
+The model calls a `StepAttention` once per layer; this module holds the step's
+metadata, the K/V write and the exact mode's attention (`ExactPagedAttention`):
+each sequence's attention is computed on its own, in block-aligned tiles with
+shapes that depend only on the tile's position, over its blocks gathered into
+a fresh contiguous tensor, so which physical slots hold them cannot change a
+single bit of the result, and neither can the other sequences in the step.
+The fast mode's attention (few large calls, fp32-close rather than
+bit-identical) is `kvswap.model.fast_attention`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,16 @@ class AttentionMetadata:
     last_token_index: Tensor  # [num_seqs] int64: each sequence's last new token in the step
     query_starts: tuple[int, ...]  # first flat token index of each sequence
     context_blocks: tuple[Tensor, ...]  # per sequence [ceil(context_len / block_tokens)] int64
+
+
+class StepAttention(Protocol):
+    """One step's attention, built from the step's metadata, called once per layer
+    in layer order: stores the layer's new K/V in the pool, then attends over each
+    sequence's whole context (its own position included)."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (after RoPE) -> [T, H * D]."""
+        ...
 
 
 def build_attention_metadata(
@@ -149,6 +159,18 @@ def write_kv(kv: Tensor, layer: int, k: Tensor, v: Tensor, meta: AttentionMetada
     """Store this step's k, v [num_tokens, num_kv_heads, head_dim] into the pool."""
     kv[meta.write_blocks, layer, 0, meta.write_offsets] = k
     kv[meta.write_blocks, layer, 1, meta.write_offsets] = v
+
+
+class ExactPagedAttention:
+    """The exact mode's `StepAttention`: `write_kv`, then `paged_attention`."""
+
+    def __init__(self, kv: Tensor, meta: AttentionMetadata) -> None:
+        self.kv = kv
+        self.meta = meta
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer: int) -> Tensor:
+        write_kv(self.kv, layer, k, v, self.meta)
+        return paged_attention(q, self.kv, layer, self.meta)
 
 
 def paged_attention(q: Tensor, kv: Tensor, layer: int, meta: AttentionMetadata) -> Tensor:

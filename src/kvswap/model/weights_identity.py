@@ -4,8 +4,8 @@ Two checkpoints of one architecture (a base model and its fine-tune) compute
 different KV for the same tokens, so they must never share a block key, and
 above all never a remote store's namespace. `ModelDescription.fingerprint`
 digests the architecture; this module names the weights, and the fingerprint
-takes it: `block_fingerprint(description, source, preset_seed=...)` is
-`description.fingerprint(weights=weights_identity(source, ...))`, the one call
+takes it: `block_fingerprint(description, source, preset_seed=..., batch_invariant=...)`
+is `description.fingerprint(weights=weights_identity(source, ...) + mode)`, the one call
 the engine makes for its block keys and its remote namespace.
 
 * A built-in preset's weights are drawn from a seeded generator
@@ -87,13 +87,21 @@ def weights_identity(source: str, *, preset_seed: int) -> str:
 
 
 def block_fingerprint(
-    description: ModelDescription, source: str, *, preset_seed: int, kv_dtype: str | None = None
+    description: ModelDescription,
+    source: str,
+    *,
+    preset_seed: int,
+    batch_invariant: bool,
+    kv_dtype: str | None = None,
 ) -> str:
     """THE fingerprint of the blocks a model computes, weights included: what the
     engine roots block keys in and the remote store's default namespace. `source`
-    and `preset_seed` as for `weights_identity`."""
+    and `preset_seed` as for `weights_identity`. The compute mode is part of it:
+    the exact mode's KV is bit-identical whatever the batch, the fast path's is
+    not, so an exact-mode process must never reuse KV the fast path computed."""
     weights = weights_identity(source, preset_seed=preset_seed)
-    return description.fingerprint(kv_dtype, weights=weights)
+    mode = "exact" if batch_invariant else "fast"
+    return description.fingerprint(kv_dtype, weights=f"{weights}/{mode}")
 
 
 def checkpoint_files(directory: Path) -> list[str]:
