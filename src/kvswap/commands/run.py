@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                     "requests": len(workload)}  # fmt: skip
         with build_monitoring(
             args, config, block_bytes=engine.layout.block_bytes,
-            kv_metrics=engine.swapper.metrics, run_info=run_info,
+            kv_metrics=engine.swapper.metrics, remote_counters=engine.remote_counters,
+            run_info=run_info,
         ) as monitoring:  # fmt: skip
             result = engine.run(workload, monitoring.progress, monitoring.observers)
             summary = monitoring.finish(result.to_json())

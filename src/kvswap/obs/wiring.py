@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
@@ -162,6 +162,7 @@ def build_monitoring(
     *,
     block_bytes: int,
     kv_metrics: KVMetrics | None = None,
+    remote_counters: Callable[[], Mapping[str, int]] | None = None,
     run_info: Mapping[str, object] | None = None,
     link_gb_per_s: float | None = None,
     label: str = "requests",
@@ -179,7 +180,7 @@ def build_monitoring(
     as_json = bool(getattr(args, "json", False))
     watermarks = Watermarks.from_config(config)
     recorder = TimeSeriesRecorder()
-    exporter = _exporter(args, config, block_bytes, kv_metrics, watermarks)
+    exporter = _exporter(args, config, block_bytes, kv_metrics, watermarks, remote_counters)
     if exporter is not None and not exporter.on_loopback:
         # Said even with --quiet: an open port is a security decision, not progress.
         out.write(
@@ -218,6 +219,7 @@ def _exporter(
     block_bytes: int,
     kv_metrics: KVMetrics | None,
     watermarks: Watermarks,
+    remote_counters: Callable[[], Mapping[str, int]] | None,
 ) -> PrometheusExporter | None:
     port = getattr(args, "metrics_port", None)
     if port is None:
@@ -229,6 +231,7 @@ def _exporter(
         block_tokens=config.cache.kv_block_tokens,
         watermarks=watermarks,
         kv_metrics=kv_metrics,
+        remote_counters=remote_counters,
     )
     exporter.serve(str(getattr(args, "metrics_host", "127.0.0.1")), port)
     return exporter

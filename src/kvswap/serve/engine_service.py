@@ -266,6 +266,7 @@ class EngineThreadService(EngineService):
             block_tokens=config.cache.kv_block_tokens,
             watermarks=Watermarks.from_config(config),
             kv_metrics=engine.swapper.metrics,
+            remote_counters=engine.remote_counters,
         )
         registry = self.exporter.registry
         # vLLM's vllm:prompt_tokens_total and vllm:request_success_total{finished_reason}.

@@ -1,0 +1,134 @@
+"""The engine with a shared remote tier on a real redis-server (started on loopback).
+
+Exact mode, tiny model: every run's outputs are compared with a run without
+the remote tier, digest for digest. The store is the only thing that changes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvswap.config import load_config
+from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.errors import KvSwapError
+from kvswap.workload.request import Request, Workload
+from tests.redis_server import RedisServer, redis_server_missing
+
+pytestmark = pytest.mark.skipif(redis_server_missing() is not None, reason="no redis-server")
+
+BASE: dict[str, object] = {
+    "kv_block_tokens": 8,
+    "protected_sink_blocks": 1,
+    "gpu_kv_capacity_blocks": 32,
+    "cpu_kv_capacity_blocks": 32,
+    "max_num_seqs": 2,
+    "device": "cpu",
+    "batch_invariant": True,
+}
+SYSTEM = tuple((11 * i) % 240 + 3 for i in range(48))  # six full blocks shared by all
+
+
+def workload(variant: int, salt: str | None = None) -> Workload:
+    """Two requests that share the system prompt, each with its own question."""
+    questions = [tuple(((n + variant + 5) * 7 + i) % 200 + 1 for i in range(10)) for n in (0, 1)]
+    requests = tuple(
+        Request(n, 0.0, (*SYSTEM, *question), 6, cache_salt=salt)
+        for n, question in enumerate(questions)
+    )
+    return Workload(requests, f"shared-{variant}", 256)
+
+
+def run(load: Workload, **settings: object) -> dict[str, Any]:
+    config = load_config(environ={}, overrides={**BASE, **settings})
+    with Engine(config, EngineOptions(model="tiny")) as engine:
+        return engine.run(load).to_json()
+
+
+def test_a_second_process_restores_the_shared_prompt_from_the_store(tmp_path: Path) -> None:
+    """Two `kvswap run` processes in sequence: the second's prefix hits come from
+    the remote tier, and both outputs equal runs without the tier."""
+    with RedisServer(tmp_path / "redis").start() as server:
+        argv = [sys.executable, "-m", "kvswap", "run", "--model", "tiny", "--json",
+                "--device", "cpu", "--batch-invariant", "--num-sessions", "3", "--turns", "1",
+                "--prompt-tokens", "48", "--output-tokens", "4", "--system-prompt-tokens", "32",
+                "--block-tokens", "8", "--gpu-kv-capacity-blocks", "40"]  # fmt: skip
+
+        def kvswap_run(*extra: str) -> dict[str, Any]:
+            done = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+            summary: dict[str, Any] = json.loads(done.stdout)
+            return summary
+
+        alone = kvswap_run()
+        first = kvswap_run("--remote-url", server.url)
+        second = kvswap_run("--remote-url", server.url)
+    assert first["outputs_digest"] == second["outputs_digest"] == alone["outputs_digest"]
+    assert first["prefix_hit_tokens"]["remote"] == 0 and first["remote"]["writes"] > 0
+    assert second["prefix_hit_tokens"]["remote"] >= 32  # the system prompt's four blocks
+    assert second["remote"]["hit_tokens"] == second["prefix_hit_tokens"]["remote"]
+
+
+def test_a_corrupt_value_is_detected_recomputed_and_changes_nothing(
+    redis_server: RedisServer,
+) -> None:
+    reference = run(workload(0))
+    run(workload(0), remote_url=redis_server.url)  # fills the store
+    plain = redis_server.client()
+    names = sorted(plain.keys("*"))
+    assert names
+    for name in names[:3]:
+        plain.setrange(name, 40, b"\xff\x00\xff")  # payload bytes: the CRC no longer holds
+    again = run(workload(0), remote_url=redis_server.url)
+    assert again["outputs_digest"] == reference["outputs_digest"]
+    assert again["remote"]["corrupt"] >= 1
+    assert again["recomputed_tokens"] > 0 or again["remote"]["fetch_failures"] > 0
+
+
+def test_a_store_killed_mid_run_changes_no_output(tmp_path: Path) -> None:
+    reference = run(workload(0))
+    server = RedisServer(tmp_path / "redis").start()
+    config = load_config(environ={}, overrides={**BASE, "remote_url": server.url})
+    with Engine(config, EngineOptions(model="tiny")) as engine:
+        engine.run(workload(0))  # the store holds the shared prompt now
+        server.kill()
+        after = engine.run(workload(10)).to_json()
+    assert after["outputs_digest"] == run(workload(10))["outputs_digest"]
+    assert after["remote"]["outages"] >= 1
+    assert reference["requests_completed"] == 2
+
+
+def test_tenants_with_different_salts_share_nothing(redis_server: RedisServer) -> None:
+    run(workload(0, salt="tenant-a"), remote_url=redis_server.url)
+    other = run(workload(0, salt="tenant-b"), remote_url=redis_server.url)
+    same = run(workload(0, salt="tenant-a"), remote_url=redis_server.url)
+    assert other["prefix_hit_tokens"]["remote"] == 0
+    assert same["prefix_hit_tokens"]["remote"] > 0
+
+
+def test_a_password_works_and_its_absence_is_one_line(tmp_path: Path) -> None:
+    with RedisServer(tmp_path / "redis", password="s3cret-pw").start() as server:
+        assert "s3cret-pw" in server.url
+        with_password = run(workload(0), remote_url=server.url, remote_required=True)
+        bare = server.url.replace(":s3cret-pw@", "@").replace("//@", "//")
+        with pytest.raises(KvSwapError) as refused:
+            run(workload(0), remote_url=bare, remote_required=True)
+    assert with_password["requests_completed"] == 2
+    message = str(refused.value)
+    assert "\n" not in message and "password" in message and "s3cret-pw" not in message
+
+
+def test_an_unreachable_store_is_an_error_only_when_required(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    url = server.url
+    server.stop()
+    with pytest.raises(KvSwapError) as refused:
+        run(workload(0), remote_url=url, remote_required=True)
+    assert "\n" not in str(refused.value)
+    alone = run(workload(0), remote_url=url)  # one warning, the tier off
+    assert alone["outputs_digest"] == run(workload(0))["outputs_digest"]
