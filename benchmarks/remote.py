@@ -1,243 +1,204 @@
-"""Remote tier vs plain redis-py: bytes/s to and from a Redis store, in one run.
+"""The remote tier on loopback: bandwidth, a later turn's TTFT, a second process.
 
-Moves `--num-blocks` blocks of `--block-bytes` from a HostPool to the store and
-back through RemoteCopyEngine (`--chunk-blocks` per chunk, every value with
-its header and CRC-32 checked on the way back), and the same bytes with plain
-redis-py (`Redis.from_url(url)`, one SET / GET per block, its default
-settings), and prints the rates side by side as a ratio (goal: >= 0.8 each
-way). Without `--url` it starts a private redis-server on loopback (the
-tests' helper) and removes it afterwards. The last line is one JSON object.
+Measured side by side in one run; every section checks it exercised what it
+names before it reports a ratio.
 
-    .venv/bin/python benchmarks/remote.py --num-blocks 64 --block-bytes 1MiB
+  bandwidth  bytes/s to and from the store through RemoteCopyEngine vs plain redis-py
+             SET / GET of the same bytes (goal: >= 0.8 each way)
+  ttft       a later turn's TTFT with turn 1's KV recomputed / restored from the pinned
+             CPU pool / restored from the store by a new engine: remote/recompute and
+             remote/CPU, prefix hits per tier, outputs identical
+  second     a shared-prompt workload served by a fresh engine after another filled the
+             store, vs a fresh engine without the tier: tokens/s and TTFT P50 ratios
 
-Figures from a shared or busy machine are noise: take the final ones on a
-quiet one.
+Without `--url` it starts a private redis-server on a free loopback port in a
+temporary directory (tests/redis_server.py) and stops it at the end, whatever
+happens. A store given with `--url` is emptied (FLUSHDB) by every section: use
+one that holds nothing else. Prints each section's shapes and figures, goals
+beside the ratios; `--json` prints one JSON object instead (tables go to
+stderr). Exit status 1 when a section failed, 2 for a usage error. Timings
+from a shared machine are noise: take final figures on a quiet one. On a
+machine whose cores other processes use, pass `--threads 1`: torch's threads
+waiting on each other at every 8-row tile of the exact mode made the same run
+10-40x slower, at random.
+
+    .venv/bin/python benchmarks/remote.py --quick --threads 1   # validation, ~1 min
+    .venv/bin/python benchmarks/remote.py --json --out remote.json
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import statistics
+import contextlib
+import functools
+import os
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import redis
 import torch
 
-from kvswap.control.transfer import Direction, Priority, TransferChunk
-from kvswap.data.host_pool import HostPool
-from kvswap.data.layout import KVLayout
+from engine import render, to_json
+from engine_support import Bench, Result, warm_up
+from kvswap.commands.outputs import check_output_file
 from kvswap.data.remote_copy import (
     DEFAULT_READ_LANES,
     DEFAULT_WRITE_LANES,
     READ_BATCH_BYTES,
     WRITE_BATCH_BYTES,
-    RemoteCopyEngine,
 )
-from kvswap.data.remote_store import RemoteStoreClient
-from kvswap.data.remote_url import parse_remote_url
+from kvswap.errors import KvSwapError
+from kvswap.signals import Terminated, report_stop, stop_signals_raise
 from kvswap.units import parse_size_bytes
+from remote_bandwidth import section_bandwidth
+from remote_sections import section_second, section_ttft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.redis_server import RedisServer, redis_server_missing
 
-GOAL_RATIO = 0.8
+SECTION_NAMES = ("bandwidth", "ttft", "second")
+#: The sections that run the engine (a warm-up run first, once).
+ENGINE_SECTIONS = ("ttft", "second")
 
 
-def _chunks(
-    direction: Direction, keys: list[bytes], chunk_blocks: int, block_bytes: int, first_id: int
-) -> list[TransferChunk]:
-    """Host slot i <-> keys[i], in chunks; the remote side is positions 0..n-1."""
-    chunks: list[TransferChunk] = []
-    for start in range(0, len(keys), chunk_blocks):
-        host_slots = tuple(range(start, min(start + chunk_blocks, len(keys))))
-        remote_slots = tuple(range(len(host_slots)))
-        writing = direction is Direction.CPU_TO_REMOTE
-        chunk = TransferChunk(
-            transfer_id=first_id + len(chunks),
-            direction=direction,
-            priority=Priority.LOW if writing else Priority.HIGH,
-            src_slots=host_slots if writing else remote_slots,
-            dst_slots=remote_slots if writing else host_slots,
-            num_bytes=len(host_slots) * block_bytes,
-            keys=tuple(keys[start : start + len(host_slots)]),
-        )
-        chunks.append(chunk)
-    return chunks
-
-
-def _engine_pass(
-    engine: RemoteCopyEngine, keys: list[bytes], chunk_blocks: int
-) -> tuple[float, float]:
-    """Seconds to write every block, then to read every block back (all chunks
-    submitted at once, as the swapper does for a long prefix)."""
-    seconds = []
-    for index, direction in enumerate((Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU)):
-        first_id = index * len(keys) + 1
-        chunks = _chunks(direction, keys, chunk_blocks, engine.block_bytes, first_id)
-        start_s = time.perf_counter()
-        for chunk in chunks:
-            engine.submit(chunk)
-        results = engine.wait_all()
-        seconds.append(time.perf_counter() - start_s)
-        failed = [r for r in results if not r.success]
-        if failed:
-            raise RuntimeError(f"{direction.value}: {len(failed)} chunks failed: {failed[0].error}")
-    return seconds[0], seconds[1]
-
-
-def _plain_pass(url: str, host: HostPool, names: list[bytes]) -> tuple[float, float]:
-    """The same bytes with redis-py as a user would call it: SET then GET per block."""
-    client = redis.Redis.from_url(url)
-    values = [host.byte_view(slot).numpy().tobytes() for slot in range(len(names))]
-    start_s = time.perf_counter()
-    for name, value in zip(names, values, strict=True):
-        client.set(name, value)
-    write_s = time.perf_counter() - start_s
-    start_s = time.perf_counter()
-    for name in names:
-        client.get(name)
-    read_s = time.perf_counter() - start_s
-    client.close()
-    return write_s, read_s
-
-
-def measure_bandwidth(
-    url: str,
-    *,
-    num_blocks: int,
-    block_bytes: int,
-    chunk_blocks: int,
-    repeats: int = 3,
-    **engine_options: Any,
-) -> dict[str, Any]:
-    """Median bytes/s each way for RemoteCopyEngine and plain redis-py on `url`,
-    their ratios, and whether every byte came back. Keys are fresh each pass;
-    the store is flushed (FLUSHDB) before and after. `engine_options`:
-    RemoteCopyEngine's (lanes and batch sizes)."""
-    layout = KVLayout.from_block_bytes(block_bytes)
-    total_bytes = num_blocks * block_bytes
-    rates: dict[str, list[float]] = {
-        f"{path}_{direction}": []
-        for path in ("engine", "plain")
-        for direction in ("cpu_to_remote", "remote_to_cpu")
-    }
-    with HostPool(layout, num_blocks) as host:
-        generator = torch.Generator().manual_seed(0)
-        original = torch.randint(
-            0, 256, (num_blocks, block_bytes), dtype=torch.uint8, generator=generator
-        )
-        client = RemoteStoreClient(
-            parse_remote_url(url), namespace="kvswap-bench", timeout_ms=10_000.0
-        )
-        client.connect(required=True)
-        engine = RemoteCopyEngine(
-            client, host, max_inflight_write_chunks=num_blocks, **engine_options
-        )
-        plain = redis.Redis.from_url(url)
-        plain.flushdb()
-        intact = True
-        try:
-            for repeat in range(repeats):
-                for slot in range(num_blocks):
-                    host.byte_view(slot).copy_(original[slot])
-                keys = [
-                    hashlib.sha256(f"{repeat}:{i}".encode()).digest() for i in range(num_blocks)
-                ]
-                write_s, read_s = _engine_pass(engine, keys, chunk_blocks)
-                intact = intact and all(
-                    torch.equal(host.byte_view(slot), original[slot]) for slot in range(num_blocks)
-                )
-                rates["engine_cpu_to_remote"].append(total_bytes / write_s)
-                rates["engine_remote_to_cpu"].append(total_bytes / read_s)
-                names = [f"plain:{repeat}:{i}".encode() for i in range(num_blocks)]
-                write_s, read_s = _plain_pass(url, host, names)
-                rates["plain_cpu_to_remote"].append(total_bytes / write_s)
-                rates["plain_remote_to_cpu"].append(total_bytes / read_s)
-                plain.flushdb()
-        finally:
-            stats = engine.stats()
-            engine.close()
-            plain.close()
-    report: dict[str, Any] = {
-        f"{name}_gb_per_s": statistics.median(values) / 1e9 for name, values in rates.items()
-    }
-    for direction in ("cpu_to_remote", "remote_to_cpu"):
-        report[f"{direction}_ratio"] = (
-            report[f"engine_{direction}_gb_per_s"] / report[f"plain_{direction}_gb_per_s"]
-        )
-    report.update(
-        num_blocks=num_blocks, block_bytes=block_bytes, chunk_blocks=chunk_blocks,
-        repeats=repeats, every_byte_back=intact, skipped_writes=stats.skipped_writes,
-        server=engine.client.server_version, **engine_options,
-    )  # fmt: skip
-    return report
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=None, help="a store to use (default: a private one)")
-    parser.add_argument("--block-bytes", default="1MiB", help="bytes per KV block (1MiB)")
-    parser.add_argument("--num-blocks", type=int, default=64, help="blocks per pass (64)")
-    parser.add_argument("--chunk-blocks", type=int, default=8, help="blocks per chunk (8)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes (3)")
-    parser.add_argument("--read-lanes", type=int, default=DEFAULT_READ_LANES)
-    parser.add_argument("--write-lanes", type=int, default=DEFAULT_WRITE_LANES)
-    parser.add_argument("--read-batch-bytes", default=str(READ_BATCH_BYTES))
-    parser.add_argument("--write-batch-bytes", default=str(WRITE_BATCH_BYTES))
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--url", default=None, help="a store to use and FLUSH (default: private)")
+    every = ",".join(SECTION_NAMES)
+    parser.add_argument("--sections", default=every, help=f"a comma-separated subset of {every}")
+    parser.add_argument("--quick", action="store_true", help="small shapes, for validation")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON object here")
+    engine = parser.add_argument_group("ttft, second: the engine")
+    engine.add_argument("--model", default="small", help="a preset or checkpoint (small)")
+    engine.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    default_threads = os.cpu_count() or 1
+    engine.add_argument("--threads", type=int, default=default_threads,
+                        help=f"torch threads ({default_threads})")  # fmt: skip
+    bandwidth = parser.add_argument_group("bandwidth")
+    bandwidth.add_argument(
+        "--block-bytes", default=None, help="bytes per block (1MiB; quick 256KiB)"
+    )
+    bandwidth.add_argument("--num-blocks", type=int, default=None, help="per pass (64; quick 16)")
+    bandwidth.add_argument("--chunk-blocks", type=int, default=8, help="blocks per chunk (8)")
+    bandwidth.add_argument("--repeats", type=int, default=3, help="timed passes (3)")
+    bandwidth.add_argument("--read-lanes", type=int, default=DEFAULT_READ_LANES)
+    bandwidth.add_argument("--write-lanes", type=int, default=DEFAULT_WRITE_LANES)
+    bandwidth.add_argument("--read-batch-bytes", default=str(READ_BATCH_BYTES))
+    bandwidth.add_argument("--write-batch-bytes", default=str(WRITE_BATCH_BYTES))
     args = parser.parse_args(argv)
+    args.names = [name for name in args.sections.split(",") if name]
+    unknown = [name for name in args.names if name not in SECTION_NAMES]
+    if unknown or not args.names:
+        raise KvSwapError(
+            f"--sections {args.sections!r}: unknown {', '.join(unknown) or 'empty list'}; "
+            f"allowed: {','.join(SECTION_NAMES)}"
+        )
+    if args.block_bytes is None:
+        args.block_bytes = "256KiB" if args.quick else "1MiB"
     args.block_bytes = parse_size_bytes(args.block_bytes, "--block-bytes")
+    if args.num_blocks is None:
+        args.num_blocks = 16 if args.quick else 64
     for name in ("read_batch_bytes", "write_batch_bytes"):
         setattr(args, name, parse_size_bytes(getattr(args, name), f"--{name.replace('_', '-')}"))
-    if min(args.num_blocks, args.chunk_blocks, args.repeats) < 1:
-        parser.error("--num-blocks, --chunk-blocks and --repeats must be >= 1")
+    for name in ("num_blocks", "chunk_blocks", "repeats", "read_lanes", "write_lanes", "threads"):
+        if getattr(args, name) < 1:
+            raise KvSwapError(f"--{name.replace('_', '-')} {getattr(args, name)}: allowed: >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise KvSwapError("--device cuda but CUDA is not available here; use --device cpu")
+    check_output_file(args.out, "--out")  # before minutes of runs, not after
     return args
 
 
-def _print(report: dict[str, Any]) -> None:
-    print(
-        f"remote tier, {report['num_blocks']} blocks x {report['block_bytes']} B, chunks of "
-        f"{report['chunk_blocks']}, {report['server']}, median of {report['repeats']}"
-    )
-    print(f"  {'direction':<14} {'RemoteCopyEngine':>17} {'plain redis-py':>15} {'ratio':>6}")
-    for direction in ("cpu_to_remote", "remote_to_cpu"):
-        ratio = report[f"{direction}_ratio"]
-        print(
-            f"  {direction:<14} {report[f'engine_{direction}_gb_per_s']:>12.2f} GB/s "
-            f"{report[f'plain_{direction}_gb_per_s']:>10.2f} GB/s {ratio:>6.2f}"
-            f"{'' if ratio >= GOAL_RATIO else f'  (goal >= {GOAL_RATIO})'}"
-        )
-    print(f"  every byte came back: {'yes' if report['every_byte_back'] else 'NO'}")
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    options = {
+def sections(args: argparse.Namespace, bench: Bench) -> dict[str, Callable[[str], Result]]:
+    """name -> the section, given the store's URL; in the order they run."""
+    bandwidth_options = {
         "num_blocks": args.num_blocks, "block_bytes": args.block_bytes,
         "chunk_blocks": args.chunk_blocks, "repeats": args.repeats,
         "num_read_lanes": args.read_lanes, "num_write_lanes": args.write_lanes,
         "read_batch_bytes": args.read_batch_bytes, "write_batch_bytes": args.write_batch_bytes,
     }  # fmt: skip
-    if args.url is not None:
-        report = measure_bandwidth(args.url, **options)
-    else:
-        missing = redis_server_missing()
-        if missing is not None:
-            raise SystemExit(f"no --url and {missing}")
-        with (
-            tempfile.TemporaryDirectory(prefix="kvswap-bench-redis-") as work_dir,
-            RedisServer(Path(work_dir)).start() as server,
-        ):
-            report = measure_bandwidth(server.url, **options)
-    _print(report)
-    print(json.dumps(report))
-    return report
+    every: dict[str, Callable[[str], Result]] = {
+        "bandwidth": functools.partial(section_bandwidth, **bandwidth_options),
+        "ttft": functools.partial(section_ttft, bench),
+        "second": functools.partial(section_second, bench),
+    }
+    return {name: every[name] for name in SECTION_NAMES if name in args.names}
+
+
+@contextlib.contextmanager
+def store_url(url: str | None) -> Iterator[str]:
+    """`url`, or a private redis-server's, stopped and its directory removed on exit."""
+    if url is not None:
+        yield url
+        return
+    missing = redis_server_missing()
+    if missing is not None:
+        raise KvSwapError(f"no --url and {missing}")
+    with (
+        tempfile.TemporaryDirectory(prefix="kvswap-bench-redis-") as work_dir,
+        RedisServer(Path(work_dir)).start() as server,
+    ):
+        yield server.url
+
+
+def run_sections(args: argparse.Namespace, bench: Bench, url: str, report: dict[str, Any]) -> None:
+    """Each section in turn; one that breaks or did not exercise what it names is
+    recorded as failed (loud) and the others still run."""
+    stream = sys.stderr if args.json else sys.stdout
+    chosen = sections(args, bench)
+    if any(name in ENGINE_SECTIONS for name in chosen):
+        try:
+            warm_up(bench)  # a device's one-time start is paid before anything is timed
+        except Exception as error:  # every engine section would meet it again: once here
+            print(f"[warm_up] FAILED: {error}", file=sys.stderr, flush=True)
+            report["failed"]["warm_up"] = f"{type(error).__name__}: {error}"
+    for name, section in chosen.items():
+        start_s = time.perf_counter()
+        try:
+            result = section(url)
+        except Exception as error:
+            if not isinstance(error, KvSwapError):
+                traceback.print_exc()
+            print(f"[{name}] FAILED: {error}", file=sys.stderr, flush=True)
+            report["failed"][name] = f"{type(error).__name__}: {error}"
+        else:
+            seconds = time.perf_counter() - start_s
+            render(name, result, seconds, stream)
+            report["sections"][name] = {"seconds": round(seconds, 1), **result.to_json()}
+        if args.out:
+            Path(args.out).write_text(to_json(report) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except KvSwapError as error:
+        print(f"remote.py: error: {error}", file=sys.stderr)
+        return 2
+    bench = Bench(args.model, args.device, args.threads, args.quick)
+    report: dict[str, Any] = {
+        "benchmark": "remote", "quick": args.quick, "model": args.model, "device": args.device,
+        "torch_threads": args.threads, "store": "--url" if args.url else "private loopback",
+        "sections": {}, "failed": {},
+    }  # fmt: skip
+    try:
+        # A stop signal unwinds like Ctrl-C: the private server stops, its directory goes.
+        with stop_signals_raise(), store_url(args.url) as url:
+            run_sections(args, bench, url, report)
+    except KvSwapError as error:  # no redis-server, or a store that cannot be used
+        print(f"remote.py: error: {error}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Terminated) as stop:
+        return report_stop(stop)
+    if args.json:
+        print(to_json(report))
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
