@@ -26,9 +26,9 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.engine.runner import ModelRunner
 from kvswap.model.fast_attention import FastPagedAttention
 from kvswap.model.generate import SamplingParams, generate_reference, sample_token
-from kvswap.model.linear import LINEAR_TILE_ROWS, TiledLinear, make_linear
+from kvswap.model.linear import LINEAR_TILE_ROWS, SlicedLinear, TiledLinear, make_linear
 from kvswap.model.llama import LlamaForCausal
-from kvswap.model.loader import load_model
+from kvswap.model.loader import PRESETS, load_model
 from kvswap.model.openmp_env import USER_SETTINGS, prefer_passive_openmp_wait
 from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
 
@@ -315,3 +315,20 @@ def test_the_passive_openmp_wait_is_chosen_before_torch_loads_and_never_over_a_u
     # Here torch is loaded: setting it now would reach only child processes.
     environ: dict[str, str] = {}
     assert prefer_passive_openmp_wait(environ) is False and environ == {}
+
+
+def test_a_sliced_linear_equals_one_matmul_to_rounding() -> None:
+    layer = SlicedLinear(16, 2500, bias=True, slice_features=1024)  # 1024 + 1024 + 452
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        layer.bias.normal_(generator=generator)
+        for rows in (1, 2, 16):
+            x = torch.randn(rows, 16, generator=generator)
+            expected = nn.functional.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), expected)
+    with torch.device("meta"):  # shapes only
+        small = LlamaForCausal(PRESETS["small"])
+    assert isinstance(small.lm_head, SlicedLinear) and small.lm_head.out_features == 32000
+    with torch.device("meta"):
+        exact_small = LlamaForCausal(PRESETS["small"], batch_invariant=True)
+    assert isinstance(exact_small.lm_head, TiledLinear)

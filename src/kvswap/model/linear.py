@@ -7,6 +7,9 @@
   tiles (the last one zero-padded). Every matmul call has the same shape, so a
   row's output is bit-identical whatever else is in the batch.
 
+The fast mode's LM head is a `SlicedLinear`: a vocabulary-sized output is
+computed in slices of output features on a CPU (see there).
+
 Both modes hold the same parameters under the same names (`weight`, `bias`),
 so a checkpoint loads into either.
 """
@@ -39,6 +42,48 @@ class TiledLinear(nn.Linear):
             tiles.append(F.linear(part, self.weight, self.bias))
         out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
         return out[:rows]
+
+
+#: Output features per matmul of the fast mode's LM head on a CPU.
+LM_HEAD_SLICE_FEATURES = 1024
+
+
+class SlicedLinear(nn.Linear):
+    """nn.Linear computed over slices of `slice_features` output features on a CPU.
+
+    A few rows against a [32000, 768] weight ran at less than half the speed of
+    the same work in [1024, 768] weight slices (MKL, 2 cores: 16 rows 85 ms
+    against 31 ms; 64 rows 114 ms against 80 ms): the slice's weight stays in
+    cache while every row uses it. One row (nothing to share the weight with),
+    and CUDA, take one matmul."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, slice_features: int
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.slice_features = slice_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, in] -> [T, out]."""
+        step = self.slice_features
+        if x.device.type != "cpu" or x.shape[0] == 1 or self.out_features <= step:
+            return F.linear(x, self.weight, self.bias)
+        parts = [
+            F.linear(
+                x,
+                self.weight[start : start + step],
+                None if self.bias is None else self.bias[start : start + step],
+            )
+            for start in range(0, self.out_features, step)
+        ]
+        return torch.cat(parts, dim=1)
+
+
+def make_lm_head(hidden_size: int, vocab_size: int, *, batch_invariant: bool) -> nn.Linear:
+    """The LM head for the model's mode (no bias, as in every supported family)."""
+    if batch_invariant:
+        return TiledLinear(hidden_size, vocab_size, bias=False)
+    return SlicedLinear(hidden_size, vocab_size, bias=False, slice_features=LM_HEAD_SLICE_FEATURES)
 
 
 def make_linear(

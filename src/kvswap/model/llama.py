@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.fast_attention import FastPagedAttention
-from kvswap.model.linear import make_linear
+from kvswap.model.linear import make_linear, make_lm_head
 from kvswap.model.paged_attention import (
     AttentionBatch,
     ExactPagedAttention,
@@ -163,8 +163,8 @@ class LlamaForCausal(nn.Module):
         self.config = config
         self.batch_invariant = batch_invariant
         self.model = LlamaModel(config, batch_invariant)
-        self.lm_head = make_linear(
-            config.hidden_size, config.vocab_size, bias=False, batch_invariant=batch_invariant
+        self.lm_head = make_lm_head(
+            config.hidden_size, config.vocab_size, batch_invariant=batch_invariant
         )
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
