@@ -12,8 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from typing import Any
 
 import pytest
 import torch
@@ -21,8 +19,6 @@ from torch import nn
 
 from kvswap.cli import main
 from kvswap.control.scheduler import ScheduledSeq, StepPlan
-from kvswap.control.transfer import Direction
-from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.engine.runner import ModelRunner
 from kvswap.model.fast_attention import FastPagedAttention
 from kvswap.model.generate import SamplingParams, generate_reference, sample_token
@@ -31,8 +27,6 @@ from kvswap.model.llama import LlamaForCausal
 from kvswap.model.loader import PRESETS, load_model
 from kvswap.model.openmp_env import USER_SETTINGS, prefer_passive_openmp_wait
 from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
-
-from .copy_engine_support import chunk, within_timeout
 
 CPU = torch.device("cpu")
 BLOCK_TOKENS = 4
@@ -263,39 +257,7 @@ def test_generate_runs_in_either_mode_and_refuses_a_bad_switch(
     assert "batch_invariant" in err and len(err.strip().splitlines()) == 1
 
 
-# --- the model has every core; the copy threads copy alone ------------------------------
-
-
-def test_copy_threads_run_torch_single_threaded_and_leave_everyone_else_alone(
-    pools: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import kvswap.data.block_copy as block_copy
-
-    threads_in_copy: list[int] = []
-    real_copy = block_copy.copy_block
-
-    def recording(*args: Any, **kwargs: Any) -> None:
-        threads_in_copy.append(torch.get_num_threads())
-        real_copy(*args, **kwargs)
-
-    monkeypatch.setattr(block_copy, "copy_block", recording)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with LocalCopyEngine(*pools, prefetch_streams=2) as copy_engine:
-            copy_engine.submit(chunk(1, Direction.GPU_TO_CPU, (0, 1), (0, 1)))
-            copy_engine.submit(chunk(2, Direction.CPU_TO_GPU, (0, 1), (2, 3)))
-            results = within_timeout(copy_engine.wait_all)
-        assert all(result.success for result in results)
-        assert threads_in_copy == [1, 1, 1, 1]
-        assert torch.get_num_threads() == 2  # this thread keeps its count
-        started_later: list[int] = []
-        thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        assert started_later == [2]  # and so does a thread started afterwards
-    finally:
-        torch.set_num_threads(before)
+# --- the model has every core -----------------------------------------------------------
 
 
 def test_the_passive_openmp_wait_is_chosen_before_torch_loads_and_never_over_a_user() -> None:

@@ -24,11 +24,7 @@ there before waiting for the oldest. LOW runs with one in flight: its next
 chunk is issued only after the previous one finished, so a HIGH chunk never
 queues behind more than one LOW chunk on the copy engines.
 
-Lanes sleep on the queue (or on a CUDA event) when idle; none spins. Torch
-ops on a lane's thread run on that thread alone (`_serial_torch_ops`): a
-block copy is memory-bound, and a lane with an OpenMP team of its own would
-put more threads than cores next to the model's team, whose every parallel
-region then waits for a descheduled thread. A lane
+Lanes sleep on the queue (or on a CUDA event) when idle; none spins. A lane
 never dies with a waiter: whatever a copy raises becomes a failed
 `TransferResult` carrying the error text, and if a lane's thread dies anyway
 (a bug), it fails the chunks it held; the last lane of a queue to go fails
@@ -37,14 +33,11 @@ everything still queued, so no waiter and no yielding LOW block hangs.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -168,7 +161,6 @@ class QueueWorker:
         held: list[Job] = []  # taken from the queue by this lane, result not yet set
         reason = _EXITED
         try:
-            _serial_torch_ops()
             self._run(lane, held)
         except BaseException as exc:
             # Only the type: str(exc) is what may have failed in the first place.
@@ -272,45 +264,6 @@ class QueueWorker:
             error=_join_errors(errors),
             failed_dst_slots=tuple(failed_dst_slots),
         )
-
-
-#: OpenMP runtimes torch may be linked against (GNU, Intel, LLVM).
-_OPENMP_LIBRARIES = ("libgomp", "libiomp5", "libomp")
-
-
-@functools.cache
-def _omp_set_num_threads() -> Callable[[int], None] | None:
-    """`omp_set_num_threads` of the OpenMP runtime torch loaded, or None (no OpenMP,
-    or no /proc/self/maps to find it in: not Linux)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:
-        return None
-    torch_dir = os.path.dirname(torch.__file__)
-    # The copy torch ships first: another package may have loaded a runtime of its own.
-    for path in sorted(paths, key=lambda path: (not path.startswith(torch_dir), path)):
-        name = os.path.basename(path)
-        if name.startswith(_OPENMP_LIBRARIES) and ".so" in name:
-            try:
-                set_num_threads: Callable[[int], None] = ctypes.CDLL(path).omp_set_num_threads
-            except (OSError, AttributeError):
-                continue
-            return set_num_threads
-    return None
-
-
-def _serial_torch_ops() -> None:
-    """Make torch's CPU ops on the calling thread single-threaded, and only there.
-
-    Not `torch.set_num_threads(1)`: that also sets the count every thread started
-    later begins with (a server's engine thread among them). OpenMP keeps the
-    count per thread, so the runtime's own setter changes this thread alone. Torch
-    first sets a thread's count on the thread's first query, hence the query."""
-    torch.get_num_threads()
-    set_num_threads = _omp_set_num_threads()
-    if set_num_threads is not None:
-        set_num_threads(1)
 
 
 def _runs_on_stream(job: Job, lane: torch.cuda.Stream | None) -> bool:

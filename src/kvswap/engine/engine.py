@@ -59,7 +59,8 @@ class EngineOptions:
     dtype: str | None = None
     sampling: SamplingParams | None = None
     # Threads for the model on a CPU device. None: every core (the copy workers
-    # sleep while idle and copy single-threaded, so they take no core from it).
+    # sleep while idle; the command line makes idle OpenMP threads sleep too,
+    # kvswap.model.openmp_env, so a copy finds a free core).
     cpu_threads: int | None = None
 
 
