@@ -25,35 +25,30 @@ and raise ValueError; copy failures are never raised, they are reported.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 
 import torch
 
 from kvswap.control.transfer import (
-    CopyEngine,
     Direction,
     Priority,
     Tier,
     TransferChunk,
-    TransferResult,
 )
-from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, failed_result
+from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools
 from kvswap.data.copy_workers import LinkArbiter, QueueWorker
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
+from kvswap.data.future_results import FutureCopyEngine
 from kvswap.data.host_pool import HostPool
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
-# How often a waiter checks that the worker it waits on is still alive.
-_LIVENESS_CHECK_S = 0.5
 # More parallel swap-ins than this only add contention: a PCIe link has one or
 # two copy engines per direction, and a host memory bus saturates with a few.
 MAX_PREFETCH_STREAMS = 8
 
 
-class LocalCopyEngine(CopyEngine):
+class LocalCopyEngine(FutureCopyEngine):
     """Two prioritised copy queues over real pools: CUDA streams + events when the
     device pool is on a GPU, worker threads otherwise (and for every NVMe leg).
     The HIGH queue runs on `prefetch_streams` lanes at once."""
@@ -74,6 +69,7 @@ class LocalCopyEngine(CopyEngine):
         `max_in_flight_*_chunks`: CUDA path only, chunks queued on the queue's
         streams at once; HIGH's are shared out over its streams (ceil(n / streams)
         each). LOW stays at 1 so a HIGH chunk never waits behind more than one."""
+        super().__init__()
         _check_prefetch_streams(prefetch_streams)
         # Checked here, before any lane's thread starts, so a refusal leaks none.
         for name, depth in (
@@ -116,18 +112,11 @@ class LocalCopyEngine(CopyEngine):
                 Priority.LOW, self._pools, self._arbiter, [low_lane], max_in_flight_low_chunks
             ),
         }
-        # Submitted and not yet reported, in submit order.
-        self._pending: dict[int, tuple[TransferChunk, Future[TransferResult]]] = {}
         self._closed = False
 
     @property
     def uses_cuda(self) -> bool:
         return self._use_cuda
-
-    @property
-    def num_pending(self) -> int:
-        """Chunks submitted whose results have not been reported yet."""
-        return len(self._pending)
 
     def submit(self, chunk: TransferChunk) -> None:
         self._validate(chunk)
@@ -137,33 +126,10 @@ class LocalCopyEngine(CopyEngine):
             # that produced (or still read) the device blocks it touches.
             ready_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready_event.record()
-        future: Future[TransferResult] = Future()
-        self._pending[chunk.transfer_id] = (chunk, future)
+        future = self._track(chunk)
         if chunk.priority is Priority.HIGH:
             self._arbiter.high_submitted()  # before the LOW worker's next block check
         self._workers[chunk.priority].put(Job(chunk, future, ready_event))
-
-    def poll(self) -> list[TransferResult]:
-        """Results finished since the last poll/wait, in order of end time; never blocks."""
-        done = [tid for tid, (_chunk, future) in self._pending.items() if future.done()]
-        results = [self._pending.pop(tid)[1].result() for tid in done]
-        return sorted(results, key=lambda result: result.end_s)
-
-    def wait(self, transfer_id: int) -> TransferResult:
-        """Block until chunk `transfer_id` finishes; its result is not polled again."""
-        entry = self._pending.pop(transfer_id, None)
-        if entry is None:
-            raise ValueError(
-                f"transfer {transfer_id} is not pending: never submitted or already reported"
-            )
-        return self._await(*entry)
-
-    def wait_all(self) -> list[TransferResult]:
-        """Block until every submitted chunk finishes; return the unreported results."""
-        entries = list(self._pending.values())
-        self._pending.clear()
-        results = [self._await(chunk, future) for chunk, future in entries]
-        return sorted(results, key=lambda result: result.end_s)
 
     def close(self) -> None:
         """Stop accepting chunks, let the queued ones finish, join the workers."""
@@ -181,22 +147,17 @@ class LocalCopyEngine(CopyEngine):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _await(self, chunk: TransferChunk, future: Future[TransferResult]) -> TransferResult:
-        worker = self._workers[chunk.priority]
-        while True:
-            try:
-                return future.result(timeout=_LIVENESS_CHECK_S)
-            except FutureTimeoutError:
-                # Lanes that die fail their chunks themselves; this is the last
-                # resort should every lane of the queue be gone without doing so.
-                if not worker.is_alive() and not future.done():
-                    return failed_result(chunk, time.perf_counter(), "copy worker exited")
+    def _lane_alive(self, chunk: TransferChunk) -> bool:
+        return self._workers[chunk.priority].is_alive()
+
+    def _now_s(self) -> float:
+        return time.perf_counter()
 
     def _validate(self, chunk: TransferChunk) -> None:
         tid = chunk.transfer_id
         if self._closed:
             raise ValueError(f"transfer {tid}: the copy engine is closed")
-        if tid in self._pending:
+        if self._is_pending(tid):
             raise ValueError(f"transfer {tid}: id already in use by a pending chunk")
         if not isinstance(chunk.priority, Priority) or not isinstance(chunk.direction, Direction):
             raise ValueError(f"transfer {tid}: bad priority or direction")

@@ -48,7 +48,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,13 +56,13 @@ from kvswap.control.identity import KEY_BYTES
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.transfer import (
     REMOTE_DIRECTIONS,
-    CopyEngine,
     Direction,
     TransferChunk,
     TransferResult,
 )
 from kvswap.data.block_copy import error_text, failed_result
 from kvswap.data.copy_workers import LinkArbiter
+from kvswap.data.future_results import FutureCopyEngine
 from kvswap.data.host_pool import HostPool
 from kvswap.data.remote_format import (
     HEADER_BYTES,
@@ -88,7 +87,6 @@ READ_BATCH_BYTES = MIB
 WRITE_BATCH_BYTES = 4 * MIB
 #: Writes skipped after a slow one, before the next may measure the store again.
 SLOW_HOLD_S = 1.0
-_LIVENESS_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ class _Lanes:
             future.set_result(result)
 
 
-class RemoteCopyEngine(CopyEngine, RemoteIndex):
+class RemoteCopyEngine(FutureCopyEngine, RemoteIndex):
     """Remote chunks over one store client and one host pool; also the RemoteIndex.
     Owns the client: `close()` closes it."""
 
@@ -197,6 +195,7 @@ class RemoteCopyEngine(CopyEngine, RemoteIndex):
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        super().__init__()
         if ttl_s < 0:
             raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
         self.client = client
@@ -214,7 +213,6 @@ class RemoteCopyEngine(CopyEngine, RemoteIndex):
         self._num_inflight_writes = 0
         self._slow_until_s = float("-inf")
         self._scratch = threading.local()  # each write lane's reused value buffers
-        self._pending: dict[int, tuple[TransferChunk, Future[TransferResult]]] = {}
         self._closed = False
         self._reads = _Lanes("read", num_read_lanes, self._read, self._read_done, clock)
         self._writes = _Lanes("write", num_write_lanes, self._write, self._write_done, clock)
@@ -230,14 +228,9 @@ class RemoteCopyEngine(CopyEngine, RemoteIndex):
 
     # --- CopyEngine ---------------------------------------------------------------
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def submit(self, chunk: TransferChunk) -> None:
         self._validate(chunk)
-        future: Future[TransferResult] = Future()
-        self._pending[chunk.transfer_id] = (chunk, future)
+        future = self._track(chunk)
         if chunk.direction is Direction.REMOTE_TO_CPU:
             self._arbiter.high_submitted()  # before a write lane's next batch check
             self._reads.put(chunk, future)
@@ -248,26 +241,6 @@ class RemoteCopyEngine(CopyEngine, RemoteIndex):
             future.set_result(failed_result(chunk, self._clock(), f"write skipped: {reason}"))
             return
         self._writes.put(chunk, future)
-
-    def poll(self) -> list[TransferResult]:
-        """Results finished since the last poll/wait, in order of end time; never blocks."""
-        done = [tid for tid, (_chunk, future) in self._pending.items() if future.done()]
-        results = [self._pending.pop(tid)[1].result() for tid in done]
-        return sorted(results, key=lambda result: result.end_s)
-
-    def wait(self, transfer_id: int) -> TransferResult:
-        entry = self._pending.pop(transfer_id, None)
-        if entry is None:
-            raise ValueError(
-                f"transfer {transfer_id} is not pending: never submitted or already reported"
-            )
-        return self._await(*entry)
-
-    def wait_all(self) -> list[TransferResult]:
-        entries = list(self._pending.values())
-        self._pending.clear()
-        results = [self._await(chunk, future) for chunk, future in entries]
-        return sorted(results, key=lambda result: result.end_s)
 
     def close(self) -> None:
         """Let queued chunks finish, join the lanes, close the client."""
@@ -401,20 +374,20 @@ class RemoteCopyEngine(CopyEngine, RemoteIndex):
             totals = {name: getattr(self._totals, name) + count for name, count in counts.items()}
             self._totals = dataclasses.replace(self._totals, **totals)
 
-    def _await(self, chunk: TransferChunk, future: Future[TransferResult]) -> TransferResult:
+    _dead_lane_reason = "remote copy lane exited"
+
+    def _lane_alive(self, chunk: TransferChunk) -> bool:
         lanes = self._reads if chunk.direction is Direction.REMOTE_TO_CPU else self._writes
-        while True:
-            try:
-                return future.result(timeout=_LIVENESS_CHECK_S)
-            except FutureTimeoutError:
-                if not lanes.is_alive() and not future.done():  # last resort
-                    return failed_result(chunk, self._clock(), "remote copy lane exited")
+        return lanes.is_alive()
+
+    def _now_s(self) -> float:
+        return self._clock()
 
     def _validate(self, chunk: TransferChunk) -> None:
         tid = chunk.transfer_id
         if self._closed:
             raise ValueError(f"transfer {tid}: the remote copy engine is closed")
-        if tid in self._pending:
+        if self._is_pending(tid):
             raise ValueError(f"transfer {tid}: id already in use by a pending chunk")
         if chunk.direction not in REMOTE_DIRECTIONS:
             raise ValueError(f"transfer {tid}: {chunk.direction} is not a remote direction")
