@@ -25,6 +25,7 @@ figures on a quiet one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -109,6 +110,38 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(finite(report), indent=1, allow_nan=False)
 
 
+def record_failure(report: dict[str, Any], name: str, error: Exception) -> None:
+    """A section (or the warm-up) that broke: loud, recorded, never a figure."""
+    print(f"[{name}] FAILED: {error}", file=sys.stderr, flush=True)
+    report["failed"][name] = f"{type(error).__name__}: {error}"
+
+
+def run_section(
+    report: dict[str, Any],
+    name: str,
+    section: Callable[[], Result],
+    stream: TextIO,
+    out: str | None,
+) -> None:
+    """Run one section into `report`; a failure is recorded and the caller goes on.
+    With `out`, the report so far is rewritten after the section (a cut run keeps it)."""
+    start_s = time.perf_counter()
+    try:
+        result = section()
+    except Exception as error:
+        # Loud, and the other sections still run: a benchmark that did not exercise
+        # what it names (NotExercised) or broke is a failed section, never a figure.
+        if not isinstance(error, KvSwapError):
+            traceback.print_exc()
+        record_failure(report, name, error)
+    else:
+        seconds = time.perf_counter() - start_s
+        render(name, result, seconds, stream)
+        report["sections"][name] = {"seconds": round(seconds, 1), **result.to_json()}
+    if out:
+        Path(out).write_text(to_json(report) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -126,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         warm_up(bench)
     except Exception as error:  # every section would meet it again: record it once here
-        print(f"[warm_up] FAILED: {error}", file=sys.stderr, flush=True)
-        report["failed"]["warm_up"] = f"{type(error).__name__}: {error}"
+        record_failure(report, "warm_up", error)
     for name in args.names:
         section, reason = SECTIONS[name]
         why_not = reason()
@@ -135,22 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] skipped: {why_not}", file=stream, flush=True)
             report["skipped"][name] = why_not
             continue
-        start_s = time.perf_counter()
-        try:
-            result = section(bench)
-        except Exception as error:
-            # Loud, and the other sections still run: a benchmark that did not exercise
-            # what it names (NotExercised) or broke is a failed section, never a figure.
-            if not isinstance(error, KvSwapError):
-                traceback.print_exc()
-            print(f"[{name}] FAILED: {error}", file=sys.stderr, flush=True)
-            report["failed"][name] = f"{type(error).__name__}: {error}"
-        else:
-            seconds = time.perf_counter() - start_s
-            render(name, result, seconds, stream)
-            report["sections"][name] = {"seconds": round(seconds, 1), **result.to_json()}
-        if args.out:
-            Path(args.out).write_text(to_json(report) + "\n")
+        run_section(report, name, functools.partial(section, bench), stream, args.out)
     if args.json:
         print(to_json(report))
     return 1 if report["failed"] else 0

@@ -34,15 +34,13 @@ import functools
 import os
 import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import render, to_json
+from engine import record_failure, run_section, to_json
 from engine_support import Bench, Result, warm_up
 from kvswap.commands.outputs import check_output_file
 from kvswap.data.remote_copy import (
@@ -155,23 +153,9 @@ def run_sections(args: argparse.Namespace, bench: Bench, url: str, report: dict[
         try:
             warm_up(bench)  # a device's one-time start is paid before anything is timed
         except Exception as error:  # every engine section would meet it again: once here
-            print(f"[warm_up] FAILED: {error}", file=sys.stderr, flush=True)
-            report["failed"]["warm_up"] = f"{type(error).__name__}: {error}"
+            record_failure(report, "warm_up", error)
     for name, section in chosen.items():
-        start_s = time.perf_counter()
-        try:
-            result = section(url)
-        except Exception as error:
-            if not isinstance(error, KvSwapError):
-                traceback.print_exc()
-            print(f"[{name}] FAILED: {error}", file=sys.stderr, flush=True)
-            report["failed"][name] = f"{type(error).__name__}: {error}"
-        else:
-            seconds = time.perf_counter() - start_s
-            render(name, result, seconds, stream)
-            report["sections"][name] = {"seconds": round(seconds, 1), **result.to_json()}
-        if args.out:
-            Path(args.out).write_text(to_json(report) + "\n")
+        run_section(report, name, functools.partial(section, url), stream, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
