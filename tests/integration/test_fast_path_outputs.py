@@ -27,28 +27,11 @@ from kvswap.engine import runner
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.model.generate import SamplingParams, sample_token
 from kvswap.model.loader import load_model
-from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
+from kvswap.workload.synthetic import generate_synthetic
+from tests.integration.test_engine_outputs import BASE, SPEC
 
-# Four two-turn sessions over a shared system prompt (as in test_engine_outputs).
-SPEC = SyntheticSpec(
-    num_sessions=4,
-    turns_per_session=2,
-    prompt_tokens=40,
-    output_tokens=12,
-    user_tokens_per_turn=8,
-    system_prompt_tokens=16,
-    vocab_size=256,
-    seed=3,
-)
-BASE: dict[str, object] = {
-    "kv_block_tokens": 8,
-    "protected_sink_blocks": 1,
-    "min_residency_steps": 4,
-    "swap_out_chunk_blocks": 2,
-    "swap_in_chunk_blocks": 2,
-    "max_num_seqs": 4,
-    "device": "cpu",
-}
+# The sessions and pools of the exact-mode output tests, run on the fast path.
+FAST_BASE: dict[str, object] = {**BASE, "batch_invariant": False}
 LM_HEAD_SCALE = 8.0
 #: The fast mode's logits of the unscaled model stay within 1e-5 of the exact mode's
 #: (test_fast_path's tolerance; ~1e-6 seen), so within 1e-5 * LM_HEAD_SCALE here:
@@ -77,7 +60,7 @@ def peaky(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run(model: str, **settings: object) -> dict[str, Any]:
-    config = load_config(environ={}, overrides={**BASE, **settings})
+    config = load_config(environ={}, overrides={**FAST_BASE, **settings})
     with Engine(config, EngineOptions(model=model)) as engine:
         assert engine.model.batch_invariant is bool(settings.get("batch_invariant", False))
         return engine.run(generate_synthetic(SPEC)).to_json()
