@@ -1,0 +1,159 @@
+"""What the remote-tier scenario tests share: a fake store, processes on tiny pools.
+
+The store is a small in-memory fake shared by "processes" (each a scheduler
+with its own pools and copy engine, as two engines on two machines would be).
+`FakeStore` is the `RemoteIndex`; `RemoteEngine` is the manual copy engine of
+the other scenario tests plus the store: a remote chunk's outcome is decided
+when the test finishes it (a key gone means that block's slot failed; a store
+that is down fails every slot). Blocks are 2 tokens; the "model" samples
+`1000 + 100 * seq_id + i`, as in test_scheduler_scenarios.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvswap.control.identity import KeyNamespace
+from kvswap.control.policy import PolicyOptions
+from kvswap.control.remote import RemoteIndex
+from kvswap.control.scheduler import Scheduler, SchedulerSettings, StepPlan
+from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
+from kvswap.control.store import StoreLayout
+from kvswap.control.swapper import Swapper
+from kvswap.control.transfer import Direction, Tier, TransferChunk, TransferResult
+from tests.manual_engine import ManualCopyEngine
+
+BT = 2
+NAMESPACE = KeyNamespace(model_fingerprint="model-a", block_tokens=BT)
+
+
+class FakeStore(RemoteIndex):
+    """Block keys held by a shared store. `vanishing` keys are reported present by a
+    lookup but gone by the time they are fetched (a TTL ran out in between)."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+        self.vanishing: set[bytes] = set()
+        self.up = True
+        self.down_after_lookup = False  # an outage right after the next lookup answers
+        self.lookups: list[tuple[bytes, ...]] = []
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        self.lookups.append(tuple(keys))
+        if self.down_after_lookup:
+            self.up = False
+        held = 0
+        for key in keys:
+            if key not in self.keys and key not in self.vanishing:
+                break
+            held += 1
+        return held
+
+    @property
+    def available(self) -> bool:
+        return self.up
+
+
+class RemoteEngine(ManualCopyEngine):
+    def __init__(self, store: FakeStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def _result(self, chunk: TransferChunk) -> TransferResult:
+        def result(success: bool, failed: tuple[int, ...], error: str | None) -> TransferResult:
+            return TransferResult(
+                chunk.transfer_id, success, chunk.num_bytes, 0.0, 0.001, error, failed
+            )
+
+        if chunk.direction is Direction.REMOTE_TO_CPU:
+            if not self.store.up:
+                return result(False, chunk.dst_slots, "store down")
+            pairs = zip(chunk.dst_slots, chunk.keys, strict=True)
+            return result(True, tuple(s for s, key in pairs if key not in self.store.keys), None)
+        if chunk.direction is Direction.CPU_TO_REMOTE:
+            if not self.store.up or chunk.transfer_id in self.fail_ids:
+                return result(False, chunk.dst_slots, "skipped")  # a skipped write
+            self.store.keys.update(chunk.keys)
+        return super()._result(chunk)
+
+
+def make_process(
+    store: FakeStore,
+    *,
+    num_gpu_blocks: int = 8,
+    num_cpu_blocks: int = 8,
+    num_nvme_blocks: int = 0,
+    write_policy: RemoteWritePolicy = RemoteWritePolicy.ON_FINISH,
+    max_lookup_blocks: int = 64,
+    max_inflight_write_chunks: int = 4,
+    swap_out_chunk_blocks: int = 4,
+    swap_in_chunk_blocks: int = 4,
+    cpu_demote_high_watermark: float = 1.0,
+    cpu_demote_low_watermark: float = 0.99,
+    remote: bool = True,
+) -> tuple[Scheduler, RemoteEngine]:
+    """One process: its own pools and copy engine, the shared `store`. Watermarks at
+    1.0: nothing is swapped out or demoted ahead of need unless a test asks."""
+    engine = RemoteEngine(store)
+    layout = StoreLayout(BT, num_gpu_blocks, num_cpu_blocks, num_nvme_blocks, 0, NAMESPACE)
+    swap = SwapSettings(
+        block_bytes=64, swap_out_high_watermark=1.0, swap_out_low_watermark=0.99,
+        swap_out_chunk_blocks=swap_out_chunk_blocks, swap_in_chunk_blocks=swap_in_chunk_blocks,
+        cpu_demote_high_watermark=cpu_demote_high_watermark,
+        cpu_demote_low_watermark=cpu_demote_low_watermark,
+    )  # fmt: skip
+    settings = RemoteSettings("model-a", write_policy, max_lookup_blocks, max_inflight_write_chunks)
+    swapper = Swapper(
+        layout, PolicyOptions(sink_protection=False, min_residency_steps=0), swap, engine,
+        clock_s=lambda: 0.0, remote_index=store if remote else None, remote=settings,
+    )  # fmt: skip
+    return Scheduler(swapper, SchedulerSettings(max_num_seqs=8, max_num_batched_tokens=64)), engine
+
+
+def output_token(seq_id: int, index: int) -> int:
+    return 1000 + 100 * seq_id + index
+
+
+def run_step(scheduler: Scheduler, now_s: float = 0.0) -> tuple[StepPlan, list[int]]:
+    plan = scheduler.schedule(now_s)
+    sampled = {
+        item.seq_id: output_token(item.seq_id, len(scheduler.runs[item.seq_id].output_ids))
+        for item in plan.seqs
+        if item.samples
+    }
+    finished = scheduler.complete(plan, sampled, now_s)
+    scheduler.swapper.check_integrity()
+    return plan, finished
+
+
+def computed(plan: StepPlan) -> list[tuple[int, tuple[int, ...], int]]:
+    return [(item.seq_id, item.token_ids, item.start_position) for item in plan.seqs]
+
+
+def chunks(engine: ManualCopyEngine, direction: Direction) -> list[TransferChunk]:
+    return [chunk for chunk in engine.submitted if chunk.direction is direction]
+
+
+def placement(scheduler: Scheduler, seq_id: int) -> list[str]:
+    return [
+        "+".join(tier.value for tier in Tier if block.ready_copy(tier) is not None)
+        for block in scheduler.swapper.store.sequence_blocks(seq_id)
+    ]
+
+
+def between_steps(scheduler: Scheduler, engine: ManualCopyEngine, step: int) -> None:
+    """Every transfer lands, then a step boundary with no work (the write-behind runs)."""
+    engine.finish()
+    scheduler.swapper.begin_step(step)
+    scheduler.swapper.end_step()
+    scheduler.swapper.check_integrity()
+
+
+def serve_and_write(store: FakeStore, prompt: list[int], *, cache_salt: str | None = None) -> None:
+    """Process A serves one request and writes its full blocks to the store."""
+    a, engine = make_process(store)
+    a.add_request(1, prompt, 1, 0.0, cache_salt=cache_salt)
+    _, finished = run_step(a)
+    assert finished == [1]
+    for step in (2, 3):
+        between_steps(a, engine, step)
