@@ -76,7 +76,7 @@ class RedisServer:
             pytest.skip(reason)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for _attempt in range(_PORT_ATTEMPTS):
-            self.port = _free_port()  # another process may take it first: then try again
+            self.port = free_port()  # another process may take it first: then try again
             if self._launch():
                 return self
         raise RuntimeError(f"redis-server did not start; see {self.work_dir / 'redis.log'}")
@@ -151,7 +151,7 @@ class RedisServer:
             process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((HOST, 0))
         port: int = probe.getsockname()[1]

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from kvswap.serve.loadgen.prompts import VOCAB_SIZE, WORDS, PromptBook
 from kvswap.serve.loadgen.results import Outcome, RequestRecord
 from kvswap.serve.loadgen.series import loadgen_series, token_arrivals
 from kvswap.workload.mooncake import load_mooncake_trace, read_trace_rows, scaled_output_tokens
+from tests.redis_server import free_port
 
 from .cli_checks import cli, one_error_line
 from .loadgen_stub import MODEL, StubOptions, StubServer
@@ -57,13 +57,6 @@ def loadgen_json(
     code, out, err = cli(capsys, "loadgen", "--url", url, "--json", *flags)
     assert code == 0, err
     return json.loads(out), err
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 # --- what is reported equals what was served ---------------------------------------
