@@ -51,7 +51,7 @@ TINY_HF_CONFIG: dict[str, Any] = {
 def peaky(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A checkpoint directory: the tiny preset's weights, LM head x LM_HEAD_SCALE."""
     model, _ = load_model("tiny", None, torch.device("cpu"))
-    tensors = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tensors = {name: t.clone() for name, t in model.state_dict().items()}
     tensors["lm_head.weight"] *= LM_HEAD_SCALE
     directory = tmp_path_factory.mktemp("peaky")
     (directory / "config.json").write_text(json.dumps(TINY_HF_CONFIG))

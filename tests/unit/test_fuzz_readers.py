@@ -202,7 +202,7 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     model, _ = load_model("tiny", None, torch.device("cpu"))
     directory = tmp_path_factory.mktemp("tiny-checkpoint")
     path = directory / "model.safetensors"
-    save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(path))
+    save_file({n: t.clone() for n, t in model.state_dict().items()}, str(path))
     yield path
     path.unlink()
     directory.rmdir()

@@ -235,7 +235,7 @@ def test_config_dict_with_non_finite_or_huge_values_is_refused(
 @pytest.fixture(scope="module")
 def tiny_tensors() -> dict[str, torch.Tensor]:
     model, _ = load_model("tiny", None, torch.device("cpu"))
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: t.clone() for name, t in model.state_dict().items()}
 
 
 def _checkpoint(

@@ -2,7 +2,8 @@
 
 - Fast (default): `nn.Linear`, one matmul over every row of the step. BLAS
   picks its blocking from the matrix shape, so a token's output may differ in
-  the last bits with the number of rows that share its step.
+  the last bits with the number of rows that share its step. On a CPU the
+  loaded model replaces these by `packed_linear.PackedLinear`.
 - Exact (`batch_invariant=True`): `TiledLinear`, fixed [LINEAR_TILE_ROWS, in]
   tiles (the last one zero-padded). Every matmul call has the same shape, so a
   row's output is bit-identical whatever else is in the batch.

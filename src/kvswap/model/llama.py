@@ -8,7 +8,8 @@ float32 cast to the model dtype, logits cast to float32) so fp32 logits match
 `LlamaForCausalLM` to ~1e-5.
 
 The model is built in one of two modes (`batch_invariant`), fixed for its life:
-- fast (default): every linear is one matmul over the whole step, attention
+- fast (default): every linear is one matmul over the whole step (on a CPU
+  over weights pre-packed for oneDNN once loaded: `packed_linear`), attention
   is a few large SDPA calls per layer (`fast_attention`), and the last layer
   computes only what the LM head reads (each sequence's last token) besides
   the K/V of every token. Logits match the exact mode and transformers to fp32
@@ -32,6 +33,7 @@ from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.fast_attention import FastPagedAttention
 from kvswap.model.linear import make_linear, make_lm_head
+from kvswap.model.packed_linear import pack_linears
 from kvswap.model.paged_attention import (
     AttentionBatch,
     ExactPagedAttention,
@@ -168,6 +170,15 @@ class LlamaForCausal(nn.Module):
         )
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
+
+    def pack_weights(self) -> int:
+        """The fast mode on a CPU: every linear's weight pre-packed (`packed_linear`), once
+        the weights are loaded; returns how many were. The exact mode and an LM head
+        tied to the embedding stay dense."""
+        if self.batch_invariant:
+            return 0
+        skip = frozenset({"lm_head"}) if self.config.tie_word_embeddings else frozenset()
+        return pack_linears(self, skip=skip)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after to_empty)."""

@@ -89,7 +89,7 @@ def load_model(
     `dtype` overrides the checkpoint's own dtype (presets default to fp32). The
     returned config's `dtype_name` is the dtype the weights were loaded in.
     `batch_invariant` builds the model in the exact mode (`kvswap.model.llama`);
-    the weights are the same in both modes.
+    the weights are the same in both modes (the fast mode packs them for a CPU).
     """
     config, torch_dtype, directory = resolve_model(source, dtype)
     if directory is not None:
@@ -100,6 +100,7 @@ def load_model(
         _fill_random(model, PRESET_SEED)
     else:
         _fill_from_checkpoint(model, directory)
+    model.pack_weights()
     return model.eval(), config
 
 
