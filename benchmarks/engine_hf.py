@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import logging
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -116,13 +118,29 @@ def timed(device: str, work: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start_s, out
 
 
-def hf_generate(hf: Any, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+class TokenClock:
+    """A `generate` streamer that notes when each token arrives: `put` is called with
+    the prompt first, then with every new token."""
+
+    def __init__(self) -> None:
+        self.times_s: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times_s.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(
+    hf: Any, prompts: list[list[int]], num_new: int, streamer: TokenClock | None = None
+) -> list[list[int]]:
     """Greedy `generate` over one batch of equal-length prompts, exactly `num_new` tokens."""
     ids = torch.tensor(prompts, device=hf.device)
     with torch.inference_mode():
         out = hf.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
-            min_new_tokens=num_new, do_sample=False, pad_token_id=0,
+            min_new_tokens=num_new, do_sample=False, pad_token_id=0, streamer=streamer,
         )  # fmt: skip
     return [row[ids.shape[1] :] for row in out.tolist()]
 
@@ -130,13 +148,19 @@ def hf_generate(hf: Any, prompts: list[list[int]], num_new: int) -> list[list[in
 def long_request(
     bench: Bench, hf: Any, vocab: int, prompt_tokens: int, num_new: int
 ) -> dict[str, object]:
-    """Prefill rate and decode time per token of one request, on both sides."""
+    """Prefill rate and decode time per token of one request, on both sides, each from
+    one run: prompt to first token, and the median gap between later tokens (P50
+    TPOT), so neither side's figure is a difference of two noisy runs."""
     prompt = prompts_for(1, prompt_tokens, vocab, seed=1)
     hf_generate(hf, prompts_for(1, 32, vocab, seed=9), 2)  # untimed
-    first_s, _ = timed(bench.device, lambda: hf_generate(hf, prompt, 1))
-    all_s, hf_ids = timed(bench.device, lambda: hf_generate(hf, prompt, num_new))
-    hf_prefill_tok_s = prompt_tokens / first_s
-    hf_decode_ms = 1e3 * max(all_s - first_s, 0.0) / (num_new - 1)
+    clock = TokenClock()
+    _, hf_ids = timed(bench.device, lambda: hf_generate(hf, prompt, num_new, clock))
+    arrivals_s = clock.times_s  # the prompt's put, then one per new token
+    if len(arrivals_s) != num_new + 1:
+        raise RuntimeError(f"generate streamed {len(arrivals_s) - 1} of {num_new} tokens")
+    hf_prefill_tok_s = prompt_tokens / (arrivals_s[1] - arrivals_s[0])
+    gaps_s = [later - earlier for earlier, later in itertools.pairwise(arrivals_s[1:])]
+    hf_decode_ms = 1e3 * statistics.median(gaps_s)
     workload = explicit_requests(prompt, num_new, vocab)
     pool: dict[str, object] = {
         "gpu_kv_capacity_blocks": blocks_for(prompt_tokens + num_new) + 2,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tempfile
 
 from engine_support import (
+    BLOCK_TOKENS,
     Bench,
     Goal,
     Result,
@@ -82,16 +83,24 @@ def section_pressure(bench: Bench) -> Result:
     return Result(shapes, figures, goals)
 
 
+#: Free token slots left in each prompt's last block of the recompute section: more
+#: than the steps its four prompts take to prefill, so none needs a block before all are.
+HEADROOM_TOKENS = 8
+
+
 def swap_vs_recompute(bench: Bench, context_tokens: int) -> Result:
-    """Four sequences of `context_tokens` (prompt + output) whose prompts fill the GPU
-    pool but for one block: when they grow, the newest is preempted with its whole
-    prompt computed. Swap moves its blocks to the CPU and back; recompute (no CPU
-    tier) drops them: the pool stays past its high watermark, so the prefix cache
-    cannot keep them, and its context is computed again when it resumes."""
+    """Four sequences of about `context_tokens` (prompt + output) whose prompts fill the
+    GPU pool but for one block. Each prompt leaves its last block HEADROOM_TOKENS
+    short, so every prompt is computed before any sequence needs a new block; when
+    they grow, the newest is preempted with its whole prompt computed. Swap moves
+    its blocks to the CPU and back; recompute (no CPU tier) drops them: the pool
+    stays past its high watermark, so the prefix cache cannot keep them, and its
+    context is computed again when it resumes (at least half a prompt, or the
+    section fails)."""
     output = 16 if bench.quick else 64
     num = 4
-    prompt = context_tokens - output
-    prompt_blocks = blocks_for(prompt)
+    prompt_blocks = blocks_for(context_tokens - output)
+    prompt = prompt_blocks * BLOCK_TOKENS - HEADROOM_TOKENS
     pool_blocks = num * prompt_blocks + 1
     workload = independent_requests(num, prompt, output, model_vocab(bench.model), seed=2)
     limits: dict[str, object] = {
@@ -105,12 +114,13 @@ def swap_vs_recompute(bench: Bench, context_tokens: int) -> Result:
     require(swap["preemptions"] > 0, f"{context_tokens}: swap preempted no sequence")
     require(recompute["preemptions"] > 0, f"{context_tokens}: recompute preempted no sequence")
     require(
-        recompute["recomputed_tokens"] > 0,
+        recompute["recomputed_tokens"] >= prompt // 2,
         f"{context_tokens}: recompute preempted {recompute['preemptions']} times but recomputed "
-        "0 tokens (the preempted blocks stayed in the GPU prefix cache)",
+        f"{recompute['recomputed_tokens']} tokens, under half a {prompt}-token prompt (the "
+        "preempted blocks stayed in the GPU prefix cache, or it was preempted mid-prefill)",
     )
     shapes: dict[str, object] = {
-        "sequences": num, "context_tokens": context_tokens, "output_tokens": output,
+        "sequences": num, "prompt_tokens": prompt, "output_tokens": output,
         "prompt_blocks": prompt_blocks, "swap_cpu_pool_blocks": cpu_blocks, **limits,
     }  # fmt: skip
     figures: dict[str, object] = {
