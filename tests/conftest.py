@@ -1,5 +1,14 @@
-"""Fixtures shared by every test directory: a throwaway redis-server on loopback."""
+"""Fixtures shared by every test directory: a throwaway redis-server on loopback.
 
-from tests.redis_server import redis_server, redis_server_factory
+OpenMP's idle threads sleep rather than spin in the test process too (as the
+command line arranges for itself, before torch loads; a setting of the user's
+wins): tests run servers, copy workers and subprocesses beside the model on
+few cores, where spinning threads slow every step down."""
+
+from kvswap.model.openmp_env import prefer_passive_openmp_wait
+
+prefer_passive_openmp_wait()
+
+from tests.redis_server import redis_server, redis_server_factory  # noqa: E402
 
 __all__ = ["redis_server", "redis_server_factory"]

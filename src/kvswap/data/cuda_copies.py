@@ -5,7 +5,7 @@
                    -- record(start)     -> [start]
                    -- copy_ x num_blocks-> [blk][blk][blk]...   (non_blocking)
                    -- record(end)       -> [end]
-    .wait()  ------- end.synchronize() <-- end reached
+    .wait()  ------- end.synchronize() <-- end reached (a blocking event: sleeps)
 
 Each block is one `copy_(non_blocking=True)` between the device pool and a
 page-locked host slot, so it is a real asynchronous DMA. The chunk's duration
@@ -31,7 +31,9 @@ class CudaChunk:
         self.job = job
         self.issue_s = time.perf_counter()
         self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        self._end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        # blocking: the worker waiting in wait() sleeps instead of spinning on a core
+        # that the engine's own thread needs to queue the next step.
+        self._end = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
         chunk = job.chunk
         try:
             with torch.cuda.device(stream.device), torch.cuda.stream(stream):
