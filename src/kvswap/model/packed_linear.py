@@ -68,7 +68,7 @@ def _pack(weight: Tensor) -> Tensor:
 @functools.cache
 def packing_supported(dtype: torch.dtype) -> bool:
     """Whether this torch can pack a CPU weight of `dtype` and get `F.linear`'s result."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(24, 40, generator=generator)
