@@ -10,9 +10,9 @@ a 4-sequence one 1.65x; prefill (thousands of rows) about the same.
 
 The packed copy *replaces* the dense weight (the layer keeps no `weight`
 parameter; `state_dict()` unpacks one on demand): the model's memory stays what
-its parameters are. An LM head tied to the embedding
-stays dense: the embedding needs the row-major bytes, and a packed second copy
-would add a vocabulary x hidden matrix to memory.
+its parameters are. An LM head tied to the embedding stays dense: the
+embedding needs the row-major bytes, and a packed second copy would add a
+vocabulary x hidden matrix to memory.
 
 Only for fp32 on a CPU whose torch has oneDNN, probed once by comparing a packed
 result with `F.linear`; anywhere else the layers stay `nn.Linear`. Results equal
@@ -76,7 +76,7 @@ def packing_supported(dtype: torch.dtype) -> bool:
     try:
         with torch.inference_mode():
             got = PackedLinear(_dense(weight))(x)
-    except RuntimeError:  # a build without these oneDNN ops
+    except (AttributeError, RuntimeError):  # a build without these oneDNN ops
         return False
     return bool(torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-5))
 
