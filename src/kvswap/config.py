@@ -414,6 +414,8 @@ def _one_line(error: ValidationError, origin: Mapping[str, str], spelled: Mappin
     loc = [str(part) for part in first["loc"]]
     field = next((part for part in reversed(loc) if part in FIELD_SECTIONS), ".".join(loc))
     message = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] in ("bool_parsing", "bool_type"):
+        message += "; allowed: true, false (or 1/0, yes/no, on/off)"
     if field not in FIELD_SECTIONS:
         return message
     where = f" (from {origin[field]})" if field in origin else ""

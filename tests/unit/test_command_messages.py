@@ -259,7 +259,7 @@ def test_run_bad_trace_scale_is_one_line(
     extra = ("--trace", str(trace)) if with_trace else ()
     code, out, err = cli(capsys, "run", "--model", "tiny", "--quiet", flag, value, *extra)
     assert code == 2 and out == ""
-    assert f"{flag} = " in one_error_line(err) and "allowed: a number > 0" in err
+    assert f"{flag} = " in one_error_line(err) and "allowed: a finite number > 0" in err
 
 
 def test_simulate_nan_length_scale_is_one_line_before_simulating(

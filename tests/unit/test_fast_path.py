@@ -254,7 +254,8 @@ def test_generate_runs_in_either_mode_and_refuses_a_bad_switch(
     monkeypatch.delenv("KVSWAP_BATCH_INVARIANT")
     assert main([*base, "--batch-invariant", "maybe"]) == 2
     err = capsys.readouterr().err
-    assert "batch_invariant" in err and len(err.strip().splitlines()) == 1
+    assert "batch_invariant" in err and "allowed: true, false" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 # --- the model has every core -----------------------------------------------------------

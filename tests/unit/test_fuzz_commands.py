@@ -76,6 +76,13 @@ SIM_FLAGS: dict[str, Flag] = {
     "--dtype": choice("fp16", "bf16", "fp8", "int4"),
     "--timeseries": OUTPUT_FILE,
     "--capacities-tokens": choice("1000,inf", "0", "a,b", "-5"),
+    # Several engines and a shared remote store.
+    "--engines": ints(1, 4),
+    "--route": choice("round-robin", "hash"),
+    "--shared-remote-gib": value(st.sampled_from(("0.001", "1", "64"))),
+    "--compare-remote": None,
+    "--remote-gb-per-s": value(st.sampled_from(("0.5", "2.5", "100"))),
+    "--remote-rtt-ms": value(st.sampled_from(("0", "0.2", "5"))),
 }
 
 

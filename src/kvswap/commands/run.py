@@ -82,7 +82,7 @@ def check_workload_arguments(args: argparse.Namespace) -> None:
     for name in ("time_scale", "length_scale"):
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
-            raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a number > 0")
+            raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a finite number > 0")
 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:

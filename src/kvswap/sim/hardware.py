@@ -242,7 +242,7 @@ def with_remote_link(
         if value is None:
             continue
         if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-            allowed = "a number > 0" if positive else "a number >= 0"
+            allowed = "a finite number > 0" if positive else "a finite number >= 0"
             raise KvSwapError(f"{flag} {value}: allowed: {allowed}")
     return dataclasses.replace(
         profile,
