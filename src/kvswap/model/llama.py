@@ -111,7 +111,11 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """SwiGLU: x [T, hidden] -> [T, hidden]."""
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # In place: the same bits as silu(gate) * up without two fresh [T, inner]
+        # buffers, each a page-faulted allocation on a CPU (4096 x 2048 fp32, 2 cores:
+        # 52 ms out of place against 10 ms in place).
+        gated = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        out: Tensor = self.down_proj(gated)
         return out
 
 
@@ -126,8 +130,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attend: StepAttention, layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer)
-        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        # Residual adds in place (x is this step's own activation; the same bits).
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, attend, layer))
+        out: Tensor = x.add_(self.mlp(self.post_attention_layernorm(x)))
         return out
 
     def last_tokens(
@@ -140,8 +145,8 @@ class DecoderLayer(nn.Module):
         step needs nothing from this layer but its K/V: for a prefill the query
         projection, attention, o_proj and MLP of every other row are skipped."""
         h = self.self_attn.last_tokens(self.input_layernorm(x), cos, sin, attend, layer, rows)
-        x = x[rows] + h
-        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        x = x[rows].add_(h)  # x[rows] is a copy
+        out: Tensor = x.add_(self.mlp(self.post_attention_layernorm(x)))
         return out
 
 
