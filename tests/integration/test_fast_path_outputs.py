@@ -29,6 +29,7 @@ from kvswap.model.generate import SamplingParams, sample_token
 from kvswap.model.loader import load_model
 from kvswap.workload.synthetic import generate_synthetic
 from tests.integration.test_engine_outputs import BASE, SPEC
+from tests.unit.test_llama import TINY_HF_CONFIG
 
 # The sessions and pools of the exact-mode output tests, run on the fast path.
 FAST_BASE: dict[str, object] = {**BASE, "batch_invariant": False}
@@ -37,14 +38,6 @@ LM_HEAD_SCALE = 8.0
 #: (test_fast_path's tolerance; ~1e-6 seen), so within 1e-5 * LM_HEAD_SCALE here:
 #: every greedy choice must win by a hundred times that.
 MIN_MARGIN = 100 * 1e-5 * LM_HEAD_SCALE
-
-TINY_HF_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "torch_dtype": "float32",
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
