@@ -6,7 +6,7 @@ with its own pools and copy engine, as two engines on two machines would be).
 the other scenario tests plus the store: a remote chunk's outcome is decided
 when the test finishes it (a key gone means that block's slot failed; a store
 that is down fails every slot). Blocks are 2 tokens; the "model" samples
-`1000 + 100 * seq_id + i`, as in test_scheduler_scenarios.py.
+`1000 + 100 * seq_id + i` (scheduler_support.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
-from kvswap.control.scheduler import Scheduler, SchedulerSettings, StepPlan
+from kvswap.control.scheduler import Scheduler, SchedulerSettings
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Direction, Tier, TransferChunk, TransferResult
+from kvswap.control.transfer import Direction, TransferChunk, TransferResult
 from tests.manual_engine import ManualCopyEngine
+from tests.unit.scheduler_support import run_step
 
 BT = 2
 NAMESPACE = KeyNamespace(model_fingerprint="model-a", block_tokens=BT)
@@ -108,37 +109,6 @@ def make_process(
         clock_s=lambda: 0.0, remote_index=store if remote else None, remote=settings,
     )  # fmt: skip
     return Scheduler(swapper, SchedulerSettings(max_num_seqs=8, max_num_batched_tokens=64)), engine
-
-
-def output_token(seq_id: int, index: int) -> int:
-    return 1000 + 100 * seq_id + index
-
-
-def run_step(scheduler: Scheduler, now_s: float = 0.0) -> tuple[StepPlan, list[int]]:
-    plan = scheduler.schedule(now_s)
-    sampled = {
-        item.seq_id: output_token(item.seq_id, len(scheduler.runs[item.seq_id].output_ids))
-        for item in plan.seqs
-        if item.samples
-    }
-    finished = scheduler.complete(plan, sampled, now_s)
-    scheduler.swapper.check_integrity()
-    return plan, finished
-
-
-def computed(plan: StepPlan) -> list[tuple[int, tuple[int, ...], int]]:
-    return [(item.seq_id, item.token_ids, item.start_position) for item in plan.seqs]
-
-
-def chunks(engine: ManualCopyEngine, direction: Direction) -> list[TransferChunk]:
-    return [chunk for chunk in engine.submitted if chunk.direction is direction]
-
-
-def placement(scheduler: Scheduler, seq_id: int) -> list[str]:
-    return [
-        "+".join(tier.value for tier in Tier if block.ready_copy(tier) is not None)
-        for block in scheduler.swapper.store.sequence_blocks(seq_id)
-    ]
 
 
 def between_steps(scheduler: Scheduler, engine: ManualCopyEngine, step: int) -> None:

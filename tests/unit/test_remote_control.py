@@ -20,14 +20,10 @@ from tests.unit.remote_control_support import (
     NAMESPACE,
     FakeStore,
     between_steps,
-    chunks,
-    computed,
     make_process,
-    output_token,
-    placement,
-    run_step,
     serve_and_write,
 )
+from tests.unit.scheduler_support import chunks, computed, output_token, placement, run_step
 
 # ---------------------------------------------------------------------------- reads
 

@@ -8,12 +8,10 @@ from kvswap.control.transfer import Direction, Priority, Tier
 from tests.unit.remote_control_support import (
     FakeStore,
     between_steps,
-    chunks,
-    computed,
     make_process,
-    run_step,
     serve_and_write,
 )
+from tests.unit.scheduler_support import chunks, computed, run_step
 
 # --------------------------------------------------------------------------- writes
 

@@ -14,12 +14,13 @@ the documented intent; when the code is fixed, flip their assertions.
 from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings, StepPlan
+from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Priority, Tier, TransferChunk
 from tests.manual_engine import ManualCopyEngine
+from tests.unit.scheduler_support import chunks, computed, output_token, placement, run_step
 
 BLOCK_TOKENS = 2
 
@@ -76,42 +77,8 @@ def make_scheduler(
     return Scheduler(swapper, settings), engine
 
 
-def output_token(seq_id: int, index: int) -> int:
-    return 1000 + 100 * seq_id + index
-
-
-def run_step(scheduler: Scheduler, now_s: float) -> tuple[StepPlan, list[int]]:
-    """One engine step; returns the plan and the sequences that finished."""
-    plan = scheduler.schedule(now_s)
-    sampled = {
-        item.seq_id: output_token(item.seq_id, len(scheduler.runs[item.seq_id].output_ids))
-        for item in plan.seqs
-        if item.samples
-    }
-    finished = scheduler.complete(plan, sampled, now_s)
-    scheduler.swapper.check_integrity()
-    return plan, finished
-
-
-def computed(plan: StepPlan) -> list[tuple[int, tuple[int, ...], int]]:
-    """(seq_id, token ids, first position) of every sequence the step computes."""
-    return [(item.seq_id, item.token_ids, item.start_position) for item in plan.seqs]
-
-
-def placement(scheduler: Scheduler, seq_id: int) -> list[str]:
-    """Where each block of the sequence has a ready copy, e.g. ["gpu+cpu", "cpu"]."""
-    return [
-        "+".join(tier.value for tier in Tier if block.ready_copy(tier) is not None)
-        for block in scheduler.swapper.store.sequence_blocks(seq_id)
-    ]
-
-
 def num_used_blocks(scheduler: Scheduler, tier: Tier) -> int:
     return scheduler.swapper.store.tiers[tier].num_used_slots
-
-
-def chunks(engine: ManualCopyEngine, direction: Direction) -> list[TransferChunk]:
-    return [chunk for chunk in engine.submitted if chunk.direction is direction]
 
 
 def test_admission_keeps_the_blocks_nobody_can_evict_under_the_low_watermark() -> None:
