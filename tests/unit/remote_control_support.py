@@ -127,3 +127,15 @@ def serve_and_write(store: FakeStore, prompt: list[int], *, cache_salt: str | No
     assert finished == [1]
     for step in (2, 3):
         between_steps(a, engine, step)
+
+
+def extend_a_stored_prefix(store: FakeStore) -> tuple[Scheduler, RemoteEngine]:
+    """A serves [1 2] [3 4] [5] and writes it; B then restores [1 2] [3 4] from the
+    store, computes [9 9] [9], finishes, and two quiet step boundaries pass."""
+    serve_and_write(store, [1, 2, 3, 4, 5])
+    b, engine = make_process(store)
+    b.add_request(7, [1, 2, 3, 4, 9, 9, 9], 1, 0.0)
+    run_step(b)
+    between_steps(b, engine, 2)
+    between_steps(b, engine, 3)
+    return b, engine

@@ -20,6 +20,7 @@ from tests.unit.remote_control_support import (
     NAMESPACE,
     FakeStore,
     between_steps,
+    extend_a_stored_prefix,
     make_process,
     serve_and_write,
 )
@@ -198,12 +199,7 @@ def test_remote_settings_refuse_what_cannot_work() -> None:
 
 def test_the_summary_has_one_remote_object_with_the_data_planes_counters() -> None:
     store = FakeStore()
-    serve_and_write(store, [1, 2, 3, 4, 5])
-    b, engine = make_process(store)
-    b.add_request(7, [1, 2, 3, 4, 9, 9, 9], 1, 0.0)
-    run_step(b)
-    between_steps(b, engine, 2)
-    between_steps(b, engine, 3)
+    b, _ = extend_a_stored_prefix(store)
     extras = {"device": "cpu", "remote": {"outages": 2, "corrupt": 1, "reconnects": 5}}
     summary = build_summary(b, 1.0, StepTotals(1, 1.0, 0.0), extras).to_json()
     remote = summary["remote"]

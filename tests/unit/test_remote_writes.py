@@ -8,6 +8,7 @@ from kvswap.control.transfer import Direction, Priority, Tier
 from tests.unit.remote_control_support import (
     FakeStore,
     between_steps,
+    extend_a_stored_prefix,
     make_process,
     serve_and_write,
 )
@@ -86,13 +87,8 @@ def test_a_written_block_leaves_the_pool_for_free_and_a_later_turn_finds_it_remo
 
 def test_a_block_already_in_the_store_is_not_written_again() -> None:
     store = FakeStore()
-    serve_and_write(store, [1, 2, 3, 4, 5])
     # B restores [1 2] [3 4] and computes [9 9] [9]; at its finish only [9 9] is new.
-    b, engine = make_process(store)
-    b.add_request(7, [1, 2, 3, 4, 9, 9, 9], 1, 0.0)
-    run_step(b)
-    between_steps(b, engine, 2)
-    between_steps(b, engine, 3)
+    b, engine = extend_a_stored_prefix(store)
     writes = chunks(engine, Direction.CPU_TO_REMOTE)
     assert sum(c.num_blocks for c in writes) == 1
     assert b.swapper.metrics.remote_writes == 1
