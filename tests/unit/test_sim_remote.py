@@ -285,8 +285,9 @@ def test_simulate_engine_flag_mistakes_are_one_line_errors() -> None:
         (["--compare-remote"], "--compare-remote is about the shared remote store"),
         (["--remote-rtt-ms", "1"], "--remote-rtt-ms is about the shared remote store"),
         (["--shared-remote-gib", "1e-9"], "holds no KV block"),
-        (["--shared-remote-gib", "1", "--remote-gb-per-s", "-2"], "allowed: a finite number > 0"),
-        (["--shared-remote-gib", "1", "--remote-gb-per-s", "inf"], "allowed: a finite number > 0"),
+        (["--shared-remote-gib", "1", "--remote-gb-per-s", "-2"], "allowed: a finite rate in"),
+        (["--shared-remote-gib", "1", "--remote-gb-per-s", "inf"], "allowed: a finite rate in"),
+        (["--shared-remote-gib", "1", "--remote-rtt-ms", "-1"], "allowed: a finite number >= 0"),
         (["--engines", "2", "--timeseries", "x.json"], "--timeseries follows one engine"),
     ]
     for flags, message in cases:

@@ -63,7 +63,7 @@ from pathlib import Path
 from kvswap.bench.report import BenchReport, link_gb_per_s, load_report
 from kvswap.config import suggest
 from kvswap.errors import KvSwapError
-from kvswap.ledger import check_measured_link
+from kvswap.ledger import check_link_gb_per_s, check_measured_link
 from kvswap.units import GIB
 
 GB = 1_000_000_000
@@ -235,15 +235,13 @@ def describe_remote_link(profile: HardwareProfile) -> str:
 def with_remote_link(
     profile: HardwareProfile, *, gb_per_s: float | None = None, rtt_ms: float | None = None
 ) -> HardwareProfile:
-    """`profile` with the remote link replaced where a value is given; a value that is
-    not a finite number (> 0 for the bandwidth, >= 0 for the round trip) is an error."""
-    checks = (("--remote-gb-per-s", gb_per_s, True), ("--remote-rtt-ms", rtt_ms, False))
-    for flag, value, positive in checks:
-        if value is None:
-            continue
-        if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-            allowed = "a finite number > 0" if positive else "a finite number >= 0"
-            raise KvSwapError(f"{flag} {value}: allowed: {allowed}")
+    """`profile` with the remote link replaced where a value is given; a bandwidth that
+    is not a usable link rate (`check_link_gb_per_s`, as `kvswap plan` checks it) or a
+    round trip that is not a finite number >= 0 is an error."""
+    if gb_per_s is not None:
+        check_link_gb_per_s(gb_per_s, "--remote-gb-per-s")
+    if rtt_ms is not None and not (math.isfinite(rtt_ms) and rtt_ms >= 0):
+        raise KvSwapError(f"--remote-rtt-ms {rtt_ms}: allowed: a finite number >= 0")
     return dataclasses.replace(
         profile,
         remote_gb_per_s=profile.remote_gb_per_s if gb_per_s is None else gb_per_s,
