@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 from kvswap.config import load_config
 from kvswap.engine import runner
 from kvswap.engine.engine import Engine, EngineOptions
-from kvswap.model.generate import SamplingParams, sample_token
+from kvswap.model.generate import sample_token
 from kvswap.model.loader import load_model
+from kvswap.sampling import SamplingParams
 from kvswap.workload.synthetic import generate_synthetic
 from tests.integration.test_engine_outputs import BASE, SPEC
 from tests.unit.test_llama import TINY_HF_CONFIG

@@ -7,14 +7,18 @@ be compared with the reference generator token for token.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvswap.config import load_config
 from kvswap.control.transfer import Tier
+from kvswap.engine import runner as runner_module
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.model.generate import generate_reference
+from kvswap.sampling import SamplingParams
 from kvswap.serve.engine_service import EngineThreadService
 from kvswap.serve.service import (
     Finished,
@@ -193,3 +197,57 @@ def test_close_aborts_what_outlives_the_deadline() -> None:
     finished = asyncio.run(main())
     assert finished.reason in (FinishReason.ABORT, FinishReason.LENGTH)
     assert svc.engine.host_pool is None  # released
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "seed", "needle"),
+    [
+        (1e-9, 1.0, 1, "temperature = 1e-09"),
+        (1.0, 1.0, 2**63, "seed = 9223372036854775808"),
+        (1.0, 1.0, -1, "seed = -1"),
+        (None, 1.0, 2**64 - 1, "seed"),
+        (1.0, 0.0, 1, "top_p = 0.0"),
+    ],
+)
+def test_sampling_outside_the_rule_is_refused_at_submit_and_the_engine_goes_on(
+    service: EngineThreadService, temperature: float | None, top_p: float, seed: int, needle: str
+) -> None:
+    bad = GenerationRequest(prompt(1, 8), 2, temperature=temperature, top_p=top_p, seed=seed)
+
+    async def main() -> Finished:
+        with pytest.raises(InvalidRequest, match=re.escape(needle)):
+            service.submit(bad)
+        good = GenerationRequest(prompt(1, 8), 2, temperature=1.0, top_p=1e-50, seed=7)
+        return (await collect(service.submit(good)))[1]
+
+    assert asyncio.run(main()).reason is FinishReason.LENGTH
+    assert service.healthy()
+
+
+def test_a_sampling_failure_aborts_only_that_request(
+    service: EngineThreadService,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    real = runner_module.sample_token
+
+    def failing(logits: torch.Tensor, sampling: SamplingParams | None, generator: object) -> int:
+        if sampling is not None and sampling.temperature == 1.5:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, sampling, generator)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "sample_token", failing)
+
+    async def main() -> list[tuple[list[int], Finished]]:
+        doomed = service.submit(GenerationRequest(prompt(2, 12), 8, temperature=1.5, seed=1))
+        others = [service.submit(GenerationRequest(prompt(s, 12), 8)) for s in (3, 4)]
+        return await asyncio.gather(*(collect(h) for h in (doomed, *others)))
+
+    (lost, aborted), *rest = asyncio.run(main())
+    assert aborted.reason is FinishReason.ABORT and lost == []
+    assert aborted.error is not None and aborted.error.startswith("sampling failed: probability")
+    assert [f.reason for _, f in rest] == [FinishReason.LENGTH, FinishReason.LENGTH]
+    assert all(len(tokens) == 8 for tokens, _ in rest)
+    assert service.healthy() and service.num_open_requests == 0
+    assert "aborted: sampling failed" in capfd.readouterr().err
+    assert not service.engine.swapper.holds_kv(0)  # the doomed request (id 0) holds no KV

@@ -21,12 +21,13 @@ from kvswap.cli import main
 from kvswap.control.scheduler import ScheduledSeq, StepPlan
 from kvswap.engine.runner import ModelRunner
 from kvswap.model.fast_attention import FastPagedAttention
-from kvswap.model.generate import SamplingParams, generate_reference, sample_token
+from kvswap.model.generate import generate_reference, sample_token
 from kvswap.model.linear import LINEAR_TILE_ROWS, SlicedLinear, TiledLinear, make_linear
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.loader import PRESETS, load_model
 from kvswap.model.openmp_env import USER_SETTINGS, prefer_passive_openmp_wait
 from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
+from kvswap.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 BLOCK_TOKENS = 4
@@ -200,13 +201,13 @@ def _plan(step: int, *items: tuple[int, list[int], int]) -> StepPlan:
 def test_sampling_for_gives_each_sequence_its_own_params(exact: LlamaForCausal) -> None:
     a, b = _tokens(6, 20), _tokens(9, 21)
     tables = {1: (0, 1), 2: (2, 3, 4)}
-    hot = SamplingParams(temperature=5.0, seed=9)
+    hot = SamplingParams(temperature=2.0, seed=9)
     params = {1: None, 2: hot}
 
     def sampled(runner: ModelRunner, plans: list[StepPlan], **kwargs: object) -> dict[int, int]:
         out: dict[int, int] = {}
         for plan in plans:
-            out.update(runner.run(plan, tables, **kwargs))  # type: ignore[arg-type]
+            out.update(runner.run(plan, tables, **kwargs).sampled)  # type: ignore[arg-type]
         return out
 
     together = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS), sampling=hot)

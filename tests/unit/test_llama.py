@@ -15,12 +15,13 @@ from safetensors.torch import save_file
 
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import LinearRopeScaling, Llama3RopeScaling
-from kvswap.model.generate import SamplingParams, generate_reference
+from kvswap.model.generate import generate_reference
 from kvswap.model.hf_config import parse_hf_config
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.loader import load_model
 from kvswap.model.paged_attention import AttentionBatch
 from kvswap.model.rope import RotaryEmbedding, apply_rope
+from kvswap.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 BLOCK_TOKENS = 4

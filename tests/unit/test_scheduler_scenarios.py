@@ -14,7 +14,7 @@ the documented intent; when the code is fixed, flip their assertions.
 from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Preemption, Scheduler, SchedulerSettings
+from kvswap.control.scheduler import FinishReason, Preemption, Scheduler, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper
@@ -448,3 +448,27 @@ def test_a_finished_request_is_offloaded_at_once_and_a_later_turn_hits_it_on_cpu
     swap_ins = chunks(engine, Direction.CPU_TO_GPU)
     assert sum(chunk.num_blocks for chunk in swap_ins) == 2
     assert all(chunk.priority is Priority.HIGH for chunk in swap_ins)
+
+
+def test_a_failed_sampling_aborts_only_its_own_sequence() -> None:
+    # Two sequences share a step; sequence 1's sampling fails (its logits held a NaN,
+    # say). It ends alone, as ABORT with the reason, its KV freed on every tier;
+    # sequence 2 gets its token and goes on.
+    scheduler, _ = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=8)
+    scheduler.add_request(1, [1, 2, 3, 4, 5], 4, 0.0)
+    scheduler.add_request(2, [11, 12, 13], 4, 0.0)
+    plan = scheduler.schedule(0.0)
+    assert [item.seq_id for item in plan.seqs] == [1, 2]
+    finished = scheduler.complete(
+        plan, {2: output_token(2, 0)}, 0.0, failed={1: "sampling failed: nan"}
+    )
+    scheduler.swapper.check_integrity()
+    assert finished == [1]
+    run = scheduler.runs[1]
+    assert run.finish_reason is FinishReason.ABORT and run.abort_reason == "sampling failed: nan"
+    assert run.output_ids == [] and not scheduler.swapper.holds_kv(1)
+    assert scheduler.running == [2] and scheduler.runs[2].output_ids == [output_token(2, 0)]
+    assert set(placement(scheduler, 2)) == {"gpu"}
+    for step in range(1, 4):
+        plan, finished = run_step(scheduler, float(step))
+    assert finished == [2] and len(scheduler.runs[2].output_ids) == 4

@@ -222,11 +222,17 @@ def one_line_error(response: Any, status: int) -> dict[str, object]:
 BAD_REQUESTS: list[tuple[str, str | bytes | dict[str, object], int, str]] = [
     ("/v1/completions", b'{"prompt": "hi",', 400, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, "expected a JSON object"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 422, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 3}, 422, "less than or equal to 2"),
-    ("/v1/completions", {"max_tokens": 3}, 422, "prompt: required"),
-    ("/v1/completions", {"prompt": {"text": "hi"}}, 422, "prompt: expected a string"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 3}, 400, "[0.001, 2]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e-9}, 400, "0 (greedy) or"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1, "seed": 2**63}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "0..9223372036854775807"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "temperature": 1e-9}, 400, "temperature"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt: required"),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, 400, "prompt: expected a string"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of: unknown field"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n: this server returns 1 choice"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs are not supported"),
@@ -237,10 +243,10 @@ BAD_REQUESTS: list[tuple[str, str | bytes | dict[str, object], int, str]] = [
     ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 200}, 400, "context is 256"),
     ("/v1/completions", {"prompt": [5000]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, 400, "prompt: empty"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 5}, 422, "at most 4"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 5}, 400, "at most 4"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "only with stream"),
-    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
      400, "messages[0].tool_calls: unknown field"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
@@ -292,7 +298,7 @@ def test_accepted_extras_and_a_bug_as_an_error_object(
         failed = http.post("/v1/completions", json=body)
     assert accepted.status_code == 200, accepted.text
     assert service.submitted[0].stop_token_ids == frozenset()  # ignore_eos
-    assert service.submitted[0].seed == 2**63
+    assert service.submitted[0].seed == 2**63 - 1
     error = one_line_error(failed, 500)
     assert error["code"] == "internal_error" and "RuntimeError" in str(error["message"])
 

@@ -26,7 +26,7 @@ from kvswap.control.store import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.drive.settings import control_settings
 from kvswap.errors import ConfigError, KvSwapError
-from kvswap.model.generate import SamplingParams
+from kvswap.sampling import SamplingParams
 from kvswap.sim.trace import load_trace_workload, trace_workload
 from kvswap.sim.tracegen import TraceSpec
 from kvswap.workload import bounds, mooncake
@@ -158,6 +158,27 @@ def test_generate_seed_1e23_names_the_seed_range(capsys: pytest.CaptureFixture[s
         "--seed", str(10**23),
     )  # fmt: skip
     assert_one_line_usage_error(code, err, "seed", f"0..{2**63 - 1}")
+
+
+def test_generate_with_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 1e-50 is 0 in float32: it once dropped every token ("invalid multinomial
+    # distribution", a traceback); now it samples greedily, the likeliest token kept.
+    code, out, err = cli(
+        capsys, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+        "--temperature", "1", "--top-p", "1e-50",
+    )  # fmt: skip
+    assert code == 0, err
+    _, greedy, _ = cli(capsys, "generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    assert out == greedy
+
+
+def test_generate_refuses_a_temperature_too_small_for_the_sampler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = cli(capsys, "generate", "--prompt-ids", "1", "--temperature", "1e-9")
+    assert_one_line_usage_error(code, err, "temperature = 1e-09", "0 (greedy) or")
 
 
 @pytest.mark.parametrize("seed", [-1, 2**63, True])

@@ -10,8 +10,9 @@ from kvswap.commands.run import engine_model
 from kvswap.config import load_config
 from kvswap.engine.engine import pick_device
 from kvswap.errors import KvSwapError
-from kvswap.model.generate import SamplingParams, check_generation_length, generate_reference
+from kvswap.model.generate import check_generation_length, generate_reference
 from kvswap.model.loader import load_model, resolve_model
+from kvswap.sampling import sampling_or_greedy
 
 
 def register(commands: Any) -> None:
@@ -63,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise KvSwapError(f"--max-new-tokens = {args.max_new_tokens}: must be >= 1")
     # Everything the flags alone can refuse is refused before the weights load.
-    sampling = None
-    if args.temperature is not None:
-        sampling = SamplingParams(temperature=args.temperature, seed=args.seed, top_p=args.top_p)
+    sampling = sampling_or_greedy(args.temperature, args.seed, args.top_p)
     device = pick_device(args.device)
     arch, _, _ = resolve_model(model_name, dtype)  # config only, no weights
     prompt = parse_ids(args.prompt_ids, arch.vocab_size)

@@ -12,9 +12,9 @@ from kvswap.commands.outputs import check_output_dir
 from kvswap.config import KvSwapConfig
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.errors import KvSwapError
-from kvswap.model.generate import SamplingParams
 from kvswap.model.presets import ENGINE_PRESET_NAMES
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
+from kvswap.sampling import sampling_or_greedy
 from kvswap.units import format_bytes
 from kvswap.workload.mooncake import load_mooncake_trace
 from kvswap.workload.request import Workload
@@ -152,9 +152,7 @@ def run(args: argparse.Namespace) -> int:
     check_workload_arguments(args)
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args, config)
-    sampling = None
-    if args.temperature is not None:
-        sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    sampling = sampling_or_greedy(args.temperature, args.seed)
     with Engine(config, EngineOptions(model, dtype, sampling)) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:

@@ -6,9 +6,10 @@ clock, the simulator with a cost model and a virtual clock. One step:
     plan = scheduler.schedule(now_s)    admit / resume / preempt; slots allocated;
                                         swap-ins started and waited for
     ... runner computes plan.seqs, samples one token per sampling sequence ...
-    scheduler.complete(plan, sampled, now_s)   outputs appended, finished
-                                        sequences offloaded, swap-out past the
-                                        watermark started
+    scheduler.complete(plan, sampled, now_s, failed=...)
+                                        outputs appended, finished sequences
+                                        offloaded (a failed sampling aborts only
+                                        its own), swap-out past the watermark started
 
 Every running sequence has all its blocks on the GPU during the step (paged
 attention reads them all). When the GPU cannot grow the batch, the newest
@@ -70,6 +71,8 @@ class SequenceRun:
     recomputed_tokens: int = 0
     tokens_to_recompute: int = 0  # computed before a recompute preemption dropped them
     rejected_reason: str | None = None
+    # Why it was aborted mid-run (its sampling failed); its KV is freed on every tier.
+    abort_reason: str | None = None
     # Sampling one of these ends the request (an end-of-sequence token).
     stop_token_ids: frozenset[int] = frozenset()
     finish_reason: FinishReason | None = None
@@ -229,13 +232,30 @@ class Scheduler:
                 break
         return StepPlan(self.step, tuple(seqs), wait_s)
 
-    def complete(self, plan: StepPlan, sampled: Mapping[int, int], now_s: float) -> list[int]:
-        """Apply a step's sampled tokens; returns the sequences that finished."""
+    def complete(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[int, int],
+        now_s: float,
+        *,
+        failed: Mapping[int, str] | None = None,
+    ) -> list[int]:
+        """Apply a step's sampled tokens; returns the sequences that finished.
+
+        `failed`: sequences whose sampling failed this step (seq id -> why). Each ends
+        alone, as ABORT with its `abort_reason`, its KV freed on every tier; the
+        others go on."""
         done: list[int] = []
+        aborted: list[int] = []
         for item in plan.seqs:
             if not item.samples:
                 continue
             run = self.runs[item.seq_id]
+            if failed and item.seq_id in failed:
+                run.finish_reason = FinishReason.ABORT
+                run.abort_reason = failed[item.seq_id]
+                aborted.append(item.seq_id)
+                continue
             run.output_ids.append(sampled[item.seq_id])
             run.token_times_s.append(now_s)
             self.tokens_generated += 1
@@ -250,6 +270,11 @@ class Scheduler:
         for seq_id in done:
             self.running.remove(seq_id)
             self.swapper.finish(seq_id)
+        for seq_id in aborted:
+            self.running.remove(seq_id)
+            self.swapper.discard(seq_id)
+        done += aborted
+        for seq_id in done:
             self.runs[seq_id].finish_s = now_s
             self.finished.append(seq_id)
         self.swapper.end_step()

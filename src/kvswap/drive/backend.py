@@ -5,7 +5,8 @@
     start()                  ->  the run's time origin (wall clock or virtual 0)
     now_s()                  ->  seconds since start
     idle_until(t_s)          ->  nothing to run before t_s: sleep, or jump the clock
-    execute(plan)            ->  compute the step; the sampled token per sampling seq
+    execute(plan)            ->  compute the step: the sampled token per sampling seq,
+                                 and the seqs whose sampling failed (each aborts alone)
     summary_extras(duration) ->  the backend's own summary keys (device, model, ...)
 
 The engine implements it with the model and a wall clock, the simulator with
@@ -17,8 +18,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kvswap.control.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced: seq id -> sampled token, and seq id -> why its sampling
+    failed (a NaN in its logits, say): that sequence is aborted, the step's others go on."""
+
+    sampled: Mapping[int, int]
+    failed: Mapping[int, str] = field(default_factory=dict)
 
 
 class Backend(ABC):
@@ -35,8 +46,8 @@ class Backend(ABC):
         """Nothing can run before `t_s` (seconds since start)."""
 
     @abstractmethod
-    def execute(self, plan: StepPlan) -> Mapping[int, int]:
-        """Run one step; returns seq id -> sampled token for the items that sample."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step; a sampled token (or why sampling failed) per item that samples."""
 
     @abstractmethod
     def summary_extras(self, duration_s: float) -> Mapping[str, object]:

@@ -8,8 +8,9 @@ Backend and in where requests come from):
         nothing to run?        idle until the next arrival
         plan = schedule()      swap-ins started and waited for
         empty plan?            wait for a transfer, idle until an arrival, or retry
-        sampled = backend.execute(plan)
-        complete(plan)         outputs appended; offload; swap-out past the watermark
+        output = backend.execute(plan)
+        complete(plan, output) outputs appended (a failed sampling aborts its sequence);
+                               offload; swap-out past the watermark
         observers, listener, progress
     drain transfers; summary
 
@@ -122,9 +123,9 @@ class Driver:
                 "nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
             )
         self._num_stalled = 0
-        sampled = backend.execute(plan)
+        output = backend.execute(plan)
         done_s = backend.now_s()
-        finished = scheduler.complete(plan, sampled, done_s)
+        finished = scheduler.complete(plan, output.sampled, done_s, failed=output.failed)
         this_step_s = backend.now_s() - step_start_s
         self.step_s += this_step_s
         self.swap_wait_s += plan.swap_wait_s
@@ -137,7 +138,7 @@ class Driver:
             for observer in self._observers:
                 observer.on_step(sample)
         if self._listener is not None:
-            self._listener(plan, sampled, finished)
+            self._listener(plan, output.sampled, finished)
         for seq_id in finished:
             self.arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
         self._report_progress()

@@ -60,6 +60,8 @@ class StepTotals:
 
 @dataclass(frozen=True)
 class Rejection:
+    """A request refused at admission, or aborted mid-run (its sampling failed)."""
+
     request_id: int
     reason: str
 
@@ -240,6 +242,10 @@ class RunSummary:
         return out
 
 
+def _aborted(abort_reason: str | None) -> str | None:
+    return None if abort_reason is None else f"aborted mid-run: {abort_reason}"
+
+
 def build_summary(
     scheduler: Scheduler,
     duration_s: float,
@@ -249,7 +255,11 @@ def build_summary(
     """The summary of the run `scheduler` just finished."""
     metrics = scheduler.swapper.metrics
     runs = [scheduler.runs[seq_id] for seq_id in sorted(scheduler.runs)]
-    completed = [r for r in runs if r.rejected_reason is None and r.finish_s is not None]
+    completed = [
+        r
+        for r in runs
+        if r.rejected_reason is None and r.abort_reason is None and r.finish_s is not None
+    ]
     ttft_s = [r.first_token_s - r.arrival_s for r in completed if r.first_token_s is not None]
     tpot_s = [
         (r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
@@ -275,7 +285,9 @@ def build_summary(
     return RunSummary(
         requests_completed=len(completed),
         rejections=tuple(
-            Rejection(r.seq_id, r.rejected_reason) for r in runs if r.rejected_reason is not None
+            Rejection(r.seq_id, reason)
+            for r in runs
+            if (reason := r.rejected_reason or _aborted(r.abort_reason)) is not None
         ),
         tokens_generated=sum(len(r.output_ids) for r in completed),
         duration_s=round(duration_s, 6),

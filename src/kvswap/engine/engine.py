@@ -34,18 +34,18 @@ from kvswap.data.layout import KVLayout
 from kvswap.data.remote_copy import RemoteCopyEngine, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.drive.assembly import build_control_plane
-from kvswap.drive.backend import Backend
+from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
-from kvswap.model.generate import SamplingParams
 from kvswap.model.loader import PRESET_SEED, load_model, resolve_model
 from kvswap.model.weights_identity import block_fingerprint
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
+from kvswap.sampling import SamplingParams
 from kvswap.signals import Terminated
 from kvswap.workload.request import Workload
 
@@ -209,7 +209,7 @@ class Engine(Backend):
     def idle_until(self, t_s: float) -> None:
         time.sleep(max(0.0, min(t_s - self.now_s(), IDLE_SLICE_S)))
 
-    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         tables = {item.seq_id: self.swapper.gpu_block_table(item.seq_id) for item in plan.seqs}
         return self.runner.run(plan, tables, self.sampling_for)
 

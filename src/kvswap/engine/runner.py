@@ -7,9 +7,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvswap.control.scheduler import StepPlan
-from kvswap.model.generate import SamplingParams, sample_token
+from kvswap.drive.backend import StepOutput
+from kvswap.model.generate import sample_token
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+from kvswap.sampling import SamplingParams
 
 #: A sequence's sampling parameters by its id; None means greedy.
 SamplingFor = Callable[[int], SamplingParams | None]
@@ -32,8 +34,9 @@ class ModelRunner:
         plan: StepPlan,
         tables: Mapping[int, Sequence[int]],
         sampling_for: SamplingFor | None = None,
-    ) -> dict[int, int]:
-        """Compute the plan's KV; returns the sampled token of each sampling sequence.
+    ) -> StepOutput:
+        """Compute the plan's KV; returns the sampled token of each sampling sequence
+        (or, where sampling raised, why: that sequence alone is aborted).
 
         `sampling_for(seq_id)` gives each sequence's own sampling (None: greedy);
         without it every sequence uses the engine-wide `self.sampling`."""
@@ -46,6 +49,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
         logits = self.model(input_ids, batch, self.kv).cpu()  # [num_seqs, vocab] float32
         sampled: dict[int, int] = {}
+        failed: dict[int, str] = {}
         for row, item in enumerate(plan.seqs):
             if not item.samples:
                 continue
@@ -55,5 +59,9 @@ class ModelRunner:
                 position = item.start_position + len(item.token_ids)
                 seed = hash((sampling.seed, item.seq_id, position)) & 0x7FFF_FFFF_FFFF_FFFF
                 generator = torch.Generator().manual_seed(seed)
-            sampled[item.seq_id] = sample_token(logits[row], sampling, generator)
-        return sampled
+            try:
+                sampled[item.seq_id] = sample_token(logits[row], sampling, generator)
+            except RuntimeError as error:  # torch: e.g. inf or NaN in the probabilities
+                # One sequence's bad logits must not end the step of every other one.
+                failed[item.seq_id] = f"sampling failed: {str(error).splitlines()[0]}"
+        return StepOutput(sampled, failed)

@@ -11,7 +11,6 @@ the fast mode's equal to fp32 rounding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,45 +21,8 @@ from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+from kvswap.sampling import SamplingParams
 from kvswap.units import ceil_div
-
-MAX_SEED = 2**63 - 1
-"""The largest sampling seed (a torch generator takes a signed 64-bit seed)."""
-
-
-#: The smallest sampling temperature: logits of a few hundred divided by less would
-#: overflow float32; greedy decoding is what a vanishing temperature means.
-MIN_TEMPERATURE = 1e-3
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Seeded sampling; pass `sampling=None` to `generate_reference` for greedy decoding."""
-
-    temperature: float
-    seed: int
-    top_p: float = 1.0
-    top_k: int | None = None
-
-    def __post_init__(self) -> None:
-        # Below MIN_TEMPERATURE, logits / temperature overflows to inf in fp32.
-        if not MIN_TEMPERATURE <= self.temperature < math.inf:  # NaN fails too
-            raise KvSwapError(
-                f"temperature = {self.temperature}: allowed: a finite number >= "
-                f"{MIN_TEMPERATURE} (omit it for greedy decoding)"
-            )
-        if not 0 < self.top_p <= 1:
-            raise KvSwapError(f"top_p = {self.top_p}: allowed: a number in (0, 1]")
-        if self.top_k is not None and self.top_k < 1:
-            raise KvSwapError(f"top_k = {self.top_k}: allowed: an integer >= 1")
-        # torch.Generator.manual_seed overflows past 64 bits; the engine masks its
-        # derived seeds to 63 bits, so one range serves both.
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise KvSwapError(f"seed = {self.seed!r}: allowed: an integer in 0..{MAX_SEED}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise KvSwapError(
-                f"seed = {self.seed!r:.40}: allowed: an integer in 0..{MAX_SEED} (2**63-1)"
-            )
 
 
 def check_generation_length(
@@ -108,7 +70,11 @@ def sample_token(
         sorted_probs, order = torch.sort(probs, descending=True, stable=True)
         # keep the smallest prefix whose mass reaches top_p (always the first token)
         mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        dropped = mass_before >= sampling.top_p
+        # A top_p that rounds to 0 in float32 would drop every token; the most likely
+        # one is always kept (its mass before is exactly 0, so nothing else changes).
+        dropped[0] = False
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 

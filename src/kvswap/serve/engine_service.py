@@ -41,9 +41,10 @@ from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import Driver
 from kvswap.engine.engine import Engine, EngineOptions
-from kvswap.model.generate import SamplingParams
+from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import PrometheusExporter
 from kvswap.obs.watermarks import Watermarks
+from kvswap.sampling import SamplingParams, sampling_or_greedy
 from kvswap.serve.service import (
     EngineService,
     Finished,
@@ -73,9 +74,12 @@ _FINISH_REASONS = {
 class LiveHandle(RequestHandle):
     """One request's event stream, fed from the engine thread."""
 
-    def __init__(self, request_id: int, request: GenerationRequest) -> None:
+    def __init__(
+        self, request_id: int, request: GenerationRequest, sampling: SamplingParams | None
+    ) -> None:
         self.request_id = request_id
         self.request = request
+        self.sampling = sampling  # checked on the HTTP side: the engine thread never refuses it
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent | Finished] = asyncio.Queue()
         self.done = False  # set on the engine thread once Finished is pushed
@@ -183,7 +187,7 @@ class LiveArrivals:
     def _admit(self, handle: LiveHandle, now_s: float) -> None:
         request = handle.request
         self.handles[handle.request_id] = handle
-        self.sampling[handle.request_id] = _sampling(request)
+        self.sampling[handle.request_id] = handle.sampling
         self._scheduler.add_request(
             handle.request_id, request.prompt_ids, request.max_new_tokens, now_s,
             cache_salt=request.cache_salt, stop_token_ids=request.stop_token_ids,
@@ -209,6 +213,9 @@ class LiveArrivals:
         if handle is None:
             return
         run = self._scheduler.runs[request_id]
+        if run.abort_reason is not None:
+            error = run.abort_reason
+            print(f"kvswap serve: request {request_id} aborted: {error}", file=sys.stderr)
         reason = _FINISH_REASONS[run.finish_reason or SchedulerFinish.ABORT]
         handle.push(
             Finished(
@@ -223,10 +230,13 @@ class LiveArrivals:
 
 
 def _sampling(request: GenerationRequest) -> SamplingParams | None:
-    if not request.temperature:
-        return None  # greedy
+    """The request's sampling (None: greedy), or InvalidRequest (400) for a value outside
+    the sampling rule: refused here, before the request reaches the engine thread."""
     seed = request.seed if request.seed is not None else secrets.randbits(63)
-    return SamplingParams(temperature=request.temperature, seed=seed, top_p=request.top_p)
+    try:
+        return sampling_or_greedy(request.temperature, seed, request.top_p)
+    except KvSwapError as error:
+        raise InvalidRequest(str(error)) from None
 
 
 class EngineThreadService(EngineService):
@@ -299,6 +309,7 @@ class EngineThreadService(EngineService):
                 f"the prompt's token ids must be in [0, {self.vocab_size}); "
                 f"got {min(request.prompt_ids)}..{max(request.prompt_ids)}"
             )
+        sampling = _sampling(request)
         reason = self._scheduler.rejection_reason(num_prompt, request.max_new_tokens)
         if reason is not None:
             raise PromptTooLong(f"this request {reason}")
@@ -312,7 +323,7 @@ class EngineThreadService(EngineService):
                     retry_after_s=RETRY_AFTER_S,
                 )
             self._num_open += 1
-        handle = LiveHandle(next(self._ids), request)
+        handle = LiveHandle(next(self._ids), request, sampling)
         self.arrivals.put(_Submit(handle))
         return handle
 

@@ -4,19 +4,17 @@
                          "type": "invalid_request_error", "param": "n",
                          "code": "unsupported_parameter"}}
 
-The status follows one rule, written here once (the OpenAI API answers 400 to
-most invalid requests; FastAPI-based servers answer 422 to schema violations;
-kvswap keeps both, each for one kind of mistake):
+The status follows one rule, written here once (as the OpenAI API and vLLM answer):
 
-    400  the body cannot be read (not JSON, not an object), or it asks for what this
-         server does not do: an unknown field, `n` > 1, logprobs, a text prompt or a
-         chat without a tokenizer, a prompt plus `max_tokens` longer than the model
+    400  the body cannot be read (not JSON, not an object), asks for what this server
+         does not do (an unknown field, `n` > 1, logprobs, a text prompt or a chat
+         without a tokenizer, a prompt plus `max_tokens` longer than the model), or a
+         known field holds a value of the wrong type or out of range (the sampling
+         fields' ranges: kvswap.sampling), or a required field is missing
     401  the API key is missing or wrong
     404  an unknown route or model
     405  a known route with the wrong method
     413  the prompt over `--max-prompt-tokens`, or the body over its byte limit
-    422  a known field holds a value of the wrong type or out of range, or a required
-         field is missing (the request's schema, checked by pydantic)
     429  the waiting queue is full; `Retry-After` says when to try again
     500  a bug in the server (its log has the traceback)
     503  the server is stopping or its engine has stopped
@@ -44,7 +42,6 @@ ERROR_TYPES: dict[int, str] = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",

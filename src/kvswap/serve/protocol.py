@@ -10,7 +10,7 @@ warning: a sampling option this server does not implement (`presence_penalty`,
 `best_of`, `logit_bias`, ...) would otherwise change nothing while the client
 believes it applied. Types are strict: `"5"` is not a number, `true` is not 1.
 Everything a body can get wrong is reported at once, one line, `; `-separated,
-each part naming its field (see kvswap.serve.errors for the 400/422 rule).
+each part naming its field (400, as the OpenAI API and vLLM answer; see kvswap.serve.errors).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -29,14 +30,22 @@ from pydantic_core import PydanticCustomError
 
 from kvswap.errors import KvSwapError
 from kvswap.readers import parse_json
+from kvswap.sampling import seed_problem, temperature_problem, top_p_problem
 from kvswap.serve.detokenize import MAX_STOP_STRINGS  # the OpenAI API's limit
 from kvswap.serve.errors import ApiError
 
-#: Error types that mean "this server does not do that" (400); every other is 422.
+#: Error types that mean "this server does not do that"; every other is a bad value.
 UNSUPPORTED_ERROR_TYPES = frozenset({"extra_forbidden", "unsupported"})
 #: How the text parts of one message's content are joined (as vLLM and chat_template join).
 CONTENT_PART_SEPARATOR = "\n"
-_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+#: Problems named in one error message; the rest are counted ("and N more"), so 100,000
+#: bad chat messages cost one short line, not megabytes.
+MAX_ERROR_PARTS = 5
+_SAMPLING_RULE = {
+    "temperature": temperature_problem,
+    "top_p": top_p_problem,
+    "seed": seed_problem,
+}
 _INPUT_SHOWN_CHARS = 40
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -70,9 +79,10 @@ class _Sampling(_Body):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
+    # Ranges: kvswap.sampling, the one rule the engine checks too.
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
     stop: tuple[str, ...] = ()
     n: int | None = None
     stream: bool | None = None
@@ -92,6 +102,16 @@ class _Sampling(_Body):
         if len(stops) > MAX_STOP_STRINGS:
             raise _invalid(f"{len(stops)} stop strings; allowed: at most {MAX_STOP_STRINGS}")
         return tuple(stops)
+
+    @field_validator("temperature", "top_p", "seed", mode="after")
+    @classmethod
+    def _sampling_rule(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is None:
+            return None
+        problem = _SAMPLING_RULE[str(info.field_name)](value)
+        if problem is not None:
+            raise _invalid(problem)
+        return value
 
     @field_validator("n", mode="after")
     @classmethod
@@ -239,8 +259,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 def parse_body(model: type[Model], body: bytes) -> Model:
-    """The body as `model`, or an ApiError: 400 for what cannot be read or is not
-    supported, 422 for values of the wrong type or range; one line naming every field."""
+    """The body as `model`, or an ApiError (400) for what cannot be read, is not supported,
+    or holds a value of the wrong type or range; one line naming every field."""
     try:
         value = parse_json(body, "request body")
     except KvSwapError as error:
@@ -262,11 +282,13 @@ def parse_body(model: type[Model], body: bytes) -> Model:
 def validation_error(model: type[BaseModel], error: ValidationError) -> ApiError:
     """pydantic's errors as one ApiError: one `field: what` part per error."""
     details = error.errors(include_url=False)
-    parts = [_describe(model, detail) for detail in details]
+    parts = [_describe(model, detail) for detail in details[:MAX_ERROR_PARTS]]
+    if len(details) > MAX_ERROR_PARTS:
+        parts.append(f"and {len(details) - MAX_ERROR_PARTS} more")
     unsupported = any(d["type"] in UNSUPPORTED_ERROR_TYPES for d in details)
-    status, code = (400, "unsupported_parameter") if unsupported else (422, "invalid_type")
+    code = "unsupported_parameter" if unsupported else "invalid_value"
     param = _field_path(details[0]["loc"]) if details else None
-    return ApiError(status, "; ".join(parts), code=code, param=param or None)
+    return ApiError(400, "; ".join(parts), code=code, param=param or None)
 
 
 def _describe(model: type[BaseModel], detail: Any) -> str:

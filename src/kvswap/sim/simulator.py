@@ -36,7 +36,7 @@ from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.drive.assembly import build_control_plane
-from kvswap.drive.backend import Backend
+from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
@@ -205,11 +205,11 @@ class Simulator(Backend):
     def idle_until(self, t_s: float) -> None:
         self.clock.advance_to(t_s)
 
-    def execute(self, plan: StepPlan) -> Mapping[int, int]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         self.clock.advance(self.cost.step_s(plan.seqs))
         self.tokens_computed += sum(len(item.token_ids) for item in plan.seqs)
         ids = self._request_ids
-        return {
+        sampled = {
             item.seq_id: placeholder_token(
                 item.seq_id if ids is None else ids[item.seq_id],
                 item.start_position + len(item.token_ids),
@@ -218,6 +218,7 @@ class Simulator(Backend):
             for item in plan.seqs
             if item.samples
         }
+        return StepOutput(sampled)
 
     def summary_extras(self, duration_s: float) -> Mapping[str, object]:
         wall_s = time.perf_counter() - self._wall_start_s
