@@ -90,6 +90,31 @@ def test_a_corrupt_value_is_detected_recomputed_and_changes_nothing(
     assert again["recomputed_tokens"] > 0 or again["remote"]["fetch_failures"] > 0
 
 
+def test_values_rotated_between_keys_are_rejected_and_change_nothing(
+    redis_server: RedisServer,
+) -> None:
+    # Regression: a value carried its layout and its payload's CRC but not its key,
+    # so a well-formed value found under another key (RENAME, values swapped by an
+    # operator's script) was restored as that block's KV and changed the outputs.
+    reference = run(workload(0))
+    run(workload(0), remote_url=redis_server.url)  # fills the store
+    plain = redis_server.client()
+    names = sorted(plain.keys("*"))
+    assert len(names) >= 2
+    values = [plain.get(name) for name in names]
+    for name, value in zip(names, values[1:] + values[:1], strict=True):
+        assert isinstance(value, bytes)
+        plain.set(name, value)  # every key now holds the next key's (intact) value
+    again = run(workload(0), remote_url=redis_server.url)
+    assert again["outputs_digest"] == reference["outputs_digest"]
+    remote = again["remote"]
+    assert remote["corrupt"] > 0 and remote["corrupt"] == remote["fetch_failures"]
+    # The lookups found every key, but not one value was served: every token the
+    # store seemed to hold was computed again.
+    assert remote["hit_tokens"] > 0 and remote["hits_blocks"] == 0
+    assert again["recomputed_tokens"] == remote["hit_tokens"]
+
+
 def test_a_store_killed_mid_run_changes_no_output(tmp_path: Path) -> None:
     reference = run(workload(0))
     server = RedisServer(tmp_path / "redis").start()

@@ -177,6 +177,35 @@ def test_corrupt_values_are_detected_deleted_and_counted(
     assert engine.lookup(keys) == 1
 
 
+def test_a_value_under_another_key_is_detected_deleted_and_counted(
+    redis_server: RedisServer, host: HostPool, engines: list[RemoteCopyEngine]
+) -> None:
+    # Regression: intact values moved between keys passed every check and were
+    # restored as the wrong blocks.
+    engine = make_engine(redis_server.url, host, engines)
+    data = fill_random(host, seed=8)
+    keys = block_keys(4)
+    assert run(engine, write(1, (0, 1, 2), keys[:3])).success
+    plain = redis_server.client()
+    first, second = plain.get(store_name(keys[0])), plain.get(store_name(keys[1]))
+    assert isinstance(first, bytes) and isinstance(second, bytes)
+    plain.set(store_name(keys[0]), second)  # two values swapped
+    plain.set(store_name(keys[1]), first)
+    plain.rename(store_name(keys[2]), store_name(keys[3]))  # one renamed
+
+    result = run(engine, read(2, keys, (4, 5, 6, 7)))
+    assert not result.success and result.failed_dst_slots == (4, 5, 6, 7)
+    assert "key x3" in (result.error or "") and "1 blocks missing" in (result.error or "")
+    assert all(torch.equal(host.byte_view(slot), data[slot]) for slot in (4, 5, 6, 7))  # untouched
+    stats = engine.stats()
+    assert (stats.hits_blocks, stats.corrupt_blocks, stats.misses_blocks) == (0, 3, 1)
+    assert plain.exists(*(store_name(key) for key in keys)) == 0  # deleted
+    # The blocks are written again under their own keys and read back intact.
+    assert run(engine, write(3, (0, 1), keys[:2])).success
+    assert run(engine, read(4, keys[:2], (6, 7))).failed_dst_slots == ()
+    assert torch.equal(host.byte_view(6), data[0]) and torch.equal(host.byte_view(7), data[1])
+
+
 def test_a_value_of_another_layout_is_a_miss(
     redis_server: RedisServer, host: HostPool, engines: list[RemoteCopyEngine]
 ) -> None:

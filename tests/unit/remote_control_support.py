@@ -30,11 +30,13 @@ NAMESPACE = KeyNamespace(model_fingerprint="model-a", block_tokens=BT)
 
 class FakeStore(RemoteIndex):
     """Block keys held by a shared store. `vanishing` keys are reported present by a
-    lookup but gone by the time they are fetched (a TTL ran out in between)."""
+    lookup but gone by the time they are fetched (a TTL ran out in between);
+    `refused` keys are never stored (the store refuses their SET: OOM)."""
 
     def __init__(self) -> None:
         self.keys: set[bytes] = set()
         self.vanishing: set[bytes] = set()
+        self.refused: set[bytes] = set()
         self.up = True
         self.down_after_lookup = False  # an outage right after the next lookup answers
         self.lookups: list[tuple[bytes, ...]] = []
@@ -74,7 +76,11 @@ class RemoteEngine(ManualCopyEngine):
         if chunk.direction is Direction.CPU_TO_REMOTE:
             if not self.store.up or chunk.transfer_id in self.fail_ids:
                 return result(False, chunk.dst_slots, "skipped")  # a skipped write
-            self.store.keys.update(chunk.keys)
+            pairs = list(zip(chunk.dst_slots, chunk.keys, strict=True))
+            self.store.keys.update(key for _, key in pairs if key not in self.store.refused)
+            refused = tuple(slot for slot, key in pairs if key in self.store.refused)
+            if refused:
+                return result(True, refused, "refused")
         return super()._result(chunk)
 
 

@@ -112,6 +112,31 @@ def test_a_write_the_store_fails_or_skips_gives_no_remote_copy_and_loses_nothing
     metrics = a.swapper.metrics
     assert (metrics.remote_writes, metrics.remote_write_failures) == (0, 2)
     assert metrics.failed_transfers == 0 and metrics.lost_blocks == 0
+    # Regression: the bytes of a write that failed were counted as moved.
+    assert metrics.bytes_by_direction[Direction.CPU_TO_REMOTE] == 0
+    assert metrics.snapshot()["bytes_cpu_to_remote"] == 0
+    assert metrics.transfers_by_direction[Direction.CPU_TO_REMOTE] == 1  # it was tried
+
+
+def test_only_the_blocks_a_write_stored_count_as_bytes_to_the_store() -> None:
+    # Regression: bytes_cpu_to_remote counted every block of a write chunk, also
+    # those the store refused. A two-block write, the second block refused (OOM):
+    # one block (64 bytes) moved.
+    store = FakeStore()
+    a, engine = make_process(store)
+    a.add_request(1, [1, 2, 3, 4, 5], 1, 0.0)
+    run_step(a)
+    engine.finish()
+    a.swapper.begin_step(2)
+    a.swapper.end_step()
+    [write] = chunks(engine, Direction.CPU_TO_REMOTE)
+    assert write.num_blocks == 2
+    store.refused.add(write.keys[1])
+    between_steps(a, engine, 3)
+    assert store.keys == {write.keys[0]}
+    metrics = a.swapper.metrics
+    assert (metrics.remote_writes, metrics.remote_write_failures) == (1, 1)
+    assert metrics.snapshot()["bytes_cpu_to_remote"] == 64
 
 
 def test_writes_in_flight_are_bounded_the_rest_wait_their_turn() -> None:

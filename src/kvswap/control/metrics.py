@@ -19,6 +19,9 @@ from kvswap.control.transfer import Direction, Tier
 
 @dataclass
 class KVMetrics:
+    # Bytes of every chunk tried, except to the store: there only the blocks it
+    # stored (a skipped or refused write moved nothing). Seconds and transfers
+    # count every chunk tried.
     bytes_by_direction: Counter[Direction] = field(default_factory=Counter)
     seconds_by_direction: dict[Direction, float] = field(
         default_factory=lambda: dict.fromkeys(Direction, 0.0)

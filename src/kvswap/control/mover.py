@@ -170,11 +170,18 @@ class Mover:
         chunk = record.chunk
         direction = chunk.direction
         self.num_inflight_by_direction[direction] -= 1
-        self.metrics.record_transfer(direction, result.num_bytes, result.duration_s)
+        failed = set(result.failed_dst_slots)
+        num_bytes = result.num_bytes
+        if direction is Direction.CPU_TO_REMOTE:
+            # Only the blocks the store took count as bytes to it: a write skipped
+            # (never sent) or refused moved nothing there. (A local read that failed
+            # its CRC did read its bytes; those directions count the chunk.)
+            num_stored = 0 if not result.success else sum(s not in failed for s in chunk.dst_slots)
+            num_bytes = num_stored * self.block_bytes
+        self.metrics.record_transfer(direction, num_bytes, result.duration_s)
         if not result.success and direction is not Direction.CPU_TO_REMOTE:
             # A write the store failed or skipped loses nothing: it is counted as such.
             self.metrics.failed_transfers += 1
-        failed = set(result.failed_dst_slots)
         num_ok = num_bad = 0
         for block, dst_slot in zip(record.blocks, chunk.dst_slots, strict=True):
             key = (block.block_id, direction.dst_tier)

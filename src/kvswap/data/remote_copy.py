@@ -296,7 +296,9 @@ class RemoteCopyEngine(FutureCopyEngine, RemoteIndex):
         """Copy a fetched value's payload into `dst_slot`; None, or why it was not."""
         if value is None:
             return "missing"
-        payload = decode(value, self._fingerprint, self.block_bytes)
+        # The value must name this very key: one found under another (renamed, swapped)
+        # is rejected as "key", like any other failed check.
+        payload = decode(value, self._fingerprint, self.block_bytes, self.client.key_name(key))
         if isinstance(payload, Rejected):
             self.client.delete(key)  # a value we cannot use; the next write replaces it
             return payload.reason
@@ -312,10 +314,7 @@ class RemoteCopyEngine(FutureCopyEngine, RemoteIndex):
         for batch in _batches(chunk.num_blocks, self._blocks_per_write):
             self._arbiter.wait_until_no_high()
             items = [
-                (
-                    chunk.keys[i],
-                    encode_into(buffer, self._host_bytes(chunk.src_slots[i]), self._fingerprint),
-                )
+                (chunk.keys[i], self._encode(buffer, chunk.keys[i], chunk.src_slots[i]))
                 for buffer, i in zip(buffers, batch, strict=False)
             ]
             batch_start_s = self._clock()
@@ -337,8 +336,10 @@ class RemoteCopyEngine(FutureCopyEngine, RemoteIndex):
         )  # fmt: skip
         return _result(chunk, start_s, end_s, failed, "; ".join(errors) or None)
 
-    def _host_bytes(self, slot: int) -> memoryview:
-        return self.host_pool.byte_view(slot).numpy().data
+    def _encode(self, buffer: bytearray, key: bytes, src_slot: int) -> memoryview:
+        """Block `key`'s value, from host slot `src_slot`, bound to its store key."""
+        payload = self.host_pool.byte_view(src_slot).numpy().data
+        return encode_into(buffer, payload, self._fingerprint, self.client.key_name(key))
 
     def _write_buffers(self) -> list[bytearray]:
         """This lane's value buffers, one per block of a batch, allocated once: a
