@@ -334,6 +334,9 @@ def suggest(name: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_DEFAULTS_LAYER = "command defaults"
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -350,7 +353,7 @@ def load_config(
     """
     layers: list[tuple[str, dict[str, Any]]] = []
     if defaults:
-        layers.append(("command defaults", dict(defaults)))
+        layers.append((_DEFAULTS_LAYER, dict(defaults)))
     if path is not None:
         layers.append((str(path), read_toml(Path(path))))
     env_values = source_values(
@@ -372,9 +375,42 @@ def load_config(
             merged[FIELD_SECTIONS[key]][key] = value
             origin[key] = source
     try:
-        return KvSwapConfig.model_validate(merged)
+        config = KvSwapConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_one_line(error, origin, origin_names)) from None
+    _check_nvme_dir_has_a_tier(config, origin, [source for source, _ in layers])
+    return config
+
+
+def _check_nvme_dir_has_a_tier(
+    config: KvSwapConfig, origin: Mapping[str, str], layer_order: list[str]
+) -> None:
+    """An nvme_dir without an NVMe capacity would be ignored without a word (the slab is
+    never made, a missing directory never noticed): refused in one line. Allowed: a
+    directory that only a command's defaults name, and a tier turned off (capacity 0)
+    in a later layer than the one naming the directory (`--config x.toml
+    --nvme-kv-capacity-blocks 0`: the file's directory, deliberately unused)."""
+    nvme_dir = config.tiers.nvme_dir
+    dir_source = origin.get("nvme_dir")
+    if nvme_dir is None or dir_source is None or dir_source == _DEFAULTS_LAYER:
+        return
+    cache = config.cache
+    if cache.nvme_kv_capacity_blocks or cache.nvme_kv_capacity_bytes:
+        return
+    in_bytes = cache.nvme_kv_capacity_bytes is not None
+    field = "nvme_kv_capacity_bytes" if in_bytes else "nvme_kv_capacity_blocks"
+    capacity_source = origin.get(field)
+    if capacity_source is not None and layer_order.index(capacity_source) > layer_order.index(
+        dir_source
+    ):
+        return
+    value = getattr(cache, field)
+    shown = "unset" if value is None else str(value)
+    raise ConfigError(
+        f"nvme_dir = {nvme_dir!r} (from {dir_source}) is set but {field} is {shown}: no "
+        "NVMe tier uses it; allowed: an NVMe capacity > 0 with it (--nvme-kv-capacity-blocks "
+        "N or nvme_kv_capacity_bytes), or no nvme_dir (drop --nvme-dir)"
+    )
 
 
 def _flatten(values: dict[str, Any], source: str, spelled: dict[str, str]) -> dict[str, Any]:

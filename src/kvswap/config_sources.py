@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvswap.errors import ConfigError
-from kvswap.readers import parse_toml
+from kvswap.readers import CONFIG_FILE, parse_toml, read_user_file
 
 #: KVSWAP_* variables that carry secrets, not settings: read where they are used,
 #: never merged into the config (whose values may be printed).
@@ -22,16 +22,16 @@ SECRET_VARIABLES = frozenset({API_KEY_VARIABLE, REMOTE_PASSWORD_VARIABLE})
 
 def read_toml(path: Path) -> dict[str, Any]:
     """The file's table, or a one-line ConfigError naming the file and the problem."""
+    what = f"config file {str(path)!r}"
     try:
-        data = path.read_bytes()
+        # A FIFO, a device or a directory is refused before reading; the size is capped.
+        data = read_user_file(path, what, CONFIG_FILE, ConfigError)
     except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {str(path)!r} is a directory, not a TOML file") from None
+        raise ConfigError(f"{what} does not exist") from None
     except OSError as error:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {error}") from None
+        raise ConfigError(f"{what} cannot be read: {error.strerror or error}") from None
     # parse_toml turns binary, deep nesting, bad syntax and nan/inf into one line each.
-    return parse_toml(data, f"config file {str(path)!r}")
+    return parse_toml(data, what)
 
 
 def source_values(

@@ -1,9 +1,18 @@
-"""Parsing untrusted JSON and TOML text without ever raising anything but a one-line error.
+"""Reading and parsing untrusted files without ever raising anything but a one-line error.
 
-Every file kvswap reads (traces, `--config`, `--bench`, `config.json`, `report.json`)
-goes through `parse_json` or `parse_toml`. Each turns the ways a hostile or broken file
-can crash a plain `json.loads` / `tomllib.loads` into a `KvSwapError` (a `ConfigError`
-for TOML) whose message names `what` was read and the problem:
+Every file a user hands kvswap (`--config`, `--bench`, `--hf-config`, a checkpoint's
+`config.json` and tokenizer files, traces, `report.json`) is read here, in two steps.
+
+Reading (`read_user_file`, or `open_user_file` for a trace streamed line by line):
+before anything is opened the path must be a regular file (`os.stat` + `S_ISREG`, so a
+FIFO, `/dev/zero` or a directory is refused in one line instead of blocking or filling
+memory), no larger than its kind's cap (the table below); then at most cap + 1 bytes
+are read, so a file that grows while it is read is still bounded. A trace is streamed,
+so it has no size cap, only one on the length of a line.
+
+Parsing (`parse_json` / `parse_toml`) turns the ways a hostile or broken file can crash
+a plain `json.loads` / `tomllib.loads` into a `KvSwapError` (a `ConfigError` for TOML)
+whose message names `what` was read and the problem:
 
 - nesting deeper than `MAX_NESTING_DEPTH` (a cheap bracket scan up front, so the
   parsers' recursion is never reached; `RecursionError` is still caught as a backstop),
@@ -20,9 +29,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from kvswap.errors import ConfigError, KvSwapError
 
@@ -31,7 +44,53 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["MAX_NESTING_DEPTH", "parse_json", "parse_toml"]
+__all__ = [
+    "BENCH_FILE",
+    "CHAT_TEMPLATE_FILE",
+    "CONFIG_FILE",
+    "MAX_BENCH_BYTES",
+    "MAX_CHAT_TEMPLATE_BYTES",
+    "MAX_CONFIG_BYTES",
+    "MAX_MODEL_CONFIG_BYTES",
+    "MAX_NESTING_DEPTH",
+    "MAX_REPORT_BYTES",
+    "MAX_TOKENIZER_BYTES",
+    "MAX_TRACE_LINE_BYTES",
+    "MAX_WEIGHT_INDEX_BYTES",
+    "MODEL_CONFIG_FILE",
+    "REPORT_JSON_FILE",
+    "SAFETENSORS_FILE",
+    "TOKENIZER_FILE",
+    "TRACE_FILE",
+    "WEIGHT_INDEX_FILE",
+    "FileKind",
+    "check_user_file",
+    "open_user_file",
+    "parse_json",
+    "parse_toml",
+    "read_user_file",
+]
+
+_MIB = 2**20
+
+# --- the caps: the largest file of each kind kvswap reads -----------------------------
+# Each is far above any honest file of its kind and far below a host's memory.
+#: `--config`: a TOML file of settings is a few KiB.
+MAX_CONFIG_BYTES = 1 * _MIB
+#: A Hugging Face `config.json` (`--hf-config`, a checkpoint's) or `generation_config.json`.
+MAX_MODEL_CONFIG_BYTES = 1 * _MIB
+#: `tokenizer.json` / `tokenizer_config.json`: a 256k vocabulary with merges is ~30 MB.
+MAX_TOKENIZER_BYTES = 64 * _MIB
+#: `chat_template.jinja`: a template is a few KiB.
+MAX_CHAT_TEMPLATE_BYTES = 1 * _MIB
+#: `model.safetensors.index.json`: ~100 bytes per tensor; 90k tensors are ~9 MB.
+MAX_WEIGHT_INDEX_BYTES = 64 * _MIB
+#: `--bench`: a bandwidth benchmark result, a few KiB.
+MAX_BENCH_BYTES = 4 * _MIB
+#: A run's `report.json`: the summary plus at most ~300 time-series points, ~1 MB at most.
+MAX_REPORT_BYTES = 16 * _MIB
+#: One line of a Mooncake JSONL trace (the trace itself is streamed, so it has no cap).
+MAX_TRACE_LINE_BYTES = 16 * _MIB
 
 # Real inputs nest a handful of levels (a report.json about 5); 64 leaves room for any
 # honest file while staying far below the interpreter's recursion limit.
@@ -185,3 +244,136 @@ def parse_toml(text: str | bytes, what: str) -> dict[str, object]:
         if isinstance(item, float) and not math.isfinite(item):
             raise ConfigError(_non_finite_message(what, (path, item)))
     return dict(table)
+
+
+# --- reading: a regular file, bounded ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileKind:
+    """What a user may hand in for one kind of file, for `read_user_file`'s messages."""
+
+    expected: str  # what to give instead, e.g. "a TOML file"
+    max_bytes: int | None  # None: streamed line by line (a trace), no cap on the whole
+    cap_name: str  # the constant's name, shown in the message
+
+
+CONFIG_FILE = FileKind("a TOML file", MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES")
+MODEL_CONFIG_FILE = FileKind(
+    "a Hugging Face config JSON file", MAX_MODEL_CONFIG_BYTES, "MAX_MODEL_CONFIG_BYTES"
+)
+TOKENIZER_FILE = FileKind("a tokenizer JSON file", MAX_TOKENIZER_BYTES, "MAX_TOKENIZER_BYTES")
+CHAT_TEMPLATE_FILE = FileKind(
+    "a jinja chat template", MAX_CHAT_TEMPLATE_BYTES, "MAX_CHAT_TEMPLATE_BYTES"
+)
+WEIGHT_INDEX_FILE = FileKind(
+    "a safetensors index JSON file", MAX_WEIGHT_INDEX_BYTES, "MAX_WEIGHT_INDEX_BYTES"
+)
+BENCH_FILE = FileKind(
+    "a JSON file written by `kvswap bench --out`", MAX_BENCH_BYTES, "MAX_BENCH_BYTES"
+)
+REPORT_JSON_FILE = FileKind(
+    "a report.json written by `kvswap run --report`", MAX_REPORT_BYTES, "MAX_REPORT_BYTES"
+)
+TRACE_FILE = FileKind("a JSONL trace file", None, "")
+#: The tensors are mmapped by safetensors; kvswap reads only the header (capped where read).
+SAFETENSORS_FILE = FileKind("a safetensors file", None, "")
+
+
+def _size(num_bytes: int) -> str:
+    """1048576 -> '1 MiB', 3355443 -> '3.2 MiB', 900 -> '900 bytes'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", _MIB), ("KiB", 1024)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.0f} {unit}" if num_bytes % scale == 0 else f"{value:.1f} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def _node_kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"  # pragma: no cover - no other kind of node on Linux
+
+
+def _refuse_unless_regular(
+    mode: int, what: str, kind: FileKind, error_type: type[KvSwapError]
+) -> None:
+    if not stat.S_ISREG(mode):
+        raise error_type(f"{what}: not a regular file ({_node_kind(mode)}); give {kind.expected}")
+
+
+def _too_large(
+    what: str, size: str, kind: FileKind, max_bytes: int, error_type: type[KvSwapError]
+) -> KvSwapError:
+    return error_type(f"{what}: {size}; allowed: at most {_size(max_bytes)} ({kind.cap_name})")
+
+
+def check_user_file(
+    path: str | os.PathLike[str],
+    what: str,
+    kind: FileKind,
+    error_type: type[KvSwapError] = KvSwapError,
+) -> None:
+    """Refuse `path` in one line unless it is a regular file within `kind`'s cap, without
+    opening it: for a file another library reads (tokenizer.json: `tokenizers`).
+    `what` names the flag or file in the message. OSError (no such file) passes through."""
+    info = os.stat(path)
+    _refuse_unless_regular(info.st_mode, what, kind, error_type)
+    if kind.max_bytes is not None and info.st_size > kind.max_bytes:
+        size = _size(info.st_size)
+        if size.replace(".0 ", " ") == _size(kind.max_bytes):  # 1 MiB + 1 byte: not "1.0 MiB"
+            size = f"more than {_size(kind.max_bytes)}"
+        raise _too_large(what, size, kind, kind.max_bytes, error_type)
+
+
+def open_user_file(
+    path: str | os.PathLike[str],
+    what: str,
+    kind: FileKind,
+    error_type: type[KvSwapError] = KvSwapError,
+) -> BinaryIO:
+    """`path` opened for reading in binary, once `check_user_file` accepts it; the caller
+    bounds what it reads (a trace: line by line, each line capped).
+
+    Opened non-blocking and checked again on the descriptor, so a path swapped for a
+    FIFO between the check and the open neither blocks nor passes. OSError passes."""
+    check_user_file(path, what, kind, error_type)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags)
+    try:
+        _refuse_unless_regular(os.fstat(fd).st_mode, what, kind, error_type)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_user_file(
+    path: str | os.PathLike[str],
+    what: str,
+    kind: FileKind,
+    error_type: type[KvSwapError] = KvSwapError,
+) -> bytes:
+    """The bytes of the regular file `path`, or a one-line `error_type` naming `what`:
+    not a regular file, or over `kind.max_bytes` (checked on the size before reading,
+    and on what was read: at most the cap + 1 bytes are, so a file that grows meanwhile
+    is bounded too). OSError (missing, unreadable) passes through for the caller's message.
+
+        read_user_file(path, f"config file {str(path)!r}", CONFIG_FILE, ConfigError)
+    """
+    max_bytes = kind.max_bytes
+    if max_bytes is None:  # pragma: no cover - a programming error, not user input
+        raise ValueError(f"{kind.expected} is streamed; use open_user_file")
+    with open_user_file(path, what, kind, error_type) as file:
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise _too_large(what, f"more than {_size(max_bytes)}", kind, max_bytes, error_type)
+    return data

@@ -114,6 +114,37 @@ def stop_signals_raise() -> Iterator[None]:
                 signal.signal(signum, old)
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Within the block, STOP_SIGNALS are held; the first one that arrived is raised
+    again, through the handlers in force before, when the block ends.
+
+    For the few steps that must not be cut in half: renaming a finished report into
+    place, removing a half-written one. Keep the block short: the user waits on it.
+    Outside the main thread it does nothing (no signal handler runs there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        pending.append(signum)
+
+    previous: dict[signal.Signals, _Handler] = {}
+    try:
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, hold)
+        yield
+    finally:
+        for signum, old in previous.items():
+            if old is not None:
+                signal.signal(signum, old)
+        if pending:
+            # Runs the restored Python handler at once: it raises (Terminated,
+            # KeyboardInterrupt) here, or does nothing if already stopping.
+            signal.raise_signal(pending[0])
+
+
 def report_stop(exc: KeyboardInterrupt | Terminated) -> int:
     """Print the one stop line on stderr and return the exit code."""
     print(stop_message(exc), file=sys.stderr)

@@ -1,23 +1,38 @@
-"""Reports on disk: `run --report DIR`, report.json round trip, and `kvswap report A B`."""
+"""Reports on disk: `run --report DIR`, report.json round trip, and `kvswap report A B`;
+written all at once or not at all (a failure or a stop signal mid-way leaves nothing)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvswap import staged_dir
 from kvswap.cli import main
 from kvswap.commands import report as report_command
 from kvswap.config import load_config
 from kvswap.errors import KvSwapError
+from kvswap.obs import report as report_module
+from kvswap.obs import wiring
 from kvswap.obs.diagnosis import diagnose
 from kvswap.obs.plots import PLOT_FILES
-from kvswap.obs.report import RunReport, load_report, write_comparison, write_report
+from kvswap.obs.report import (
+    RunReport,
+    load_report,
+    write_comparison,
+    write_report,
+    write_report_page,
+)
 from kvswap.obs.watermarks import Watermarks
+from kvswap.signals import Terminated, stop_signals_raise
 
 from .obs_fakes import TINY_CLI_ARGS, Step, one_torch_thread, record
 
@@ -121,3 +136,123 @@ def test_run_with_report_writes_it_and_puts_the_diagnosis_in_the_json(
         summary["tokens_generated"] - summary["requests_completed"]
     )
     assert_page_is_self_contained(tmp_path / "r" / "index.html")
+
+
+# --- all at once or not at all ---------------------------------------------------------
+
+
+def everything_under(directory: Path) -> dict[str, bytes | None]:
+    """Every entry below `directory`, hidden ones included: path -> bytes (None: a dir)."""
+    return {
+        str(path.relative_to(directory)): None if path.is_dir() else path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+    }
+
+
+def plots_that_fail(error: BaseException) -> Any:
+    """A write_plots that writes one plot of the report, then fails with `error`."""
+
+    def write_plots(runs: object, out_dir: Path, files: dict[str, str]) -> dict[str, str]:
+        (out_dir / next(iter(files.values()))).write_bytes(PNG_MAGIC)
+        raise error
+
+    return write_plots
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt(), Terminated(15)],
+    ids=["disk-full", "ctrl-c", "sigterm"],
+)
+def test_a_report_that_fails_half_way_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    report = synthetic_report("chunk-8", 8, 0.004)
+    kept = tmp_path / "kept"  # `kvswap report DIR` renders into DIR beside its report.json
+    write_report(report, kept)
+    before = everything_under(tmp_path)
+    monkeypatch.setattr(report_module, "write_plots", plots_that_fail(error))
+    with pytest.raises(type(error)):
+        write_report(report, tmp_path / "new" / "nested" / "run")
+    with pytest.raises(type(error)):
+        write_report_page(report, kept)
+    assert everything_under(tmp_path) == before  # no partial directory, no staging, no parents
+    if not isinstance(error, OSError):
+        notes = getattr(error, "__notes__", [])
+        assert f"--report {tmp_path / 'new' / 'nested' / 'run'}: not written" in notes
+        assert f"--report {kept}: not written" in notes
+
+
+def test_a_report_directory_gets_the_permissions_a_plain_mkdir_gives(tmp_path: Path) -> None:
+    write_report(synthetic_report("chunk-8", 8, 0.004), tmp_path / "run")
+    (tmp_path / "plain").mkdir()
+    assert (tmp_path / "run").stat().st_mode == (tmp_path / "plain").stat().st_mode
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_rendering_into_a_report_directory_keeps_its_other_files(tmp_path: Path) -> None:
+    report = synthetic_report("chunk-8", 8, 0.004)
+    write_report(report, tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    json_before = (tmp_path / "report.json").read_bytes()
+    assert write_report_page(report, tmp_path) == tmp_path / "index.html"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "report.json").read_bytes() == json_before
+    assert not [p for p in tmp_path.iterdir() if staged_dir.STAGING_MARK in p.name]
+    assert_page_is_self_contained(tmp_path / "index.html")
+
+
+def test_a_stop_signal_while_the_report_is_moved_into_place_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_commit = staged_dir._commit
+
+    def commit_while_signalled(staging: Path, target: Path, last: str | None) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # held until the moves are done
+        real_commit(staging, target, last)
+
+    monkeypatch.setattr(staged_dir, "_commit", commit_while_signalled)
+    out = tmp_path / "run"
+    with pytest.raises(Terminated) as info, stop_signals_raise():
+        write_report(synthetic_report("chunk-8", 8, 0.004), out)
+    assert info.value.__notes__ == [f"--report {out}: written"]
+    assert_page_is_self_contained(out / "index.html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_sigterm_while_run_writes_its_report_leaves_nothing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real handler (kvswap.signals) raises where the signal lands: mid-plots."""
+
+    def write_plots(runs: object, out_dir: Path, files: dict[str, str]) -> dict[str, str]:
+        (out_dir / next(iter(files.values()))).write_bytes(PNG_MAGIC)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # the handler raises Terminated here, at once
+        raise AssertionError("SIGTERM did not stop the report")
+
+    monkeypatch.setattr(report_module, "write_plots", write_plots)
+    out = tmp_path / "out"
+    with one_torch_thread():
+        code = main(["run", *TINY_CLI_ARGS, "--quiet", "--report", str(out)])
+    err = capsys.readouterr().err
+    assert code == 143 and "Traceback" not in err
+    stop_line = err.strip().splitlines()[-1]
+    assert stop_line.startswith(f"kvswap: stopped by SIGTERM; --report {out}: not written"), err
+    assert everything_under(tmp_path) == {}
+
+
+def test_a_stop_before_the_report_is_written_says_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C at the end of the run, before the report
+
+    monkeypatch.setattr(wiring, "diagnose", interrupted)
+    out = tmp_path / "out"
+    with one_torch_thread():
+        code = main(["run", *TINY_CLI_ARGS, "--quiet", "--report", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.strip().splitlines()[-1].startswith(f"kvswap: interrupted; --report {out}: not")
+    assert everything_under(tmp_path) == {}

@@ -260,3 +260,58 @@ def test_plan_nvme_gib_plans_without_an_nvme_dir(capsys: pytest.CaptureFixture[s
     config = load_config(environ={}, overrides={"nvme_kv_capacity_bytes": "1GiB"})
     with pytest.raises(ConfigError, match="needs nvme_dir"):
         config.tier_capacities(2 * 1024**2)
+
+
+# --- an nvme_dir with no NVMe tier is refused, not ignored -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "capacity"),
+    [
+        ({"nvme_dir": "/nonexistent"}, "nvme_kv_capacity_blocks is unset"),
+        ({"nvme_dir": "/nonexistent", "nvme_kv_capacity_blocks": 0}, "blocks is 0"),
+        ({"nvme_dir": "/nonexistent", "nvme_kv_capacity_bytes": "0GiB"}, "bytes is 0"),
+    ],
+    ids=["unset", "zero-blocks", "zero-bytes"],
+)
+def test_nvme_dir_without_an_nvme_capacity_is_one_line_naming_both(
+    overrides: dict[str, object], capacity: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(environ={}, overrides=overrides)
+    message = str(caught.value)
+    assert message.startswith("nvme_dir = '/nonexistent' (from command line) is set but nvme_kv")
+    assert capacity in message and "drop --nvme-dir" in message and "\n" not in message
+
+
+def test_nvme_dir_without_capacity_in_a_toml_file_or_the_environment_is_refused(
+    tmp_path: Path,
+) -> None:
+    path = _toml(tmp_path, '[tiers]\nnvme_dir = "/var/tmp/kvswap"\n')
+    with pytest.raises(ConfigError, match=rf"^nvme_dir = '/var/tmp/kvswap' \(from {path}\)"):
+        load_config(path, environ={})
+    with pytest.raises(ConfigError, match=r"\(from environment\) is set but"):
+        load_config(environ={"KVSWAP_NVME_DIR": "/x"})
+
+
+def test_an_nvme_dir_a_later_layer_turns_off_or_defaults_name_is_allowed(tmp_path: Path) -> None:
+    # The article's file names a directory and a tier; a flag turning the tier off wins.
+    article = Path(__file__).parents[2] / "configs" / "article-8b-40gb.toml"
+    config = load_config(article, environ={})
+    assert config.tiers.nvme_dir is not None and config.cache.nvme_kv_capacity_blocks
+    off = load_config(article, environ={}, overrides={"nvme_kv_capacity_blocks": 0})
+    assert off.cache.nvme_kv_capacity_blocks == 0
+    # A command's own defaults (simulate's) may name a directory that goes unused.
+    defaults = {"nvme_dir": "/var/tmp/kvswap", "nvme_kv_capacity_blocks": 40000}
+    quiet = load_config(environ={}, defaults=defaults, overrides={"nvme_kv_capacity_blocks": 0})
+    assert quiet.cache.nvme_kv_capacity_blocks == 0
+    given = load_config(environ={}, overrides={"nvme_dir": "/x", "nvme_kv_capacity_blocks": 4})
+    assert given.tiers.nvme_dir == "/x"
+
+
+def test_run_with_nvme_dir_alone_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["run", "--model", "tiny", "--device", "cpu", "--nvme-dir", "/nonexistent"])
+    out, err = capsys.readouterr()
+    assert_one_line_error(code, out, err, "nvme_dir = '/nonexistent'", "nvme_kv_capacity_blocks")

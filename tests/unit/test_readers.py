@@ -1,12 +1,17 @@
 """Readers that never crash (issue 13 items 5, 6, 9, 10): every file kvswap reads, when
 nested too deep, binary, broken or holding NaN/Infinity, gives exit 2 and one line naming
-the file; bad checkpoints are refused before anything is allocated."""
+the file; bad checkpoints are refused before anything is allocated. Bounded inputs: a
+FIFO, /dev/zero or a directory where a file belongs, or a file past its kind's cap, is
+refused before it is read (no blocking, no memory growth)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import resource
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +25,23 @@ from kvswap.errors import ConfigError, KvSwapError
 from kvswap.model.hf_config import parse_hf_config
 from kvswap.model.loader import load_model
 from kvswap.obs.report import RunReport
-from kvswap.readers import MAX_NESTING_DEPTH, parse_json, parse_toml
+from kvswap.readers import (
+    MAX_BENCH_BYTES,
+    MAX_CONFIG_BYTES,
+    MAX_MODEL_CONFIG_BYTES,
+    MAX_NESTING_DEPTH,
+    MAX_REPORT_BYTES,
+    FileKind,
+    parse_json,
+    parse_toml,
+    read_user_file,
+)
 from tests.unit.test_llama import TINY_HF_CONFIG
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 DEEP_TOML = "x = " + "[" * 5_000 + "]" * 5_000 + "\n"
 BINARY = b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01garbage"
+DEADLINE_S = 60  # a bound on a child that hangs, not a performance figure
 
 
 @pytest.fixture(autouse=True)
@@ -205,6 +221,140 @@ def test_a_valid_report_json_still_reads() -> None:
     assert report.watermarks.gpu_high == 0.85 and len(report.series.points) == 1
 
 
+# --- bounded inputs: a file that is not a regular file, or too large, is never read ------
+
+NODE_KINDS = {"dev-zero": "a character device", "fifo": "a FIFO", "directory": "a directory"}
+
+
+def _node(path: Path, kind: str) -> Path:
+    """`path` made a FIFO, a directory or a link to /dev/zero (os.stat follows links)."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    return path
+
+
+def _sparse(path: Path, num_bytes: int) -> Path:
+    """A file of `num_bytes` that takes no disk and no time to make."""
+    with path.open("wb") as file:
+        file.truncate(num_bytes)
+    return path
+
+
+@pytest.mark.parametrize("kind", list(NODE_KINDS))
+@pytest.mark.parametrize(
+    ("argv", "name", "expected"),
+    [
+        (["plan", "--config"], "x.toml", "give a TOML file"),
+        (["plan", "--hf-config"], "config.json", "give a Hugging Face config JSON file"),
+        (["plan", "--bench"], "bench.json", "give a JSON file written by `kvswap bench --out`"),
+        (["simulate", "--bench"], "bench.json", "give a JSON file written by `kvswap bench"),
+        (["simulate", "--quiet", "--trace"], "t.jsonl", "give a JSONL trace file"),
+        (["report"], "report.json", "give a report.json written by `kvswap run --report`"),
+    ],
+    ids=["plan-config", "plan-hf-config", "plan-bench", "simulate-bench", "trace", "report"],
+)
+def test_what_is_not_a_regular_file_is_refused_before_it_is_read(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    fail_if_blocked: None,
+    argv: list[str],
+    name: str,
+    expected: str,
+    kind: str,
+) -> None:
+    path = _node(tmp_path / name, kind)
+    # `report` takes the directory holding report.json; --hf-config takes either (so
+    # a directory given is taken to hold config.json: it must be one inside it).
+    holder = name == "report.json" or (name == "config.json" and kind == "directory")
+    given = tmp_path if holder else path
+    needle = f": not a regular file ({NODE_KINDS[kind]}); {expected}"
+    _fails_in_one_line(capsys, [*argv, str(given)], str(path), needle)
+
+
+def test_a_config_that_is_dev_zero_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _fails_in_one_line(capsys, ["plan", "--config", "/dev/zero"])
+    assert err == (
+        "kvswap: error: config file '/dev/zero': not a regular file (a character device); "
+        "give a TOML file\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "max_bytes", "cap_name"),
+    [
+        (["plan", "--config"], "x.toml", MAX_CONFIG_BYTES, "MAX_CONFIG_BYTES"),
+        (["plan", "--hf-config"], "config.json", MAX_MODEL_CONFIG_BYTES, "MAX_MODEL_CONFIG_BYTES"),
+        (["plan", "--bench"], "bench.json", MAX_BENCH_BYTES, "MAX_BENCH_BYTES"),
+        (["report"], "report.json", MAX_REPORT_BYTES, "MAX_REPORT_BYTES"),
+    ],
+    ids=["config", "hf-config", "bench", "report"],
+)
+def test_a_file_past_its_cap_is_refused_before_it_is_read(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    name: str,
+    max_bytes: int,
+    cap_name: str,
+) -> None:
+    path = _sparse(tmp_path / name, max_bytes + 1)
+    given = tmp_path if name == "report.json" else path
+    cap = f"{max_bytes // 2**20} MiB"
+    needle = f": more than {cap}; allowed: at most {cap} ({cap_name})"
+    _fails_in_one_line(capsys, [*argv, str(given)], str(path), needle)
+
+
+def test_read_user_file_reads_up_to_the_cap_and_no_further(tmp_path: Path) -> None:
+    kind = FileKind("a test file", 2**20, "TEST_CAP")
+    assert read_user_file(_sparse(tmp_path / "at-cap", 2**20), "at-cap", kind) == bytes(2**20)
+    big = _sparse(tmp_path / "big.toml", 3_355_443)
+    with pytest.raises(ConfigError) as info:
+        read_user_file(big, "--config big.toml", kind, ConfigError)
+    assert str(info.value) == "--config big.toml: 3.2 MiB; allowed: at most 1 MiB (TEST_CAP)"
+
+
+def test_a_file_longer_than_its_size_says_is_still_bounded() -> None:
+    # /proc files report a size of 0 and hold more: as a file growing while it is read.
+    kind = FileKind("a test file", 16, "TEST_CAP")
+    assert os.stat("/proc/self/status").st_size == 0
+    with pytest.raises(KvSwapError) as info:
+        read_user_file("/proc/self/status", "status", kind)
+    assert str(info.value) == "status: more than 16 bytes; allowed: at most 16 bytes (TEST_CAP)"
+
+
+def _limit_address_space() -> None:
+    # Far more than kvswap needs to start (torch included); an unbounded read of
+    # /dev/zero reaches it in seconds and dies with a MemoryError traceback.
+    limit_bytes = 6 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "directory"])
+def test_the_real_command_refuses_dev_zero_a_fifo_or_a_directory_in_one_line(
+    tmp_path: Path, kind: str
+) -> None:
+    path = "/dev/zero" if kind == "dev-zero" else str(_node(tmp_path / "x.toml", kind))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvswap", "plan", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        preexec_fn=_limit_address_space,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"kvswap: error: config file {path!r}: not a regular file ({NODE_KINDS[kind]}); "
+        "give a TOML file\n"
+    )
+
+
 # --- config.json floats that must be finite and positive -------------------------------
 
 
@@ -288,6 +438,14 @@ def _raw_config(content: bytes) -> Callable[[Path], None]:
     return write
 
 
+def _fifo(name: str) -> Callable[[Path], None]:
+    def write(directory: Path) -> None:
+        (directory / name).unlink(missing_ok=True)
+        os.mkfifo(directory / name)
+
+    return write
+
+
 def _header(content: bytes) -> Callable[[Path], None]:
     def write(directory: Path) -> None:
         (directory / "model.safetensors").write_bytes(len(content).to_bytes(8, "little") + content)
@@ -316,18 +474,23 @@ def _header(content: bytes) -> Callable[[Path], None]:
         (_raw_config(BINARY), "not UTF-8 text"),
         (_header(b"[" * 10_000), "safetensors header of"),
         (_header(b'{"x": {"shape": "big"}}'), "tensor x has no valid shape"),
+        (_fifo("config.json"), "config.json: not a regular file (a FIFO)"),
+        (_fifo("model.safetensors"), "model.safetensors: not a regular file (a FIFO)"),
+        (_fifo("model.safetensors.index.json"), "index.json: not a regular file (a FIFO)"),
     ],
     ids=[
         "weight-map-list", "weight-map-int", "weight-map-list-values", "index-dotdot",
         "index-absolute", "symlink-outside", "vocab-1e15", "vocab-int-huge", "layers-1e9",
         "layers-vs-tensors", "vocab-vs-tensors", "intermediate-vs-tensors", "eps-nan",
         "theta-inf", "config-nested", "config-binary", "header-nested", "header-shape",
+        "config-fifo", "shard-fifo", "index-fifo",
     ],
 )  # fmt: skip
 def test_generate_refuses_a_bad_checkpoint_in_one_line(
     tmp_path: Path,
     tiny_tensors: dict[str, torch.Tensor],
     capsys: pytest.CaptureFixture[str],
+    fail_if_blocked: None,
     damage: Callable[[Path], None],
     message: str,
 ) -> None:

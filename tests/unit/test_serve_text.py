@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,30 @@ def test_bad_model_files_fail_in_one_line(
         path = directory / name
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     one_line_error(KvSwapError, lambda: load_text(str(directory), 300), *needles)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"],
+)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "too-large"])
+def test_a_model_file_that_is_no_regular_file_or_too_large_is_refused_unread(
+    tmp_path: Path, fail_if_blocked: None, name: str, kind: str
+) -> None:
+    # A FIFO opened for reading would block forever; a too large file is never read:
+    # it is sparse, the size alone refuses it.
+    directory = write_model(tmp_path / "m")
+    path = directory / name
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        with path.open("wb") as file:
+            file.truncate(64 * 2**20 + 1)  # past every cap of a model's text files
+    needle = "allowed: at most" if kind == "too-large" else "not a regular file"
+    one_line_error(KvSwapError, lambda: load_text(str(directory), 300), str(path), needle)
 
 
 def test_tokenizer_larger_than_the_model_is_refused(model_dir: Path) -> None:

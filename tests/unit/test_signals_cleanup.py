@@ -28,7 +28,7 @@ from kvswap.data import pinned
 from kvswap.data.disk_pool import DiskPool
 from kvswap.engine.engine import Engine, EngineOptions
 from kvswap.host_memory import available_host_bytes
-from kvswap.signals import Terminated, stop_message, stop_signals_raise
+from kvswap.signals import Terminated, signals_deferred, stop_message, stop_signals_raise
 
 BLOCK_BYTES = 4096
 DEADLINE_S = 60.0  # a bound on waiting for a child, not a performance figure
@@ -185,6 +185,28 @@ def test_a_second_signal_while_stopping_does_not_interrupt_the_clean_up() -> Non
     assert cleaned and info.value.exit_code == 143
     assert stop_message(info.value) == "kvswap: stopped by SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_stop_signal_is_held_until_a_deferred_block_ends() -> None:
+    steps: list[str] = []
+    with pytest.raises(Terminated) as info, stop_signals_raise():
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            steps.append("signalled")  # the held signal did not raise here
+            os.kill(os.getpid(), signal.SIGHUP)  # a second one: only the first is raised
+            steps.append("finished")
+        steps.append("after the block")  # never reached: raised as the block ends
+    assert steps == ["signalled", "finished"]
+    assert info.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_deferred_block_without_a_signal_changes_nothing() -> None:
+    with stop_signals_raise():
+        handler = signal.getsignal(signal.SIGTERM)
+        with signals_deferred():
+            assert signal.getsignal(signal.SIGTERM) is not handler
+        assert signal.getsignal(signal.SIGTERM) is handler
 
 
 # --- item 1: stale slabs at start-up ------------------------------------------

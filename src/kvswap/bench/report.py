@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from kvswap.errors import KvSwapError
-from kvswap.readers import parse_json
+from kvswap.readers import BENCH_FILE, parse_json, read_user_file
 from kvswap.units import format_bytes
 
 BenchOp = Literal["h2d", "d2h", "memcpy", "gather_chunk"]
@@ -125,7 +125,7 @@ def save_report(report: BenchReport, path: str | Path) -> None:
 def load_report(path: str | Path) -> BenchReport:
     """Read a report written by `save_report`; KvSwapError naming the file if it is unusable."""
     try:
-        data = Path(path).read_bytes()
+        data = read_user_file(path, str(path), BENCH_FILE)
     except FileNotFoundError as exc:
         raise KvSwapError(
             f"{path}: no such benchmark report; run `kvswap bench --out {path}` first"

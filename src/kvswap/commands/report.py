@@ -24,7 +24,7 @@ from kvswap.obs.report import (
     write_comparison,
     write_report_page,
 )
-from kvswap.readers import parse_json
+from kvswap.readers import REPORT_JSON_FILE, parse_json, read_user_file
 
 DEFAULT_COMPARE_DIR = "kvswap-compare"
 _SHOWN_CHARS = 60  # of an invalid value in the error line
@@ -76,7 +76,7 @@ def read_report(directory: Path) -> RunReport:
     report = load_report(directory)
     path = directory / REPORT_FILE
     try:
-        text = path.read_bytes()
+        text = read_user_file(path, str(path), REPORT_JSON_FILE)
     except OSError as error:
         raise KvSwapError(f"{path}: cannot read the report ({error.strerror})") from None
     raw = parse_json(text, str(path))  # load_report parsed the same bytes: this succeeds

@@ -52,7 +52,7 @@ from kvswap.model.hf_fields import (
     reject_non_decoder,
 )
 from kvswap.model.params import count_params
-from kvswap.readers import parse_json
+from kvswap.readers import MODEL_CONFIG_FILE, parse_json, read_user_file
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "LinearRopeScaling", "Llama3RopeScaling",
@@ -194,7 +194,7 @@ def describe_hf_dict(config: Mapping[str, object], name: str = "hf-config") -> M
 def read_config_json(file: Path) -> dict[str, object]:
     """The JSON object in `file`; one-line errors naming the path."""
     try:
-        data = file.read_bytes()
+        data = read_user_file(file, str(file), MODEL_CONFIG_FILE)
     except FileNotFoundError:
         raise KvSwapError(f"{file}: no such file; expected a Hugging Face config.json") from None
     except OSError as exc:

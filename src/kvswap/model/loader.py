@@ -11,6 +11,7 @@ for a preset, from a seeded CPU generator (identical weights on every device).
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +24,13 @@ from kvswap.model.hf_config import parse_hf_config, read_config_json
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.presets import ENGINE_PRESET_NAMES, preset_arch_config
 from kvswap.model.torch_dtypes import TORCH_DTYPES, weight_torch_dtype
-from kvswap.readers import parse_json
+from kvswap.readers import (
+    SAFETENSORS_FILE,
+    WEIGHT_INDEX_FILE,
+    open_user_file,
+    parse_json,
+    read_user_file,
+)
 
 __all__ = [
     "PRESETS",
@@ -73,7 +80,7 @@ def resolve_model(
         config = read_checkpoint_config(directory)
         # Before anything is allocated: the config's sizes must be the checkpoint's. A
         # directory with only config.json describes a model for sizing; load_model refuses it.
-        if (directory / _INDEX_NAME).is_file() or any(directory.glob("*.safetensors")):
+        if (directory / _INDEX_NAME).exists() or any(directory.glob("*.safetensors")):
             check_checkpoint_shapes(config, directory)
     # Unstated: fp32, which every device (a CPU included) computes in.
     dtype_name = dtype if dtype is not None else (config.description.checkpoint_dtype or "fp32")
@@ -106,7 +113,7 @@ def load_model(
 
 def read_checkpoint_config(directory: Path) -> ModelArchConfig:
     config_path = directory / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():  # a FIFO or a directory there is refused by the reader
         raise KvSwapError(f"no config.json in model directory {directory}")
     return parse_hf_config(read_config_json(config_path), str(config_path), directory.name)
 
@@ -161,7 +168,7 @@ def _shard_inside(directory: Path, name: str, listed_in: Path) -> Path:
 def _index_shard_names(index_path: Path) -> list[str]:
     """The shard file names of a `weight_map`, checked to be {tensor name: file name}."""
     try:
-        raw = index_path.read_bytes()
+        raw = read_user_file(index_path, str(index_path), WEIGHT_INDEX_FILE)
     except OSError as exc:
         raise KvSwapError(f"cannot read weight_map from {index_path}: {exc.strerror}") from None
     index = parse_json(raw, str(index_path))
@@ -183,7 +190,7 @@ def _index_shard_names(index_path: Path) -> list[str]:
 
 def _checkpoint_files(directory: Path) -> list[Path]:
     index_path = directory / _INDEX_NAME
-    if index_path.is_file():
+    if index_path.exists():  # a FIFO or a directory there is refused by the reader
         files = [_shard_inside(directory, n, index_path) for n in _index_shard_names(index_path)]
         for path in files:
             if not path.is_file():
@@ -202,8 +209,8 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     {name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}.
     """
     try:
-        with path.open("rb") as file:
-            file_bytes = path.stat().st_size
+        with open_user_file(path, f"safetensors file {path}", SAFETENSORS_FILE) as file:
+            file_bytes = os.fstat(file.fileno()).st_size
             prefix = file.read(8)
             header_bytes = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
             if header_bytes is None or header_bytes > min(file_bytes - 8, _MAX_HEADER_BYTES):

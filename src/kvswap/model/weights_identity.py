@@ -40,7 +40,13 @@ from pathlib import Path
 from kvswap.errors import KvSwapError
 from kvswap.model.description import ModelDescription
 from kvswap.model.presets import ENGINE_PRESET_NAMES
-from kvswap.readers import parse_json
+from kvswap.readers import (
+    SAFETENSORS_FILE,
+    WEIGHT_INDEX_FILE,
+    open_user_file,
+    parse_json,
+    read_user_file,
+)
 
 #: Hashed into every identity: bump it when what is read or how it is hashed changes.
 WEIGHTS_IDENTITY_VERSION = "kvswap-weights-v1"
@@ -108,9 +114,10 @@ def checkpoint_files(directory: Path) -> list[str]:
     """The shard names, relative to `directory`, sorted: those the index's
     `weight_map` names when there is one, else every top-level `*.safetensors`."""
     index_path = directory / _INDEX_NAME
-    if index_path.is_file():
+    if index_path.exists():  # a FIFO or a directory there is refused by the reader
         try:
-            index = parse_json(index_path.read_bytes(), str(index_path))
+            raw = read_user_file(index_path, str(index_path), WEIGHT_INDEX_FILE)
+            index = parse_json(raw, str(index_path))
         except OSError as exc:
             raise KvSwapError(f"cannot read {index_path}: {exc.strerror}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -145,7 +152,7 @@ def sample_ranges(
 def _digest_file(digest: hashlib._Hash, directory: Path, relative: str) -> None:
     path = directory / relative
     try:
-        with path.open("rb") as file:
+        with open_user_file(path, f"safetensors file {path}", SAFETENSORS_FILE) as file:
             file_bytes = os.fstat(file.fileno()).st_size
             prefix = file.read(8)
             header_bytes = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None

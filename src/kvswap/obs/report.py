@@ -38,7 +38,8 @@ from kvswap.obs.jsonvalues import as_mapping, lookup, number
 from kvswap.obs.plots import LOADGEN_PLOT_FILES, PLOT_FILES, PlotRun, write_plots
 from kvswap.obs.timeseries import TimeSeries
 from kvswap.obs.watermarks import Watermarks
-from kvswap.readers import parse_json
+from kvswap.readers import REPORT_JSON_FILE, parse_json, read_user_file
+from kvswap.staged_dir import staged_dir
 
 REPORT_FILE = "report.json"
 INDEX_FILE = "index.html"
@@ -208,18 +209,26 @@ def _check_fields(data: Mapping[str, object], where: str) -> None:
 def write_report(
     report: RunReport, out_dir: str | os.PathLike[str], flag: str = "--report"
 ) -> Path:
-    """Write report.json, the plots and index.html into `out_dir`; returns the page."""
-    out = _writable_dir(out_dir, flag)
-    (out / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1) + "\n")
-    return write_report_page(report, out, flag)
+    """Write report.json, the plots and index.html into `out_dir`, all at once (or none:
+    `staged_dir`); returns the page."""
+    with staged_dir(out_dir, flag, last=INDEX_FILE) as staging:
+        (staging / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        _write_run_page(report, staging)
+    return Path(out_dir) / INDEX_FILE
 
 
 def write_report_page(
     report: RunReport, out_dir: str | os.PathLike[str], flag: str = "--report"
 ) -> Path:
     """The plots and index.html of one run into `out_dir`, never report.json (which
-    `kvswap report` only reads); returns the page. `flag` names the option in errors."""
-    out = _writable_dir(out_dir, flag)
+    `kvswap report` only reads), all at once; returns the page. `flag` names the option
+    in errors."""
+    with staged_dir(out_dir, flag, last=INDEX_FILE) as staging:
+        _write_run_page(report, staging)
+    return Path(out_dir) / INDEX_FILE
+
+
+def _write_run_page(report: RunReport, out: Path) -> None:
     files, rows, no_finding = _layout([report])
     plots = write_plots([report.plot_run()], out, files)
     command = LOADGEN_COMMAND if report.is_loadgen else "run"
@@ -234,19 +243,18 @@ def write_report_page(
         no_finding,
     )
     (out / INDEX_FILE).write_text(page)
-    return out / INDEX_FILE
 
 
 def load_report(run_dir: str | os.PathLike[str]) -> RunReport:
     """The report in `run_dir`/report.json; one-line errors naming the file (and field)."""
     path = Path(run_dir) / REPORT_FILE
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a directory there is refused by read_user_file
         raise KvSwapError(
             f"{run_dir}: no {REPORT_FILE} there; write one with `kvswap run --report {run_dir}` "
             "(or simulate, loadgen)"
         )
     try:
-        raw = path.read_bytes()
+        raw = read_user_file(path, str(path), REPORT_JSON_FILE)
     except OSError as error:
         raise KvSwapError(f"{path}: cannot read the report ({error.strerror})") from None
     # parse_json turns binary, deep nesting, bad syntax and NaN/Infinity into one line each.
@@ -272,11 +280,11 @@ def write_comparison(
     """One page comparing the runs side by side, plots overlaid; returns the page."""
     if not reports:
         raise KvSwapError("kvswap report: give at least one report directory")
-    out = _writable_dir(out_dir, flag)
+    out = Path(out_dir)
     labels = unique_labels(reports, dirs)
     files, rows, no_finding = _layout(reports)
     plot_runs = [r.plot_run(label) for r, label in zip(reports, labels, strict=True)]
-    plots = write_plots(plot_runs, out, files)
+    # Relative to where the page will be, not to where it is staged.
     links = [
         Path(os.path.relpath(Path(d).resolve() / INDEX_FILE, out.resolve())).as_posix()
         for d in dirs
@@ -288,19 +296,21 @@ def write_comparison(
         None if base.is_loadgen or r.is_loadgen else diagnose_change(base.summary, r.summary)
         for r in reports[1:]
     ]
-    page = comparison_page(
-        f"kvswap comparison: {' vs '.join(labels)}",
-        labels,
-        links,
-        [r.summary for r in reports],
-        [{"run": r.run, **r.config} for r in reports],
-        [r.findings for r in reports],
-        changes,
-        plots,
-        rows,
-        no_finding,
-    )
-    (out / INDEX_FILE).write_text(page)
+    with staged_dir(out_dir, flag, last=INDEX_FILE) as staging:
+        plots = write_plots(plot_runs, staging, files)
+        page = comparison_page(
+            f"kvswap comparison: {' vs '.join(labels)}",
+            labels,
+            links,
+            [r.summary for r in reports],
+            [{"run": r.run, **r.config} for r in reports],
+            [r.findings for r in reports],
+            changes,
+            plots,
+            rows,
+            no_finding,
+        )
+        (staging / INDEX_FILE).write_text(page)
     return out / INDEX_FILE
 
 
@@ -311,16 +321,3 @@ def _layout(reports: Sequence[RunReport]) -> tuple[dict[str, str], Sequence[Row]
         return PLOT_FILES, SUMMARY_ROWS, NO_FINDING
     rows = LOADGEN_SUMMARY_ROWS if kinds == {True} else SUMMARY_ROWS[:_SHARED_ROWS]
     return LOADGEN_PLOT_FILES, rows, LOADGEN_NO_FINDING if kinds == {True} else NO_FINDING
-
-
-def _writable_dir(path: str | os.PathLike[str], flag: str) -> Path:
-    """`path` as a directory, created if missing; `flag` (--report, --out) names it in errors."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise KvSwapError(f"{flag} {path}: exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        reason = error.strerror or str(error)
-        raise KvSwapError(f"{flag} {path}: cannot create the directory ({reason})") from None
-    return out

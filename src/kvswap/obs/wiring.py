@@ -40,6 +40,8 @@ from kvswap.obs.report import RunReport, write_report
 from kvswap.obs.timeseries import TimeSeriesRecorder
 from kvswap.obs.watermarks import Watermarks
 from kvswap.progress import RequestProgress
+from kvswap.signals import Terminated
+from kvswap.staged_dir import note_not_written
 
 
 def add_monitoring_arguments(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
@@ -92,6 +94,7 @@ class Monitoring:
         # A report that could not be written: the command prints its summary first,
         # then raises this, so a failed write never throws the run's result away.
         self.report_error: KvSwapError | None = None
+        self.report_written = False
 
     def finish(self, summary: dict[str, object]) -> dict[str, object]:
         """The summary plus `diagnosis` (a list of findings); writes the report if asked.
@@ -130,6 +133,7 @@ class Monitoring:
                     f"--report {self.report_dir}: cannot write ({reason})"
                 )
             else:
+                self.report_written = True
                 self._say(f"report: {page}")
         return out
 
@@ -154,6 +158,11 @@ class Monitoring:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+        # A stop before or while the report was written: the stop line says there is none
+        # (`write_report` left nothing on disk).
+        stopped = isinstance(exc, KeyboardInterrupt | Terminated)
+        if stopped and exc is not None and self.report_dir is not None and not self.report_written:
+            note_not_written(exc, "--report", self.report_dir)
 
 
 def build_monitoring(

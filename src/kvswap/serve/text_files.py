@@ -12,7 +12,9 @@ writes next to the weights:
                              generation; config.json's eos_token_id when the file is absent
 
 Every file is optional but tokenizer.json; a malformed one is a one-line KvSwapError
-naming the file and the field.
+naming the file and the field. Each is refused before it is read unless it is a regular
+file within its cap (`kvswap.readers`: MAX_TOKENIZER_BYTES, MAX_MODEL_CONFIG_BYTES,
+MAX_CHAT_TEMPLATE_BYTES), so a FIFO or /dev/zero in its place neither blocks nor fills memory.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvswap import readers
 from kvswap.errors import KvSwapError
-from kvswap.readers import parse_json
+from kvswap.readers import FileKind, check_user_file, parse_json, read_user_file
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "TextFiles", "read_text_files"]
 
@@ -50,12 +53,12 @@ class TextFiles:
     generation_eos_token_ids: tuple[int, ...]
 
 
-def _read_object(path: Path) -> dict[str, object] | None:
+def _read_object(path: Path, kind: FileKind) -> dict[str, object] | None:
     """A JSON object file, or None when it does not exist."""
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        raw = path.read_bytes()
+        raw = read_user_file(path, str(path), kind)
     except OSError as error:
         raise KvSwapError(f"cannot read {path}: {error.strerror}") from None
     value = parse_json(raw, str(path))
@@ -94,9 +97,10 @@ def _chat_template(
 ) -> tuple[str | None, str, str | None]:
     """(template source or None, where it came from, why there is none)."""
     jinja_path = directory / CHAT_TEMPLATE_FILE
-    if jinja_path.is_file():
+    if jinja_path.exists():
         try:
-            return jinja_path.read_text(encoding="utf-8"), str(jinja_path), None
+            raw = read_user_file(jinja_path, str(jinja_path), readers.CHAT_TEMPLATE_FILE)
+            return raw.decode("utf-8"), str(jinja_path), None
         except (OSError, UnicodeDecodeError) as error:
             reason = getattr(error, "strerror", None) or "not UTF-8 text"
             raise KvSwapError(f"cannot read {jinja_path}: {reason}") from None
@@ -136,10 +140,15 @@ def _eos_ids(config: dict[str, object] | None, path: Path) -> tuple[int, ...]:
 def read_text_files(directory: Path) -> TextFiles | None:
     """The directory's text files, or None when it has no tokenizer.json."""
     tokenizer_path = directory / TOKENIZER_FILE
-    if not tokenizer_path.is_file():
+    if not tokenizer_path.exists():
         return None
+    try:
+        # Read by `tokenizers` (Tokenizer.from_file), so only checked here, not read.
+        check_user_file(tokenizer_path, str(tokenizer_path), readers.TOKENIZER_FILE)
+    except OSError as error:
+        raise KvSwapError(f"cannot read {tokenizer_path}: {error.strerror}") from None
     config_path = directory / TOKENIZER_CONFIG_FILE
-    config = _read_object(config_path) or {}
+    config = _read_object(config_path, readers.TOKENIZER_FILE) or {}
     template, template_where, no_template_reason = _chat_template(directory, config)
     special_tokens: dict[str, str] = {}
     for name in SPECIAL_TOKEN_NAMES:
@@ -149,12 +158,10 @@ def read_text_files(directory: Path) -> TextFiles | None:
     add_bos = config.get("add_bos_token")
     if add_bos is not None and not isinstance(add_bos, bool):
         raise KvSwapError(f"{config_path} add_bos_token is {add_bos!r}; expected true or false")
-    generation_path = directory / GENERATION_CONFIG_FILE
-    if generation_path.is_file():
-        eos_ids = _eos_ids(_read_object(generation_path), generation_path)
-    else:
-        model_config_path = directory / MODEL_CONFIG_FILE
-        eos_ids = _eos_ids(_read_object(model_config_path), model_config_path)
+    eos_path = directory / GENERATION_CONFIG_FILE
+    if not eos_path.exists():
+        eos_path = directory / MODEL_CONFIG_FILE
+    eos_ids = _eos_ids(_read_object(eos_path, readers.MODEL_CONFIG_FILE), eos_path)
     return TextFiles(
         tokenizer_path=tokenizer_path,
         chat_template=template,

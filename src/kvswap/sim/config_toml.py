@@ -46,9 +46,13 @@ def config_to_toml(
     for key, value in flat:
         note = f"  # {notes[key]}" if key in notes else ""
         lines.append(f"{key} = {_value(value)}{note}")
+    tiers = config.tiers.model_dump()
+    if not capacities.num_nvme_blocks:
+        # No NVMe tier, so no directory: one named without a tier is refused when read.
+        tiers["nvme_dir"] = None
     sections = {
         "model": config.model.model_dump(),
-        "tiers": config.tiers.model_dump(),
+        "tiers": tiers,
         "engine": config.engine.model_dump(),
         "simulator": config.simulator.model_dump(),
     }

@@ -18,8 +18,9 @@ until the kernel kills the process, and a trace timestamp of 1e308 ms makes
 the engine wait forever for the next arrival.
 
 The trace reader has its own bounds, checked line by line while reading:
-MAX_TRACE_LINE_BYTES per line, hash ids in 0..MAX_HASH_ID, at most
-MAX_HASH_IDS_PER_REQUEST per line and MAX_TRACE_HASH_IDS in the file.
+MAX_TRACE_LINE_BYTES per line (kept in `kvswap.readers` with every file's cap), hash
+ids in 0..MAX_HASH_ID, at most MAX_HASH_IDS_PER_REQUEST per line and MAX_TRACE_HASH_IDS
+in the file.
 
 Torch-free and standard library only (the simulator imports it).
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.host_memory import available_host_bytes
+from kvswap.readers import MAX_TRACE_LINE_BYTES as MAX_TRACE_LINE_BYTES  # the cap table
 
 MAX_REQUESTS = 10**6
 MAX_REQUEST_TOKENS = 2**24
@@ -46,7 +48,6 @@ NEW_TOKEN_BYTES = 32
 """One int object for a token id made fresh (ids past 256 are not shared by CPython)."""
 
 MAX_HASH_ID = 2**63 - 1
-MAX_TRACE_LINE_BYTES = 16 * 2**20
 MAX_TRACE_HASH_IDS = 2**25
 """Hash ids a whole trace may hold while it is read (~50x the Mooncake trace)."""
 MAX_HASH_IDS_PER_REQUEST = MAX_REQUEST_TOKENS // 512

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvswap.errors import ConfigError, KvSwapError
-from kvswap.readers import parse_json
+from kvswap.readers import TRACE_FILE, open_user_file, parse_json
 from kvswap.units import ceil_div
 from kvswap.workload.bounds import (
     MAX_HASH_ID,
@@ -163,8 +163,9 @@ def read_trace_rows(path: str | Path, *, max_requests: int | None = None) -> lis
     rows: list[TraceRow] = []
     num_hash_ids = 0
     try:
-        # Binary lines: exact line numbers even for undecodable bytes.
-        with path.open("rb") as lines:
+        # Binary lines: exact line numbers even for undecodable bytes. A FIFO, a device
+        # or a directory is refused before opening; each line is capped below.
+        with open_user_file(path, str(path), TRACE_FILE) as lines:
             for line_number in itertools.count(1):
                 line = lines.readline(MAX_TRACE_LINE_BYTES + 1)
                 if not line:
@@ -192,8 +193,6 @@ def read_trace_rows(path: str | Path, *, max_requests: int | None = None) -> lis
                 rows.append(row)
     except FileNotFoundError:
         raise KvSwapError(f"{path}: trace file not found") from None
-    except IsADirectoryError:
-        raise KvSwapError(f"{path}: is a directory, expected a JSONL trace file") from None
     except OSError as error:
         raise KvSwapError(f"{path}: cannot read trace ({error.strerror})") from None
     if not rows:
