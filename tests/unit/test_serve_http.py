@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 from kvswap.cli import build_parser
 from kvswap.commands import serve as serve_command
 from kvswap.errors import KvSwapError
-from kvswap.serve.app import AppSettings, build_app
+from kvswap.serve.app import AppSettings, body_limit_bytes, build_app
 from kvswap.serve.http_server import bind_listener
 from kvswap.serve.tokenizer import TextCodec, builtin_codec
 
@@ -283,11 +283,54 @@ def test_body_over_the_byte_limit(service: FakeService, codec: TextCodec) -> Non
     assert "over 1000 bytes" in str(one_line_error(response, 413)["message"])
 
 
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(
+    service: FakeService, codec: TextCodec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 128 tokens of at most 12 characters each: 1,536 characters can still fit.
+    assert codec.max_prompt_chars(service.max_prompt_tokens) == 128 * 12
+
+    def no_tokenizing(*args: object, **kwargs: object) -> list[int]:
+        raise AssertionError("a text that cannot fit was tokenized")
+
+    monkeypatch.setattr(codec, "encode", no_tokenizing)
+    monkeypatch.setattr(codec, "encode_chat", no_tokenizing)
+    long_text = "x" * (4 * 2**20)  # 4 MiB: under the body limit, far over the prompt's
+    with TestClient(build_app(service, codec)) as http:
+        completion = http.post("/v1/completions", json={"prompt": long_text})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": long_text[: 1000]}] * 2},
+        )
+    message = str(one_line_error(completion, 413)["message"])
+    assert message.startswith("prompt: 4194304 characters cannot fit in 128 tokens")
+    assert "at most 1536 characters" in message
+    assert "messages: 2000 characters" in str(one_line_error(chat, 413)["message"])
+    assert not service.submitted
+
+
+def test_the_body_limit_follows_from_the_longest_prompt(codec: TextCodec) -> None:
+    # Each token: 12 characters of 12 escaped bytes at most, plus 48 bytes of framing.
+    assert body_limit_bytes(4064, codec) == 4064 * (12 * 12 + 48) + 64 * 1024
+    assert body_limit_bytes(4064, None) == 4064 * 48 + 64 * 1024  # token ids only
+    assert body_limit_bytes(4064, codec) < 1024**2  # not the 32 MiB default
+
+
+def test_a_hundred_thousand_bad_messages_cost_one_short_line(
+    service: FakeService, codec: TextCodec
+) -> None:
+    body = {"messages": [{"role": "user", "content": 5}] * 100_000}
+    with TestClient(build_app(service, codec)) as http:
+        response = http.post("/v1/chat/completions", json=body)
+    message = str(one_line_error(response, 400)["message"])
+    assert message.endswith("and 99995 more") and len(message) < 1000
+    assert message.count("messages[") == 5
+
+
 def test_accepted_extras_and_a_bug_as_an_error_object(
     service: FakeService, codec: TextCodec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "user": "u1", "ignore_eos": True, "n": 1,
-            "logprobs": None, "seed": 2**63, "stop": None}  # fmt: skip
+            "logprobs": None, "seed": 2**63 - 1, "stop": None}  # fmt: skip
     with TestClient(build_app(service, codec), raise_server_exceptions=False) as http:
         accepted = http.post("/v1/completions", json=body)
 
@@ -387,6 +430,8 @@ def test_stopping_service_is_503_and_aborted_stream_ends_with_an_error(
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests -1"),
         (["--shutdown-timeout-s", "nan"], "--shutdown-timeout-s nan"),
+        (["--header-read-timeout-s", "0"], "--header-read-timeout-s 0.0: allowed: a number > 0"),
+        (["--body-read-timeout-s", "nan"], "--body-read-timeout-s nan: allowed: a number > 0"),
         (["--api-key", " "], "--api-key: empty"),
         (["--served-model-name", ""], "--served-model-name: empty"),
         (["--host", "no-such-host.invalid", "--port", "0"], "--host no-such-host.invalid"),

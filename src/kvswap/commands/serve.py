@@ -24,8 +24,8 @@ from kvswap.config import KvSwapConfig
 from kvswap.config_sources import API_KEY_VARIABLE
 from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import is_loopback_address
-from kvswap.serve.app import AppSettings, build_app
-from kvswap.serve.http_server import ApiServer, bind_listener
+from kvswap.serve.app import BODY_READ_TIMEOUT_S, AppSettings, body_limit_bytes, build_app
+from kvswap.serve.http_server import HEADER_READ_TIMEOUT_S, ApiServer, bind_listener
 from kvswap.signals import signal_name
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -83,6 +83,16 @@ def register(commands: Any) -> None:
         "--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on a stop signal, open requests get this long to finish (default 10)",
     )  # fmt: skip
+    group.add_argument(
+        "--header-read-timeout-s", type=float, default=HEADER_READ_TIMEOUT_S,
+        help=f"a connection gets this long to send a request's headers, else it is closed "
+             f"(default {HEADER_READ_TIMEOUT_S:g})",
+    )  # fmt: skip
+    group.add_argument(
+        "--body-read-timeout-s", type=float, default=BODY_READ_TIMEOUT_S,
+        help=f"a request's body must arrive within this long, else 408 "
+             f"(default {BODY_READ_TIMEOUT_S:g})",
+    )  # fmt: skip
     add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
     parser.set_defaults(handler=serve)
 
@@ -100,6 +110,12 @@ def check_server_arguments(args: argparse.Namespace) -> None:
     timeout_s = args.shutdown_timeout_s
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise KvSwapError(f"--shutdown-timeout-s {timeout_s}: allowed: a number >= 0")
+    for flag, value in (
+        ("--header-read-timeout-s", args.header_read_timeout_s),
+        ("--body-read-timeout-s", args.body_read_timeout_s),
+    ):
+        if not math.isfinite(value) or value <= 0:
+            raise KvSwapError(f"{flag} {value}: allowed: a number > 0")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise KvSwapError("--served-model-name: empty; allowed: any non-empty name")
 
@@ -151,8 +167,17 @@ def _serve_on(
                 f"kvswap serve: {model} has no tokenizer.json: token-id prompts only",
                 file=sys.stderr,
             )
-        app = build_app(service, codec, AppSettings(api_key=key, model_vocab_size=vocab_size))
-        server = ApiServer(app, service, model_name=service.model_id, shutdown_timeout_s=timeout_s)
+        settings = AppSettings(
+            api_key=key,
+            max_body_bytes=body_limit_bytes(service.max_prompt_tokens, codec),
+            model_vocab_size=vocab_size,
+            body_read_timeout_s=args.body_read_timeout_s,
+        )
+        app = build_app(service, codec, settings)
+        server = ApiServer(
+            app, service, model_name=service.model_id, shutdown_timeout_s=timeout_s,
+            header_read_timeout_s=args.header_read_timeout_s,
+        )  # fmt: skip
         stopped_by = server.run([listener])
     finally:
         service.close(timeout_s)  # a second close is a no-op; here for a start-up failure

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +26,12 @@ from typing import TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvswap.errors import KvSwapError
 from kvswap.serve.errors import (
     ApiError,
     api_error,
@@ -51,12 +53,22 @@ from kvswap.serve.service import EngineService
 from kvswap.serve.text_errors import TextRequestError
 from kvswap.serve.tokenizer import TextCodec
 
-#: A body past this is refused before it is parsed (413): a million-token prompt as
-#: token ids is about 7 MiB of JSON, as text about 4 MiB.
+#: A body past this is refused before it is parsed (413) where no model sets the limit
+#: (`kvswap serve` derives it from the model's longest prompt: `body_limit_bytes`).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: JSON bytes a prompt character may take: outside the BMP, two `\uXXXX` escapes.
+JSON_BYTES_PER_CHAR = 12
+#: JSON bytes a prompt token may take beside its text: an id (up to 10 digits and ", "),
+#: or a chat message's framing ({"role": "user", "content": ""}, at least one token each).
+JSON_BYTES_PER_TOKEN = 48
+#: Room for the fields beside the prompt (sampling, stop strings, names).
+BODY_OVERHEAD_BYTES = 64 * 1024
 #: Bodies up to this are parsed on the event loop (well under a millisecond); longer
 #: ones in a worker thread, like tokenizing, so a long prompt never stalls other clients.
 INLINE_PARSE_BYTES = 64 * 1024
+#: A request's whole body must arrive within this many seconds of its headers (408):
+#: a client trickling its body holds a connection, a task and a buffer meanwhile.
+BODY_READ_TIMEOUT_S = 30.0
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
@@ -67,6 +79,20 @@ class AppSettings:
     #: The model's ids: a token-id prompt is checked against them, so no id outside the
     #: embedding ever reaches the engine (None: the tokenizer's, when there is one).
     model_vocab_size: int | None = None
+    body_read_timeout_s: float = BODY_READ_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        timeout_s = self.body_read_timeout_s
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise KvSwapError(f"body_read_timeout_s {timeout_s}: allowed: a number > 0")
+
+
+def body_limit_bytes(max_prompt_tokens: int, codec: TextCodec | None) -> int:
+    """The largest body a prompt the model can take needs: every token at its longest
+    text (each character escaped at its longest), its framing, and the other fields."""
+    chars_per_token = codec.max_prompt_chars(1) if codec is not None else 0
+    per_token_bytes = chars_per_token * JSON_BYTES_PER_CHAR + JSON_BYTES_PER_TOKEN
+    return max_prompt_tokens * per_token_bytes + BODY_OVERHEAD_BYTES
 
 
 def build_app(
@@ -113,6 +139,7 @@ class _Api:
         if isinstance(body.prompt, str):
             codec = self._codec()
             prompt = body.prompt
+            self._check_text_fits(codec, len(prompt), "prompt")
             prompt_ids = await self._encode(lambda: codec.encode(prompt, add_special_tokens=True))
         else:
             prompt_ids = body.prompt
@@ -122,6 +149,8 @@ class _Api:
         body = await self._parse(ChatCompletionRequest, request)
         self._check_model(body.model)
         codec = self._codec()
+        num_chars = sum(len(message.content or "") for message in body.messages)
+        self._check_text_fits(codec, num_chars, "messages")
         messages = [message.to_template() for message in body.messages]
         prompt_ids = await self._encode(lambda: codec.encode_chat(messages))
         return await self._generate(request, body, prompt_ids, CHAT_SHAPE)
@@ -157,18 +186,34 @@ class _Api:
         return await asyncio.to_thread(parse_body, model, raw)  # a long prompt: off the loop
 
     async def _body(self, request: Request) -> bytes:
-        """The raw body, refused (413) as soon as it passes the byte limit."""
+        """The raw body, refused (413) as soon as it passes the byte limit, and (408) when
+        it has not all arrived within `body_read_timeout_s`. A client that leaves while
+        sending it ends the request quietly: nobody is there to read an answer."""
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise _body_too_large(limit)
         chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _body_too_large(limit)
-            chunks.append(chunk)
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _body_too_large(limit)
+                chunks.append(chunk)
+
+        timeout_s = self.settings.body_read_timeout_s
+        try:
+            await asyncio.wait_for(read(), timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408, f"request body: not received within {timeout_s:g} s; send it at once",
+                code="request_timeout", headers={"Connection": "close"},
+            ) from None  # fmt: skip
+        except ClientDisconnect:
+            # Answered to nobody: uvicorn drops what is sent on a closed connection.
+            raise ApiError(499, "the client closed the connection", code="client_closed") from None
         return b"".join(chunks)
 
     def _check_model(self, model: str | None) -> None:
@@ -188,6 +233,19 @@ class _Api:
                 code="no_tokenizer", param=param,
             )  # fmt: skip
         return self.codec
+
+    def _check_text_fits(self, codec: TextCodec, num_chars: int, param: str) -> None:
+        """413 before tokenizing, for a text too long to fit whatever its tokens: a
+        30 MiB prompt must not cost seconds of tokenizing and a GB of memory first."""
+        max_tokens = self.service.max_prompt_tokens
+        max_chars = codec.max_prompt_chars(max_tokens)
+        if num_chars > max_chars:
+            raise ApiError(
+                413, f"{param}: {num_chars} characters cannot fit in {max_tokens} tokens (no "
+                f"token of this tokenizer is longer than {codec.max_prompt_chars(1)} "
+                f"characters); allowed: at most {max_chars} characters",
+                code="context_length_exceeded", param=param,
+            )  # fmt: skip
 
     async def _encode(self, encode: Callable[[], list[int]]) -> tuple[int, ...]:
         try:

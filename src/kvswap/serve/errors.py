@@ -14,6 +14,7 @@ The status follows one rule, written here once (as the OpenAI API and vLLM answe
     401  the API key is missing or wrong
     404  an unknown route or model
     405  a known route with the wrong method
+    408  the body did not arrive within --body-read-timeout-s (the connection is closed)
     413  the prompt over `--max-prompt-tokens`, or the body over its byte limit
     429  the waiting queue is full; `Retry-After` says when to try again
     500  a bug in the server (its log has the traceback)
@@ -41,6 +42,7 @@ ERROR_TYPES: dict[int, str] = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

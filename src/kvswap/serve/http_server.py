@@ -17,6 +17,16 @@ uvicorn's own `capture_signals` would re-raise the signal once it restored those
 (`signal.raise_signal`), turning a clean stop into `Terminated` and exit 143;
 this one records the signal and does not. A second SIGINT forces the exit, as
 in uvicorn (the service is still closed, within its timeout).
+
+Slow clients: uvicorn bounds a request's header size (h11, 16 KiB) and an idle
+keep-alive connection (5 s), but not the time a client takes to send its headers,
+nor a connection that connects and sends nothing: a client sending a byte now and
+then held its connection (and a file descriptor) forever. `DeadlineH11Protocol`
+gives every connection `header_read_timeout_s` to deliver a request's headers
+whenever the app is not handling a request on it (a new connection, the bytes of
+the next request, what is left of a body the app refused), and closes it past that.
+While the app handles a request it is the app's business: the body has
+`AppSettings.body_read_timeout_s` (408), and a long stream is never cut.
 """
 
 from __future__ import annotations
@@ -32,8 +42,10 @@ import threading
 from collections.abc import Generator
 from typing import TextIO
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvswap.errors import KvSwapError
 from kvswap.serve.service import EngineService
@@ -43,6 +55,8 @@ from kvswap.signals import STOP_SIGNALS
 _HEALTH_CHECK_TICKS = 10
 #: Extra seconds uvicorn waits for connections after `service.close` had its timeout.
 _CONNECTION_GRACE_S = 2
+#: A connection's time to deliver a request's headers while no request runs on it.
+HEADER_READ_TIMEOUT_S = 10.0
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -81,6 +95,61 @@ def url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline (see the module docstring).
+
+    The deadline is armed when the connection opens, and when bytes arrive while no
+    request is being handled; it is dropped once a request's headers are in and the
+    app runs. Firing with still no request running, it closes the connection (the
+    client sent no complete request line and headers: there is nothing to answer)."""
+
+    header_read_timeout_s = HEADER_READ_TIMEOUT_S
+    _header_deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_timeout(cls, header_read_timeout_s: float) -> type[DeadlineH11Protocol]:
+        return type(cls.__name__, (cls,), {"header_read_timeout_s": header_read_timeout_s})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._handling_request():
+            self._drop_header_deadline()
+        elif self._header_deadline is None:
+            self._arm_header_deadline()  # the first bytes of a request, or of a refused body
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._drop_header_deadline()
+        super().connection_lost(exc)
+
+    def _handling_request(self) -> bool:
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete
+
+    def _arm_header_deadline(self) -> None:
+        self._drop_header_deadline()
+        self._header_deadline = self.loop.call_later(
+            self.header_read_timeout_s, self._header_deadline_passed
+        )
+
+    def _drop_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if self._handling_request() or self.transport.is_closing():
+            return
+        if self.conn.our_state is not h11.ERROR:
+            with contextlib.suppress(h11.LocalProtocolError):
+                self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
+
+
 class ApiServer(uvicorn.Server):
     """uvicorn's server with kvswap's start and stop (see the module docstring).
 
@@ -95,11 +164,20 @@ class ApiServer(uvicorn.Server):
         model_name: str,
         shutdown_timeout_s: float,
         stdout: TextIO | None = None,
+        header_read_timeout_s: float = HEADER_READ_TIMEOUT_S,
     ):
+        if not (math.isfinite(header_read_timeout_s) and header_read_timeout_s > 0):
+            raise KvSwapError(
+                f"header_read_timeout_s {header_read_timeout_s}: allowed: a number > 0"
+            )
         super().__init__(
             uvicorn.Config(
                 app, log_level="warning", access_log=False, lifespan="off",
                 timeout_graceful_shutdown=math.ceil(shutdown_timeout_s + _CONNECTION_GRACE_S),
+                # Always h11 (never httptools, were it installed): the protocol with the
+                # header deadline above. No WebSockets: none is served, and an upgraded
+                # connection would leave the deadline armed behind it.
+                http=DeadlineH11Protocol.with_timeout(header_read_timeout_s), ws="none",
             )
         )  # fmt: skip
         self._service = service

@@ -14,6 +14,8 @@
     codec.decode(ids, skip_special_tokens=True) -> str
     codec.eos_token_ids: frozenset[int]   stop ids for GenerationRequest.stop_token_ids
     codec.vocab_size: int                 ids the tokenizer emits (<= the model's)
+    codec.max_prompt_chars(num_tokens)    the longest text that can tokenize to that many
+                                          tokens: longer text is refused untokenized
     codec.has_chat_template: bool
 Streaming output: kvswap.serve.detokenize (IncrementalDecoder, StopMatcher, parse_stop).
 
@@ -38,6 +40,7 @@ from tokenizers import Tokenizer
 
 from kvswap.errors import KvSwapError
 from kvswap.model.presets import ENGINE_PRESET_NAMES
+from kvswap.readers import TOKENIZER_FILE, read_user_file
 from kvswap.serve.builtin_text import (
     BUILTIN_CHAT_TEMPLATE,
     BUILTIN_SPECIAL_TOKENS,
@@ -86,6 +89,10 @@ class TextCodec:
                 f"{model_vocab_size} ids; the tokenizer does not belong to this model"
             )
         self.vocab_size = top_id + 1
+        # No token stands for more characters than its vocabulary string has (byte-level
+        # BPE: one character per byte; SentencePiece: one per character; byte fallback
+        # "<0x41>": more), so a text of n characters needs at least n / this many tokens.
+        self.max_token_chars = max(1, max(len(token) for token in vocab))
         self.bos_token_id = self._special_id("bos_token")
         eos_id = self._special_id("eos_token")
         eos_ids = {*extra_eos_token_ids, *([] if eos_id is None else [eos_id])}
@@ -104,6 +111,11 @@ class TextCodec:
         want_bos = processor_adds_bos if add_bos_token is None else add_bos_token
         self._prepend_bos = want_bos and not processor_adds_bos
         self._strip_bos = processor_adds_bos and not want_bos
+
+    def max_prompt_chars(self, num_tokens: int) -> int:
+        """The most characters a text of `num_tokens` tokens can have: a longer text
+        cannot fit, and is refused before it is tokenized (tokenizing is the costly part)."""
+        return num_tokens * self.max_token_chars
 
     def _special_id(self, name: str) -> int | None:
         text = self._special_tokens.get(name)
@@ -190,8 +202,16 @@ def load_text(source: str, vocab_size: int) -> TextCodec | None:
     files = read_text_files(directory)
     if files is None:
         return None
+    path = files.tokenizer_path
     try:
-        tokenizer = Tokenizer.from_file(str(files.tokenizer_path))
+        # Read through the readers' cap (not Tokenizer.from_file): a file swapped for a
+        # larger one after read_text_files checked it is still read bounded.
+        text = read_user_file(path, str(path), TOKENIZER_FILE).decode("utf-8")
+        tokenizer = Tokenizer.from_str(text)
+    except OSError as error:
+        raise KvSwapError(f"cannot read {path}: {error.strerror or error}") from None
+    except KvSwapError:
+        raise
     except Exception as error:  # the library's parse errors carry no common type
         raise KvSwapError(
             f"cannot read {files.tokenizer_path}: {one_line(str(error) or type(error).__name__)}"
