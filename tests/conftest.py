@@ -5,9 +5,10 @@ command line arranges for itself, before torch loads; a setting of the user's
 wins): tests run servers, copy workers and subprocesses beside the model on
 few cores, where spinning threads slow every step down."""
 
-from kvswap.model.openmp_env import prefer_passive_openmp_wait
+from kvswap.model.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
 
 prefer_passive_openmp_wait()
+cap_onednn_caches()  # as the command line does: bounded oneDNN primitive caches
 
 from tests.redis_server import redis_server, redis_server_factory  # noqa: E402
 

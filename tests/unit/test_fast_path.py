@@ -25,7 +25,13 @@ from kvswap.model.generate import generate_reference, sample_token
 from kvswap.model.linear import LINEAR_TILE_ROWS, SlicedLinear, TiledLinear, make_linear
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.loader import PRESETS, load_model
-from kvswap.model.openmp_env import USER_SETTINGS, prefer_passive_openmp_wait
+from kvswap.model.openmp_env import (
+    ONEDNN_CACHE_ENTRIES,
+    ONEDNN_CACHE_VARIABLES,
+    USER_SETTINGS,
+    cap_onednn_caches,
+    prefer_passive_openmp_wait,
+)
 from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
 from kvswap.sampling import SamplingParams
 
@@ -279,6 +285,26 @@ def test_the_passive_openmp_wait_is_chosen_before_torch_loads_and_never_over_a_u
     # Here torch is loaded: setting it now would reach only child processes.
     environ: dict[str, str] = {}
     assert prefer_passive_openmp_wait(environ) is False and environ == {}
+
+
+def test_the_command_line_caps_onednn_caches_before_torch_loads() -> None:
+    # Uncapped, each row count a server sees adds a compiled primitive to two caches
+    # of 1,024 entries: its memory grew with every new one (benchmarks/serve_soak.py).
+    probe = (
+        "import os, sys\n"
+        "from kvswap.__main__ import entry\n"
+        "sys.argv = ['kvswap', 'plan', '--preset', 'article-8b', '--json']\n"
+        "code = entry()\n"
+        "print(code, *(os.environ[name] for name in sys.argv[1:]))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHE_VARIABLES}
+    done = subprocess.run(
+        [sys.executable, "-c", probe.replace("sys.argv[1:]", repr(ONEDNN_CACHE_VARIABLES))],
+        env=clean, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.split()[-3:] == ["0", *[str(ONEDNN_CACHE_ENTRIES)] * 2]
+    environ = {"LRU_CACHE_CAPACITY": "7"}  # a user's own choice is kept
+    assert cap_onednn_caches(environ) is False and environ == {"LRU_CACHE_CAPACITY": "7"}
 
 
 def test_a_sliced_linear_equals_one_matmul_to_rounding() -> None:

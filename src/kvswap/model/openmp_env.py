@@ -1,4 +1,4 @@
-"""OpenMP's wait policy for the engine's CPU threads, chosen before torch loads.
+"""The CPU runtime's settings chosen before torch loads: OpenMP's wait policy, oneDNN's caches.
 
 Torch runs CPU ops on an OpenMP team. Between two parallel regions, GNU
 OpenMP's idle threads spin by default. Once a machine has more runnable
@@ -14,6 +14,16 @@ The runtime reads its environment once, when it is loaded (`import torch`), so
 `prefer_passive_openmp_wait` must run before anything imports torch: the
 command line's entry point calls it first. Torch-free, so importing it loads
 nothing. A user's own setting is kept.
+
+`cap_onednn_caches`, called at the same point for the same reason, bounds the
+caches of compiled oneDNN primitives. The fast mode's packed CPU linears
+compile one primitive (0.6-2 MiB) per distinct row count, and a server's steps
+see almost every token count: with the libraries' default of 1,024 entries per
+cache (oneDNN's, and torch's ideep one beside it), `kvswap serve` grew
+492 -> 999 MiB over 20 bursts of 64 streaming requests and had not levelled
+off (`benchmarks/serve_soak.py`). At ONEDNN_CACHE_ENTRIES each, the same
+soak stays flat; a step whose row count fell out of the cache compiles it
+again (a decode batch's few row counts stay cached).
 """
 
 from __future__ import annotations
@@ -36,4 +46,21 @@ def prefer_passive_openmp_wait(environ: MutableMapping[str, str] | None = None) 
     if "torch" in sys.modules or any(name in env for name in USER_SETTINGS):
         return False
     env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return True
+
+
+#: Entries each of oneDNN's and ideep's primitive caches keeps (the default is 1,024).
+ONEDNN_CACHE_ENTRIES = 128
+#: oneDNN's primitive cache, and torch's ideep LRU cache of the same primitives.
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def cap_onednn_caches(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Cap both primitive caches at ONEDNN_CACHE_ENTRIES unless torch is already loaded
+    (they read the variables once) or the user set either. Returns whether it set them."""
+    env = os.environ if environ is None else environ
+    if "torch" in sys.modules or any(name in env for name in ONEDNN_CACHE_VARIABLES):
+        return False
+    for name in ONEDNN_CACHE_VARIABLES:
+        env[name] = str(ONEDNN_CACHE_ENTRIES)
     return True
