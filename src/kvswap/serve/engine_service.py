@@ -217,6 +217,9 @@ class LiveArrivals:
             error = run.abort_reason
             print(f"kvswap serve: request {request_id} aborted: {error}", file=sys.stderr)
         reason = _FINISH_REASONS[run.finish_reason or SchedulerFinish.ABORT]
+        # Counted before the client hears of it: a client that saw its Finished sees
+        # the open count and the metrics without it.
+        self._on_finished(run.prompt_ids, run.output_ids, reason)
         handle.push(
             Finished(
                 reason=reason,
@@ -226,7 +229,6 @@ class LiveArrivals:
                 error=error,
             )
         )
-        self._on_finished(run.prompt_ids, run.output_ids, reason)
 
 
 def _sampling(request: GenerationRequest) -> SamplingParams | None:
