@@ -109,6 +109,13 @@ class SwapSection(_Section):
     # holds them (the seed: evict_protected_blocks).
     protected_sink_blocks: int = Field(default=8, ge=0, le=MAX_NUM_BLOCKS)
     min_residency_steps: int = Field(default=64, ge=0, le=2**40)
+    # Which policy evicts from each tier: "kvswap" (ranked LRU with sinks, minimum
+    # residency and cost ranks), "lru", or "package.module:ClassName" (an
+    # EvictionPolicy subclass). Resolved, imports included, by kvswap.drive.settings.
+    # Nothing evicts from NVMe yet: its name is checked, not used.
+    gpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
+    cpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
+    nvme_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
     swap_out_chunk_blocks: int = Field(default=8, ge=1, le=MAX_NUM_BLOCKS)
     swap_in_chunk_blocks: int = Field(default=4, ge=1, le=MAX_NUM_BLOCKS)
     # HIGH-priority copy streams (CUDA) or worker threads (CPU) for swap-in/prefetch.

@@ -184,6 +184,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         protected=st.integers(0, 1),
         residency=st.integers(0, 3),
         remote=st.sampled_from([None, *RemoteWritePolicy]),
+        policies=st.tuples(st.sampled_from(["kvswap", "lru"]), st.sampled_from(["kvswap", "lru"])),
     )
     def setup(
         self,
@@ -193,12 +194,14 @@ class TieredStoreMachine(RuleBasedStateMachine):
         protected: int,
         residency: int,
         remote: RemoteWritePolicy | None,
+        policies: tuple[str, str] = ("kvswap", "kvswap"),
     ) -> None:
         self.directory = Path(f"/tmp/kvswap-hypothesis-{time.monotonic_ns()}")
         self.directory.mkdir()
         self.store = MemoryStore()
         self.sizes = (gpu, cpu, nvme, protected, residency)
         self.remote = remote
+        self.policies = policies  # (GPU, CPU) eviction policy names
         self._start()
 
     def _start(self) -> None:
@@ -214,7 +217,10 @@ class TieredStoreMachine(RuleBasedStateMachine):
         )
         self.swapper = Swapper(
             StoreLayout(BLOCK_TOKENS, gpu, cpu, nvme, protected),
-            PolicyOptions(sink_protection=protected > 0, min_residency_steps=residency),
+            PolicyOptions(
+                sink_protection=protected > 0, min_residency_steps=residency,
+                gpu_eviction_policy=self.policies[0], cpu_eviction_policy=self.policies[1],
+            ),
             SwapSettings(
                 block_bytes=BLOCK_BYTES, swap_out_high_watermark=0.7, swap_out_low_watermark=0.4,
                 swap_out_chunk_blocks=2, swap_in_chunk_blocks=2,

@@ -65,7 +65,6 @@ class Block:
     num_running_refs: int = 0  # of those, sequences that run this step
     num_protected_refs: int = 0  # sequences holding it among their first protected blocks
     copies: dict[Tier, Copy] = field(default_factory=dict)
-    resident_until_step: int = 0  # not evictable from GPU before this decode step
     lost: bool = False  # every copy failed: the owner must recompute it
 
     def is_full(self, block_tokens: int) -> bool:

@@ -53,7 +53,7 @@ class Demoter:
         to_remote: list[tuple[Block, Copy]] = []
         skipped: list[Block] = []
         while used > target:
-            victim = self.store.cpu_policy.pop_victim()
+            victim = self.store.pop_victim(Tier.CPU)
             if victim is None:
                 break
             write = None

@@ -44,7 +44,7 @@ class Evictor:
         victims: list[Block] = []
         expected_free = gpu.num_free_slots + self.mover.num_gpu_evictions_pending
         while expected_free < num_blocks:
-            victim = self.store.gpu_policy.pop_victim()
+            victim = self.store.pop_victim(Tier.GPU)
             if victim is None:
                 break
             victims.append(victim)
@@ -71,7 +71,7 @@ class Evictor:
         target = self.settings.swap_out_low_watermark * gpu.num_slots
         victims: list[Block] = []
         while used > target:
-            victim = self.store.gpu_policy.pop_victim()
+            victim = self.store.pop_victim(Tier.GPU)
             if victim is None:
                 break
             victims.append(victim)
@@ -84,7 +84,7 @@ class Evictor:
         """Drop clean GPU copies now; copy dirty ones down and free them on completion."""
         pairs: list[tuple[Block, Copy]] = []
         for block in victims:
-            self.store.gpu_policy.forget(block)
+            self.store.unrank(Tier.GPU, block)  # a victim not popped (preemption) too
             if block.has_ready_copy_below(Tier.GPU):
                 self.store.drop_copy(block, Tier.GPU)
                 self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
@@ -117,7 +117,7 @@ class Evictor:
         room for another cache entry."""
         copy = self.store.place(block, Tier.CPU, ready=False)
         while copy is None:
-            victim = self.store.cpu_policy.pop_victim(max_rank=2)
+            victim = self.store.pop_victim(Tier.CPU, droppable_only=True)
             if victim is None:
                 return None
             if not victim.has_ready_copy_below(Tier.CPU) and victim.ref_count == 0:

@@ -2,9 +2,13 @@
 
 Bookkeeping only: the store never plans a transfer (the swapper does) and
 never touches bytes (the data plane does). It owns every `Block`, the slot
-accounting of each tier, the prefix index and the two residency policies,
-and keeps them consistent: every change to a block's references or copies
-goes through here and re-ranks the block in O(1).
+accounting of each tier, the prefix index and one eviction policy per tier
+(GPU, CPU; built by name, `kvswap.control.policy`), and keeps them consistent:
+every change to a block's references or copies goes through here, and the
+store alone tells the policies, each call with the `BlockFacts` of that tier's
+copy. Only the tiers holding a copy hear of a change, and not those whose
+facts it cannot alter (a copy placed but not yet written). The swapper's
+parts ask the store for victims (`pop_victim`), never a policy.
 
     sequence 3: [b0 b1 b2 b3]      b0, b1 shared with sequence 5 (same prefix)
                   |  |  |  '-- partial, GPU only
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 
 from kvswap.control import identity
 from kvswap.control.blocks import REMOTE_SLOT, TIERS_BELOW, Block, Copy
+from kvswap.control.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.control.identity import KeyNamespace
-from kvswap.control.policy import CpuResidencyPolicy, PolicyOptions, ResidencyPolicy
 from kvswap.control.prefix_index import PrefixIndex
+from kvswap.control.store_policies import TierPolicies
 from kvswap.control.tiers import TierSlots
 from kvswap.control.transfer import Tier
 from kvswap.errors import KvSwapError
@@ -81,8 +86,7 @@ class BlockStore:
         self.blocks: dict[int, Block] = {}
         self.sequences: dict[int, SequenceState] = {}
         self.index = PrefixIndex(layout.block_tokens)
-        self.gpu_policy = ResidencyPolicy(options)
-        self.cpu_policy = CpuResidencyPolicy()
+        self._policies = TierPolicies(options, self.blocks)
         self._next_block_id = 0
         self._unpublished: list[Block] = []
         # Blocks marked lost while referenced: lets the scheduler skip its per-step
@@ -209,7 +213,8 @@ class BlockStore:
         for block_id in state.block_ids:
             block = self.blocks[block_id]
             block.num_running_refs += delta
-            self.gpu_policy.update(block)
+            if block.num_running_refs == (1 if running else 0):  # `running` flipped
+                self._policies.changed_gpu(block)
 
     def close_sequence(self, seq_id: int) -> list[Block]:
         """End a sequence. Returns the full blocks nobody references any more
@@ -223,15 +228,17 @@ class BlockStore:
             block_id = state.block_ids[position]
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if position < self.layout.protected_blocks:
+            protected_position = position < self.layout.protected_blocks
+            if protected_position:
                 block.num_protected_refs -= 1
             if block.ref_count > 0:
-                self.gpu_policy.update(block)
+                if protected_position and block.num_protected_refs == 0:
+                    self._policies.changed_gpu(block)  # else no copy's facts changed
                 continue
             if block.key is None or block.lost or not block.has_local_copy():
                 self.delete_block(block)
             else:
-                self._rerank(block)
+                self._policies.changed(block)
                 released.append(block)
         released.reverse()
         return released
@@ -252,7 +259,7 @@ class BlockStore:
             ):
                 self.delete_block(block)
             else:
-                self._rerank(block)
+                self._policies.changed(block)
         state.num_tokens = keep_blocks * self.block_tokens
         self.set_running(seq_id, running)
 
@@ -286,8 +293,40 @@ class BlockStore:
         return table
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        for block in blocks:
-            self.gpu_policy.touch(block)
+        """The blocks were read by a step: every tier's policy hears it."""
+        self._policies.touch(block.block_id for block in blocks)
+
+    # ------------------------------------------------------------------ eviction
+
+    @property
+    def policies(self) -> dict[Tier, EvictionPolicy]:
+        """Each tier's eviction policy (to look at: only the store calls them)."""
+        return self._policies.by_tier
+
+    def advance(self, step: int) -> None:
+        """A decode step began (residency windows age)."""
+        self._policies.advance(step)
+
+    def pop_victim(self, tier: Tier, *, droppable_only: bool = False) -> Block | None:
+        """The block whose `tier` copy should leave next, as that tier's policy ranks
+        it (it stops being a candidate there); None when nothing may leave. With
+        `droppable_only`, only a copy that goes without a transfer and without a
+        sequence losing its KV. Whoever pops a victim drops, moves or deletes it, or
+        `rerank`s it (it stays)."""
+        return self._policies.pop_victim(tier, droppable_only=droppable_only)
+
+    def unrank(self, tier: Tier, block: Block) -> None:
+        """`tier`'s policy stops ranking `block` (a victim the caller chose itself, as
+        preemption does); it is ranked again at its next change."""
+        self._policies.dropped(block, tier)
+
+    def num_eviction_candidates(self, tier: Tier) -> int:
+        """Copies `tier`'s policy could evict now."""
+        return self.policies[tier].num_candidates()
+
+    def swapped_in(self, block: Block) -> None:
+        """A GPU copy of `block` arrived from a slower tier (its residency window starts)."""
+        self._policies.swapped_in(block)
 
     # -------------------------------------------------------------------- copies
 
@@ -300,14 +339,14 @@ class BlockStore:
             self.num_remote_copies += 1
             copy = Copy(slot=REMOTE_SLOT, ready=ready)
             block.copies[tier] = copy
-            self._rerank(block)
+            self._policies.placed(block, tier, copy)
             return copy
         slot = self.tiers[tier].allocate(block.block_id)
         if slot is None:
             return None
         copy = Copy(slot=slot, ready=ready)
         block.copies[tier] = copy
-        self._rerank(block)
+        self._policies.placed(block, tier, copy)
         return copy
 
     def drop_copy(self, block: Block, tier: Tier) -> None:
@@ -317,15 +356,16 @@ class BlockStore:
         copy = block.copies.pop(tier)
         assert copy.num_readers == 0, f"dropping a {tier.value} copy that a transfer still reads"
         self._release(block, tier, copy)
+        self._policies.dropped(block, tier)
         if block.copies and (block.ref_count > 0 or block.has_local_copy()):
-            self._rerank(block)
+            self._policies.changed(block)
         elif block.ref_count == 0:
             self.delete_block(block)
         else:
             block.lost = True
             self._lost_referenced.add(block.block_id)
             self.index.remove(block)
-            self._rerank(block)
+            self._policies.changed(block)
 
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
@@ -350,16 +390,16 @@ class BlockStore:
             else:
                 del block.copies[tier]
                 self._release(block, tier, copy)
-        self.gpu_policy.forget(block)
-        self.cpu_policy.forget(block)
+        self._policies.forget(block)
         if block.copies:
             block.lost = True
             return
         del self.blocks[block.block_id]
 
     def rerank(self, block: Block) -> None:
-        """Tell both policies that `block` changed (copies became ready, readers done)."""
-        self._rerank(block)
+        """`block` changed outside the store (copies became ready, readers came or went),
+        or a popped victim stays: the policies of the tiers holding a copy re-rank it."""
+        self._policies.changed(block)
 
     # ------------------------------------------------------------------ internal
 
@@ -369,12 +409,6 @@ class BlockStore:
             self.num_remote_copies -= 1
         else:
             self.tiers[tier].release(copy.slot, block.block_id)
-
-    def _rerank(self, block: Block) -> None:
-        if block.block_id not in self.blocks:
-            return
-        self.gpu_policy.update(block)
-        self.cpu_policy.update(block)
 
     def _new_block(self, state: SequenceState) -> Block:
         """A new, empty block chained after the sequence's last (full) block."""
@@ -397,7 +431,13 @@ class BlockStore:
             block.num_protected_refs += 1
         if state.running:
             block.num_running_refs += 1
-        self._rerank(block)
+        # The GPU copy's facts change only when a count leaves zero; the CPU policy
+        # hears every reference taken (kvswap's counts it as a use).
+        first = block.ref_count == 1 or (
+            block.num_protected_refs == 1 and position < self.layout.protected_blocks
+        )
+        running_now = state.running and block.num_running_refs == 1
+        self._policies.changed(block, gpu=first or running_now)
 
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
@@ -435,4 +475,4 @@ class BlockStore:
                 f"block {block.block_id}: ref_count {block.ref_count}, "
                 f"tables {refs.get(block.block_id, 0)}"
             )
-        self.gpu_policy.check_integrity()
+        self._policies.check_integrity()

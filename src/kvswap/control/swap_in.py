@@ -149,7 +149,7 @@ class SwapIn:
     def arrived(self, block: Block, tier: Tier) -> None:
         """A copy of `block` became ready on `tier` (called by the mover)."""
         if tier is Tier.GPU:
-            self.store.gpu_policy.on_swapped_in(block)
+            self.store.swapped_in(block)
         elif tier is Tier.CPU and block.block_id in self._wanted_on_gpu:
             self._wanted_on_gpu.discard(block.block_id)
             gpu = self.store.place(block, Tier.GPU, ready=False)

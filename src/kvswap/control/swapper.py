@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from kvswap.control.blocks import Block
 from kvswap.control.demotion import Demoter
 from kvswap.control.eviction import Evictor
+from kvswap.control.eviction_policy import PolicyOptions
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
-from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.remote_tier import RemoteTier
 from kvswap.control.settings import RemoteSettings, SwapSettings
@@ -85,7 +85,7 @@ class Swapper:
     # ------------------------------------------------------------ step bracket
 
     def begin_step(self, step: int) -> None:
-        self.store.gpu_policy.advance(step)
+        self.store.advance(step)
         self.mover.poll()
 
     def end_step(self) -> None:
@@ -245,7 +245,7 @@ class Swapper:
         The first sequence may always run if it fits at all (no idle deadlock).
         """
         gpu = self.store.tiers[Tier.GPU]
-        room = gpu.num_free_slots + self.store.gpu_policy.num_candidates()
+        room = gpu.num_free_slots + self.store.num_eviction_candidates(Tier.GPU)
         if batch_is_empty:
             return num_blocks <= room
         pinned_blocks = gpu.num_slots - room

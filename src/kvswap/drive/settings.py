@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, TierCapacities
 from kvswap.control.identity import KeyNamespace
-from kvswap.control.policy import PolicyOptions
+from kvswap.control.policy import PolicyOptions, check_policy_names
 from kvswap.control.scheduler import Preemption, SchedulerSettings
 from kvswap.control.settings import (
     DEFAULT_MAX_LOOKUP_BLOCKS,
@@ -35,12 +35,19 @@ class ControlSettings:
 
 
 def policy_options(config: KvSwapConfig) -> PolicyOptions:
-    """The policy for a configuration: sink protection iff blocks are protected."""
+    """The policy for a configuration: sink protection iff blocks are protected; each
+    tier's eviction policy by name, resolved here once (a user's module is imported),
+    so that a bad name is a one-line `ConfigError` before anything runs."""
     swap = config.swap
-    return PolicyOptions(
+    options = PolicyOptions(
         sink_protection=swap.protected_sink_blocks > 0,
         min_residency_steps=swap.min_residency_steps,
+        gpu_eviction_policy=swap.gpu_eviction_policy,
+        cpu_eviction_policy=swap.cpu_eviction_policy,
+        nvme_eviction_policy=swap.nvme_eviction_policy,
     )
+    check_policy_names(options)
+    return options
 
 
 def remote_settings(

@@ -15,6 +15,7 @@ _FLAT_SWAP_KEYS = (
     "swap_out_high_watermark", "swap_out_low_watermark", "protected_sink_blocks",
     "min_residency_steps", "swap_out_chunk_blocks", "swap_in_chunk_blocks",
     "prefetch_stream_count", "cpu_demote_high_watermark", "cpu_demote_low_watermark",
+    "gpu_eviction_policy", "cpu_eviction_policy", "nvme_eviction_policy",
 )  # fmt: skip
 
 

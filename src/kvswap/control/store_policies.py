@@ -1,0 +1,185 @@
+"""The store's side of the eviction policies: one per tier, what they hear, and the facts.
+
+`BlockStore` owns one `TierPolicies` and reports every change of a block to
+it; nothing else calls a policy. A tier's policy hears of a block only while
+the block has a copy there, and only of changes that can alter the
+`BlockFacts` of that copy:
+
+    change                                  GPU policy        CPU policy
+    a sequence starts / stops running       update (*)        -
+    a reference taken                       update (*)        update
+    a reference dropped, still referenced   update (*)        -
+    the last reference dropped              update            update
+    a copy placed being written, tier T     T: insert         T: insert
+    a copy placed ready (a new block)       insert / update   insert / update
+    a copy dropped from tier T              T: remove, the other: update
+    transfers start / end (the mover)       update            update
+    a GPU copy brought back from below      update (brought_back)
+    a read by a step                        touch             touch
+
+(*) only when a count crosses zero (`referenced`, `running`, `sink`): kvswap's
+GPU policy ignores an update whose facts did not change, so the skips are
+exact. Its CPU policy counts every update as a use (its recency is the last
+change), so the CPU tier hears every change above except one: a copy placed
+on another tier while being written, which its callers follow at once with
+the mover's reservation of the CPU source (a re-rank, busy: not a candidate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.control.policy import build_policy
+from kvswap.control.transfer import Tier
+
+#: The tiers with an eviction policy (nothing evicts from NVMe yet: a full slab refuses).
+POLICY_TIERS = (Tier.GPU, Tier.CPU)
+# Module constants: an Enum member read off its class costs ~0.2 us in Python 3.11,
+# several times per re-rank.
+_GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
+# BlockFacts is a NamedTuple: built from a tuple without its Python-level __new__,
+# since the store makes one for every re-rank.
+_new_facts = tuple.__new__
+
+
+# The two builders the store calls for every re-rank are written out tier by tier
+# (no loops, no calls): they are most of what a re-rank costs.
+
+
+def gpu_facts(block: Block, copy: Copy, brought_back: bool = False) -> BlockFacts:
+    """The facts of `block`'s GPU copy `copy`."""
+    copies = block.copies
+    clean = False
+    if len(copies) > 1:  # most GPU blocks have no other copy
+        below = copies.get(_CPU)
+        if below is None or not below.ready or below.stale:
+            below = copies.get(_NVME)
+            if below is None or not below.ready or below.stale:
+                below = copies.get(_REMOTE)
+        clean = below is not None and below.ready and not below.stale
+    return _new_facts(BlockFacts, (
+        block.ref_count > 0, block.num_running_refs > 0, block.num_protected_refs > 0,
+        not copy.ready or copy.num_readers > 0, clean, False, block.lost, brought_back,
+    ))  # fmt: skip
+
+
+def cpu_facts(block: Block, copy: Copy) -> BlockFacts:
+    """The facts of `block`'s CPU copy `copy` (no `running`, `sink`: GPU facts)."""
+    copies = block.copies
+    clean = above = False
+    if len(copies) > 1:
+        below = copies.get(_NVME)
+        if below is None or not below.ready or below.stale:
+            below = copies.get(_REMOTE)
+        clean = below is not None and below.ready and not below.stale
+        gpu = copies.get(_GPU)
+        above = gpu is not None and gpu.ready and not gpu.stale
+    return _new_facts(BlockFacts, (
+        block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
+        clean, above, block.lost, False,
+    ))  # fmt: skip
+
+
+def facts_of(block: Block, tier: Tier, copy: Copy) -> BlockFacts:
+    """The facts of `block`'s copy `copy` on `tier` (a tier with a policy)."""
+    return gpu_facts(block, copy) if tier is _GPU else cpu_facts(block, copy)
+
+
+class TierPolicies:
+    """The policies of the store's tiers, built by name (`PolicyOptions`)."""
+
+    def __init__(self, options: PolicyOptions, blocks: Mapping[int, Block]):
+        self.by_tier: dict[Tier, EvictionPolicy] = {
+            tier: build_policy(tier, options) for tier in POLICY_TIERS
+        }
+        self._gpu = self.by_tier[_GPU]
+        self._cpu = self.by_tier[_CPU]
+        self._blocks = blocks  # the store's: a forgotten block is nobody's to rank
+
+    def changed(self, block: Block, *, gpu: bool = True) -> None:
+        """Something about `block` changed; `gpu=False`: nothing its GPU copy's facts hold."""
+        copies = block.copies
+        if not copies or block.block_id not in self._blocks:
+            return
+        if gpu and (copy := copies.get(_GPU)) is not None:
+            self._gpu.update(block.block_id, gpu_facts(block, copy))
+        if (copy := copies.get(_CPU)) is not None:
+            self._cpu.update(block.block_id, cpu_facts(block, copy))
+
+    def changed_gpu(self, block: Block) -> None:
+        """A change only a GPU copy's facts hold (`running`, `sink`)."""
+        copy = block.copies.get(_GPU)
+        if copy is not None:
+            self._gpu.update(block.block_id, gpu_facts(block, copy))
+
+    def placed(self, block: Block, tier: Tier, copy: Copy) -> None:
+        """`copy` was placed on `tier`: that tier's policy inserts it. A copy placed
+        ready (a new block's) may change what the copies on the other tiers are ranked
+        by; one being written changes nothing they see (`clean` and `ready_above` count
+        ready copies) until it arrives, and the mover re-ranks the block then."""
+        if tier is _GPU:
+            self._gpu.insert(block.block_id, gpu_facts(block, copy))
+        elif tier is _CPU:
+            self._cpu.insert(block.block_id, cpu_facts(block, copy))
+        if not copy.ready:
+            return
+        for other, other_policy in self.by_tier.items():
+            other_copy = block.copies.get(other)
+            if other is not tier and other_copy is not None:
+                other_policy.update(block.block_id, facts_of(block, other, other_copy))
+
+    def dropped(self, block: Block, tier: Tier) -> None:
+        """`block`'s copy on `tier` is gone (the caller re-ranks the rest)."""
+        policy = self.by_tier.get(tier)
+        if policy is not None:
+            policy.remove(block.block_id)
+
+    def forget(self, block: Block) -> None:
+        for policy in self.by_tier.values():
+            policy.remove(block.block_id)
+
+    def swapped_in(self, block: Block) -> None:
+        copy = block.copies.get(_GPU)
+        if copy is not None:
+            self._gpu.update(block.block_id, gpu_facts(block, copy, brought_back=True))
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        keys = list(keys)
+        for policy in self.by_tier.values():
+            policy.touch(keys)
+
+    def advance(self, step: int) -> None:
+        for policy in self.by_tier.values():
+            policy.advance(step)
+
+    def pop_victim(self, tier: Tier, *, droppable_only: bool) -> Block | None:
+        """`tier`'s policy's next victim, checked against the hard rule."""
+        policy = self.by_tier[tier]
+        keys = policy.evict(1, droppable_only=droppable_only)
+        if keys is None:
+            return None
+        key = keys[0] if len(keys) == 1 else None
+        block = self._blocks.get(key) if isinstance(key, int) else None
+        copy = block.copies.get(tier) if block is not None else None
+        if block is None or copy is None:
+            raise RuntimeError(f"{type(policy).__name__}.evict(1) returned {keys!r}: no copy")
+        if (
+            copy.is_busy
+            or block.lost
+            or (tier is _GPU and block.num_running_refs > 0)
+            or (droppable_only and not facts_of(block, tier, copy).droppable)
+        ):
+            facts = facts_of(block, tier, copy)
+            raise RuntimeError(
+                f"{type(policy).__name__}.evict(1) returned block {block.block_id}, whose "
+                f"{tier.value} copy may not leave now ({facts})"
+            )
+        return block
+
+    def check_integrity(self) -> None:
+        for tier, policy in self.by_tier.items():
+            policy.check_integrity(
+                {block_id for block_id, block in self._blocks.items() if tier in block.copies}
+            )
