@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from kvswap.control.scheduler import Scheduler
 from kvswap.control.settings import RemoteWritePolicy
-from kvswap.control.transfer import Direction, Priority, Tier
+from kvswap.control.transfer import Direction, Priority, Tier, TransferChunk
+from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import (
     FakeStore,
     between_steps,
@@ -95,7 +97,9 @@ def test_a_block_already_in_the_store_is_not_written_again() -> None:
     assert len(store.keys) == 3
 
 
-def test_a_write_the_store_fails_or_skips_gives_no_remote_copy_and_loses_nothing() -> None:
+def finished_request_write() -> tuple[FakeStore, Scheduler, ManualCopyEngine, TransferChunk]:
+    """One 5-token request finished; its two full blocks' write to the store submitted
+    (not yet done): the store, the process, its copy engine and the write chunk."""
     store = FakeStore()
     a, engine = make_process(store)
     a.add_request(1, [1, 2, 3, 4, 5], 1, 0.0)
@@ -104,6 +108,11 @@ def test_a_write_the_store_fails_or_skips_gives_no_remote_copy_and_loses_nothing
     a.swapper.begin_step(2)
     a.swapper.end_step()
     [write] = chunks(engine, Direction.CPU_TO_REMOTE)
+    return store, a, engine, write
+
+
+def test_a_write_the_store_fails_or_skips_gives_no_remote_copy_and_loses_nothing() -> None:
+    _, a, engine, write = finished_request_write()
     engine.fail_ids.add(write.transfer_id)  # the store client skipped it
     between_steps(a, engine, 3)
     full = [b for b in a.swapper.store.blocks.values() if b.key is not None]
@@ -122,14 +131,7 @@ def test_only_the_blocks_a_write_stored_count_as_bytes_to_the_store() -> None:
     # Regression: bytes_cpu_to_remote counted every block of a write chunk, also
     # those the store refused. A two-block write, the second block refused (OOM):
     # one block (64 bytes) moved.
-    store = FakeStore()
-    a, engine = make_process(store)
-    a.add_request(1, [1, 2, 3, 4, 5], 1, 0.0)
-    run_step(a)
-    engine.finish()
-    a.swapper.begin_step(2)
-    a.swapper.end_step()
-    [write] = chunks(engine, Direction.CPU_TO_REMOTE)
+    store, a, engine, write = finished_request_write()
     assert write.num_blocks == 2
     store.refused.add(write.keys[1])
     between_steps(a, engine, 3)
