@@ -322,7 +322,8 @@ def check_user_file(
     error_type: type[KvSwapError] = KvSwapError,
 ) -> None:
     """Refuse `path` in one line unless it is a regular file within `kind`'s cap, without
-    opening it: for a file another library reads (tokenizer.json: `tokenizers`).
+    opening it: for a file found ahead of reading it (read_text_files checks tokenizer.json
+    when it finds it; `load_text` reads it with `read_user_file`).
     `what` names the flag or file in the message. OSError (no such file) passes through."""
     info = os.stat(path)
     _refuse_unless_regular(info.st_mode, what, kind, error_type)
