@@ -19,7 +19,7 @@ import pytest
 from kvswap.config import load_config
 from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
 from kvswap.control.policy import build_policy, check_policy_names
-from kvswap.control.policy_kvswap import KvSwapCpuPolicy, KvSwapGpuPolicy
+from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.store import BlockStore, StoreLayout
 from kvswap.control.transfer import Tier
@@ -144,7 +144,7 @@ def test_droppable_only_skips_the_only_copy_of_a_referenced_block() -> None:
 
 def test_kvswap_cpu_ranks_drop_before_demote_and_never_discards_a_referenced_only_copy() -> None:
     policy = build_policy(Tier.CPU, PolicyOptions())
-    assert isinstance(policy, KvSwapCpuPolicy)
+    assert isinstance(policy, KvSwapLowerTierPolicy)
     policy.insert("only_copy", PAUSED_DIRTY)  # rank 3: demote only
     policy.insert("on_gpu", facts(ready_above=True))  # rank 2: the GPU copy stays
     policy.insert("cache_entry", FREE_DIRTY)  # rank 1: demote, or discard
@@ -244,7 +244,7 @@ def test_a_user_policy_named_by_import_path_is_used_by_the_store() -> None:
     options = PolicyOptions(gpu_eviction_policy=f"{__name__}:FifoPolicy")
     store = BlockStore(StoreLayout(4, 4, 4, 0, 0), options)
     assert isinstance(store.policies[Tier.GPU], FifoPolicy)
-    assert isinstance(store.policies[Tier.CPU], KvSwapCpuPolicy)
+    assert isinstance(store.policies[Tier.CPU], KvSwapLowerTierPolicy)
     # Two paused sequences of one block each; the first one placed leaves first.
     for seq_id, first_token in ((1, 0), (2, 100)):
         store.open_sequence(seq_id, list(range(first_token, first_token + 4)))

@@ -207,3 +207,125 @@ def test_a_failed_swap_out_keeps_the_gpu_copy() -> None:
     assert all(Tier.CPU not in b.copies for b in blocks)
     assert swapper.metrics.failed_transfers == 1
     swapper.check_integrity()
+
+
+# --- a full NVMe tier evicts: the newest finished conversations reach it ----------------
+
+
+def make_nvme_tiers() -> tuple[Swapper, ManualCopyEngine]:
+    """4 GPU, 4 CPU, 4 NVMe slots; whatever the GPU holds past half goes down to the
+    CPU, and whatever the CPU holds past half goes down to NVMe, all of it."""
+    engine = ManualCopyEngine()
+    swapper = Swapper(
+        StoreLayout(BT, 4, 4, 4, 0),
+        PolicyOptions(sink_protection=False, min_residency_steps=0),
+        SwapSettings(
+            block_bytes=100,
+            swap_out_high_watermark=0.5,
+            swap_out_low_watermark=0.0,
+            swap_out_chunk_blocks=4,
+            swap_in_chunk_blocks=4,
+            cpu_demote_high_watermark=0.5,
+            cpu_demote_low_watermark=0.0,
+        ),
+        engine,
+        clock_s=lambda: 0.0,
+    )
+    return swapper, engine
+
+
+def settle(swapper: Swapper, engine: ManualCopyEngine) -> None:
+    """Steps with every transfer finishing at once, until the KV has moved down."""
+    for _ in range(3):
+        swapper.end_step()
+        engine.finish()
+        swapper.begin_step(0)
+    swapper.check_integrity()
+
+
+def add_finished(swapper: Swapper, engine: ManualCopyEngine, seq_id: int, first: int) -> None:
+    """A request of 2 full blocks that ran once and finished; its KV settles down."""
+    tokens = list(range(first, first + 2 * BT))
+    swapper.open_sequence(seq_id, tokens)
+    swapper.set_running(seq_id, True)
+    assert swapper.allocate(seq_id, tokens)
+    swapper.end_step()  # computed: published for prefix reuse
+    swapper.finish(seq_id)
+    settle(swapper, engine)
+
+
+def nvme_tokens(swapper: Swapper) -> list[int]:
+    """The first token of every block on NVMe, sorted: whose KV the slab holds."""
+    return sorted(b.token_ids[0] for b in swapper.store.blocks.values() if Tier.NVME in b.copies)
+
+
+def hits_on(swapper: Swapper, seq_id: int, first: int) -> int:
+    """Blocks a later turn (the 2 blocks from `first`, then one new token) finds; the
+    turn ends at once, so its blocks are cache entries again."""
+    hit_tokens = swapper.open_sequence(seq_id, [*range(first, first + 2 * BT), 9999])
+    swapper.release(seq_id)
+    return hit_tokens // BT
+
+
+def test_a_full_nvme_tier_evicts_its_oldest_cache_entries_for_newer_demotions() -> None:
+    swapper, engine = make_nvme_tiers()
+    metrics = swapper.metrics.evictions_by_reason
+    # Two finished conversations (tokens 0.. and 100..) go GPU -> CPU -> NVMe:
+    # the slab is full of unreferenced blocks, nothing else holds a copy.
+    add_finished(swapper, engine, 1, first=0)
+    add_finished(swapper, engine, 2, first=100)
+    assert nvme_tokens(swapper) == [0, 4, 100, 104]
+    assert swapper.store.tiers[Tier.NVME].num_free_slots == 0
+    assert (metrics["demote"], metrics["nvme_discard"]) == (4, 0)
+
+    # A third conversation finishes. Its demotion finds no free NVMe slot: the NVMe
+    # policy's least recently used cache entries (conversation 1's) are discarded,
+    # and forgotten (they had no other copy); conversation 3 takes their slots.
+    add_finished(swapper, engine, 3, first=200)
+    assert nvme_tokens(swapper) == [100, 104, 200, 204]
+    assert (metrics["demote"], metrics["nvme_discard"]) == (6, 2)
+
+    # A later turn of the newest conversation finds its prefix on NVMe; the oldest
+    # conversation's is gone.
+    assert hits_on(swapper, 10, first=200) == 2
+    assert swapper.metrics.prefix_hit_blocks_by_tier[Tier.NVME] == 2
+    assert hits_on(swapper, 11, first=0) == 0
+    swapper.check_integrity()
+
+
+def test_a_paused_sequence_takes_nvme_room_from_cache_entries_and_is_never_dropped() -> None:
+    swapper, engine = make_nvme_tiers()
+    metrics = swapper.metrics.evictions_by_reason
+    add_finished(swapper, engine, 1, first=0)
+    add_finished(swapper, engine, 2, first=100)
+    assert nvme_tokens(swapper) == [0, 4, 100, 104]  # full, of unreferenced blocks only
+
+    # A paused sequence (300..) is swapped out and demoted: its blocks are referenced,
+    # so they may displace cache entries; the oldest (conversation 1's) leave.
+    add_paused(swapper, 3, 2, first_token=300)
+    settle(swapper, engine)
+    assert nvme_tokens(swapper) == [100, 104, 300, 304]
+    paused = swapper.store.sequence_blocks(3)
+    assert [sorted(t.value for t in b.copies) for b in paused] == [["nvme"], ["nvme"]]
+
+    # A newer conversation of 4 blocks finishes and demotes: only conversation 2's
+    # cache entries may leave NVMe. The paused sequence's blocks, whose NVMe copy is
+    # their only one, never do; the rest of the conversation stays on the CPU.
+    tokens = list(range(400, 400 + 4 * BT))
+    swapper.open_sequence(4, tokens)
+    swapper.set_running(4, True)
+    assert swapper.allocate(4, tokens)
+    swapper.end_step()
+    swapper.finish(4)
+    settle(swapper, engine)
+    # Its head (400, 404) took conversation 2's slots; its tail never displaces its
+    # own head (the tail is found only through it) and stays on the CPU.
+    assert nvme_tokens(swapper) == [300, 304, 400, 404]
+    assert metrics["nvme_discard"] == 4
+    assert [sorted(t.value for t in b.copies) for b in paused] == [["nvme"], ["nvme"]]
+
+    # The paused sequence resumes with all its KV.
+    swapper.set_running(3, True)
+    assert swapper.wait_ready([3]).not_ready == ()
+    assert all(b.ready_copy(Tier.GPU) for b in paused)
+    swapper.check_integrity()

@@ -4,6 +4,11 @@ A full pinned pool is the normal state; when it passes
 `cpu_demote_high_watermark` the coldest CPU copies leave (LOW queue) until it
 is back under `cpu_demote_low_watermark`. A CPU copy that already has a ready
 copy below (NVMe or remote) is dropped for free; the others move to NVMe.
+A full NVMe tier makes room as the pinned pool does (`eviction.make_room`):
+its policy's least valuable droppable copies leave (dropped, or the cache
+entry discarded: `nvme_drop`, `nvme_discard`), so the newest finished
+conversations reach NVMe and the oldest leave it; the only copy of a
+referenced block (a paused sequence's) never does.
 
 With a remote tier written `on_demote`, every block the pool lets go is
 written to the store first (unless the store has it): alongside its NVMe
@@ -15,6 +20,7 @@ then dropped from the pool.
 from __future__ import annotations
 
 from kvswap.control.blocks import Block, Copy
+from kvswap.control.eviction import make_room
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.remote_tier import RemoteTier
@@ -74,7 +80,9 @@ class Demoter:
                     skipped.append(victim)
                     continue
             else:
-                nvme_copy = self.store.place(victim, Tier.NVME, ready=False)
+                nvme_copy = make_room(
+                    self.store, self.metrics, Tier.NVME, victim, displace_cache=True
+                )
                 if nvme_copy is None:
                     skipped.append(victim)
                     break

@@ -111,23 +111,53 @@ class Evictor:
         return gpu is not None and not gpu.is_busy and block.num_running_refs == 0
 
     def cpu_slot(self, block: Block) -> Copy | None:
-        """A CPU copy for `block`. When the pinned pool is full (its normal state)
-        a cold CPU copy that costs nothing to drop makes room; an unreferenced
-        cache entry is discarded only to save a referenced block, never to make
-        room for another cache entry."""
-        copy = self.store.place(block, Tier.CPU, ready=False)
-        while copy is None:
-            victim = self.store.pop_victim(Tier.CPU, droppable_only=True)
-            if victim is None:
+        """A CPU copy for `block` (`make_room`): an unreferenced cache entry is
+        discarded only to save a referenced block, never to make room for another
+        cache entry (the GPU victim's own discard is as good)."""
+        return make_room(self.store, self.metrics, Tier.CPU, block, displace_cache=False)
+
+
+def make_room(
+    store: BlockStore, metrics: KVMetrics, tier: Tier, block: Block, *, displace_cache: bool
+) -> Copy | None:
+    """A copy of `block` placed on `tier` (CPU or NVMe) being written, or None.
+
+    A lower tier full of KV is its normal state: when it has no free slot, its
+    policy's cheapest droppable copies leave (`pop_victim(tier, droppable_only=True)`)
+    until one is free. A copy with a ready copy further down, or of a block
+    referenced elsewhere (a ready copy above), is dropped (`{tier}_drop`); an
+    unreferenced block with nothing further down is discarded, every copy of it
+    (`{tier}_discard`). The only copy of a referenced block never leaves, and
+    nothing busy does. With `displace_cache` False an unreferenced `block` never
+    displaces another unreferenced one (one cache entry for another is no gain);
+    True (demotion: the newer block leaves the tier above either way) it does,
+    least recently used first, but never a block of its own prefix.
+    """
+    copy = store.place(block, tier, ready=False)
+    while copy is None:
+        victim = store.pop_victim(tier, droppable_only=True)
+        if victim is None:
+            return None
+        if not victim.has_ready_copy_below(tier) and victim.ref_count == 0:
+            if block.ref_count == 0 and (not displace_cache or _is_prefix_of(victim, block)):
+                # Stays: one cache entry for another is no gain; nor is a prefix's head
+                # for its own tail (the tail is found only through the head).
+                store.rerank(victim)
                 return None
-            if not victim.has_ready_copy_below(Tier.CPU) and victim.ref_count == 0:
-                if block.ref_count == 0:
-                    self.store.rerank(victim)  # stays: one cache entry for another is no gain
-                    return None
-                self.store.delete_block(victim)
-                self.metrics.evictions_by_reason["cpu_discard"] += 1
-            else:
-                self.store.drop_copy(victim, Tier.CPU)
-                self.metrics.evictions_by_reason["cpu_drop"] += 1
-            copy = self.store.place(block, Tier.CPU, ready=False)
-        return copy
+            store.delete_block(victim)
+            metrics.evictions_by_reason[f"{tier.value}_discard"] += 1
+        else:
+            store.drop_copy(victim, tier)
+            metrics.evictions_by_reason[f"{tier.value}_drop"] += 1
+        copy = store.place(block, tier, ready=False)
+    return copy
+
+
+def _is_prefix_of(victim: Block, block: Block) -> bool:
+    """Whether `victim` is one of the blocks `block`'s chain extends."""
+    parent = block.parent
+    while parent is not None:
+        if parent is victim:
+            return True
+        parent = parent.parent
+    return False

@@ -8,7 +8,7 @@ anything (the swapper does) and never reads a `Block`: the store hands it a
 `BlockFacts` record with every call, computed at that moment.
 
 Who calls what, in which order. The `BlockStore` is the only caller; it owns
-one policy per tier (GPU, CPU) and calls a tier's policy only for blocks that
+one policy per tier (GPU, CPU, NVMe) and calls a tier's policy only for blocks that
 have a copy on that tier:
 
     advance(step)          once per decode step, first thing in the step
@@ -65,7 +65,6 @@ class PolicyOptions:
     cost_aware: bool = True
     gpu_eviction_policy: str = "kvswap"
     cpu_eviction_policy: str = "kvswap"
-    # Accepted and checked; nothing evicts from the NVMe tier yet (a full slab refuses).
     nvme_eviction_policy: str = "kvswap"
 
     def policy_name(self, tier: Tier) -> str:
@@ -85,7 +84,7 @@ class BlockFacts(NamedTuple):
     sink: bool  # GPU copies only (else False): among a holder's first protected blocks
     busy: bool  # this copy is being written, or read by a transfer
     clean: bool  # a ready copy on a slower tier: this one goes without a transfer
-    ready_above: bool  # a ready copy on a faster tier (the GPU's, for a CPU copy)
+    ready_above: bool  # a ready copy on a faster tier (GPU for a CPU copy; CPU or GPU for NVMe)
     lost: bool  # every copy failed: its owners recompute it
     brought_back: bool = False  # this call reports the copy arriving from a slower tier
 

@@ -21,7 +21,7 @@ from kvswap.control.eviction_policy import (
     PolicyOptions,
     policy_field,
 )
-from kvswap.control.policy_kvswap import KvSwapCpuPolicy, KvSwapGpuPolicy
+from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.transfer import Tier
 from kvswap.errors import ConfigError
@@ -32,13 +32,13 @@ _ALLOWED = (
     f"{' or '.join(repr(name) for name in BUILTIN_POLICY_NAMES)}, or an import path "
     "'package.module:ClassName' of an EvictionPolicy subclass"
 )
-_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapCpuPolicy, LruPolicy)
+_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy)
 
 
 def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
     """The class `value` names for `tier`; importing a user's module if it is a path."""
     if value == "kvswap":
-        return KvSwapGpuPolicy if tier is Tier.GPU else KvSwapCpuPolicy
+        return KvSwapGpuPolicy if tier is Tier.GPU else KvSwapLowerTierPolicy
     if value == "lru":
         return LruPolicy
     module_name, colon, class_name = value.partition(":")

@@ -20,13 +20,20 @@ swap-in is the expensive direction. "Young": brought back from a slower tier
 less than `min_residency_steps` steps ago, and referenced (the window protects
 blocks someone brought back to use). The policy keeps these windows itself.
 
-CPU copies (`KvSwapCpuPolicy`), to make room in the pinned pool and to demote:
+CPU and NVMe copies (`KvSwapLowerTierPolicy`, one rank table for a tier below the
+GPU making room): the pinned pool, to take GPU victims and to demote; the NVMe
+slab, to take demotions (CPU -> NVMe) of newer blocks:
 
-    0  a ready NVMe or remote copy exists  -> drop the CPU copy
-    1  unreferenced, CPU is the only copy  -> demote, or discard the cache entry
-    2  a ready GPU copy exists             -> drop (the GPU copy becomes dirty)
-    3  referenced, CPU is the only copy    -> demote only; never discarded
+    0  a ready copy on a slower tier       -> drop this copy (NVMe: a remote copy)
+    1  unreferenced, this is the only copy -> demote, or discard the cache entry
+    2  a ready copy on a faster tier       -> drop (the copy above becomes dirty)
+    3  referenced, this is the only copy   -> demote only; never discarded (on NVMe,
+                                              the last local tier: never a victim
+                                              of `evict(droppable_only=True)`)
     -  busy                                -> not a candidate
+
+"Slower" and "faster" come with the facts (`clean`, `ready_above`), which the
+store computes for the tier the copy is on; the table itself is the same.
 """
 
 from __future__ import annotations
@@ -232,10 +239,11 @@ class KvSwapGpuPolicy(RankedLruPolicy):
         self._young.clear()
 
 
-class KvSwapCpuPolicy(RankedLruPolicy):
-    """Ranked LRU over CPU copies. Its recency is the last change of the block (a
-    copy made or dropped, a transfer started or ended, a reference taken): every
-    `update` refreshes, and a read on the GPU (`touch`) does not reorder CPU copies."""
+class KvSwapLowerTierPolicy(RankedLruPolicy):
+    """Ranked LRU over the copies of a tier below the GPU (CPU, NVMe). Its recency is
+    the last change of the block (a copy made or dropped, a transfer started or ended,
+    a reference taken): every `update` refreshes, and a read on the GPU (`touch`) does
+    not reorder the copies below."""
 
     refresh_on_update = True
 

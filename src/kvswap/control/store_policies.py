@@ -5,24 +5,25 @@ it; nothing else calls a policy. A tier's policy hears of a block only while
 the block has a copy there, and only of changes that can alter the
 `BlockFacts` of that copy:
 
-    change                                  GPU policy        CPU policy
+    change                                  GPU policy        CPU, NVMe policies
     a sequence starts / stops running       update (*)        -
     a reference taken                       update (*)        update
     a reference dropped, still referenced   update (*)        -
     the last reference dropped              update            update
     a copy placed being written, tier T     T: insert         T: insert
     a copy placed ready (a new block)       insert / update   insert / update
-    a copy dropped from tier T              T: remove, the other: update
+    a copy dropped from tier T              T: remove, the others: update
     transfers start / end (the mover)       update            update
     a GPU copy brought back from below      update (brought_back)
     a read by a step                        touch             touch
 
 (*) only when a count crosses zero (`referenced`, `running`, `sink`): kvswap's
 GPU policy ignores an update whose facts did not change, so the skips are
-exact. Its CPU policy counts every update as a use (its recency is the last
-change), so the CPU tier hears every change above except one: a copy placed
-on another tier while being written, which its callers follow at once with
-the mover's reservation of the CPU source (a re-rank, busy: not a candidate).
+exact. Its CPU and NVMe policy (one rank table for the tiers below the GPU)
+counts every update as a use (its recency is the last change), so those tiers
+hear every change above except one: a copy placed on another tier while being
+written, which its callers follow at once with the mover's reservation of the
+source (a re-rank, busy: not a candidate).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy,
 from kvswap.control.policy import build_policy
 from kvswap.control.transfer import Tier
 
-#: The tiers with an eviction policy (nothing evicts from NVMe yet: a full slab refuses).
-POLICY_TIERS = (Tier.GPU, Tier.CPU)
+#: The tiers with an eviction policy (remote copies take no slot here: nothing to evict).
+POLICY_TIERS = (Tier.GPU, Tier.CPU, Tier.NVME)
 # Module constants: an Enum member read off its class costs ~0.2 us in Python 3.11,
 # several times per re-rank.
 _GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
@@ -82,9 +83,29 @@ def cpu_facts(block: Block, copy: Copy) -> BlockFacts:
     ))  # fmt: skip
 
 
+def nvme_facts(block: Block, copy: Copy) -> BlockFacts:
+    """The facts of `block`'s NVMe copy `copy`: `clean` is a ready remote copy,
+    `ready_above` a ready CPU or GPU copy."""
+    copies = block.copies
+    clean = above = False
+    if len(copies) > 1:
+        remote = copies.get(_REMOTE)
+        clean = remote is not None and remote.ready and not remote.stale
+        up = copies.get(_CPU)
+        if up is None or not up.ready or up.stale:
+            up = copies.get(_GPU)
+        above = up is not None and up.ready and not up.stale
+    return _new_facts(BlockFacts, (
+        block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
+        clean, above, block.lost, False,
+    ))  # fmt: skip
+
+
 def facts_of(block: Block, tier: Tier, copy: Copy) -> BlockFacts:
     """The facts of `block`'s copy `copy` on `tier` (a tier with a policy)."""
-    return gpu_facts(block, copy) if tier is _GPU else cpu_facts(block, copy)
+    if tier is _GPU:
+        return gpu_facts(block, copy)
+    return cpu_facts(block, copy) if tier is _CPU else nvme_facts(block, copy)
 
 
 class TierPolicies:
@@ -96,6 +117,7 @@ class TierPolicies:
         }
         self._gpu = self.by_tier[_GPU]
         self._cpu = self.by_tier[_CPU]
+        self._nvme = self.by_tier[_NVME]
         self._blocks = blocks  # the store's: a forgotten block is nobody's to rank
 
     def changed(self, block: Block, *, gpu: bool = True) -> None:
@@ -107,6 +129,8 @@ class TierPolicies:
             self._gpu.update(block.block_id, gpu_facts(block, copy))
         if (copy := copies.get(_CPU)) is not None:
             self._cpu.update(block.block_id, cpu_facts(block, copy))
+        if (copy := copies.get(_NVME)) is not None:
+            self._nvme.update(block.block_id, nvme_facts(block, copy))
 
     def changed_gpu(self, block: Block) -> None:
         """A change only a GPU copy's facts hold (`running`, `sink`)."""
@@ -123,6 +147,8 @@ class TierPolicies:
             self._gpu.insert(block.block_id, gpu_facts(block, copy))
         elif tier is _CPU:
             self._cpu.insert(block.block_id, cpu_facts(block, copy))
+        elif tier is _NVME:
+            self._nvme.insert(block.block_id, nvme_facts(block, copy))
         if not copy.ready:
             return
         for other, other_policy in self.by_tier.items():
