@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from kvswap.serve.errors import ApiError
 from kvswap.serve.http_generation import Generation
 from kvswap.serve.http_responses import ResponseWriter
-from kvswap.serve.sse import DONE_EVENT, EventStreamResponse, sse_event
+from kvswap.serve.sse import DONE_EVENT, EventStreamResponse, client_left, sse_event
 
 
 def event_stream(
@@ -65,7 +65,7 @@ async def collect(
             texts.append(piece.text)
 
     gathering = asyncio.ensure_future(gather())
-    leaving = asyncio.ensure_future(_client_left(request))
+    leaving = asyncio.ensure_future(client_left(request.receive))
     try:
         await asyncio.wait({gathering, leaving}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -81,12 +81,3 @@ async def collect(
     finish_reason, finished = generation.result()
     ids = tuple(generation.token_ids) if with_token_ids else None
     return JSONResponse(writer.whole("".join(texts), finish_reason, finished, ids))
-
-
-async def _client_left(request: Request) -> None:
-    """Returns once the client has disconnected (the body was read already, so the only
-    message left to receive is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

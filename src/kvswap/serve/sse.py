@@ -50,7 +50,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = asyncio.ensure_future(self._send_events(send))
-        leaving = asyncio.ensure_future(_client_left(receive))
+        leaving = asyncio.ensure_future(client_left(receive))
         try:
             await asyncio.wait({sending, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -92,7 +92,7 @@ async def _stop(*tasks: asyncio.Future[None]) -> Exception | None:
     return error
 
 
-async def _client_left(receive: Receive) -> None:
+async def client_left(receive: Receive) -> None:
     """Returns once the client has disconnected (the request's body was read already,
     so the only message left to receive is the disconnect)."""
     while True:
