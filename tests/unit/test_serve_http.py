@@ -180,11 +180,15 @@ def test_without_a_tokenizer_only_token_ids_work(service: FakeService) -> None:
 def test_models_health_metrics(service: FakeService, codec: TextCodec) -> None:
     with serving(service, codec) as server:
         models = client(server.url).models.list()
+        card = client(server.url).models.retrieve("fake-model")
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client(server.url).models.retrieve("gpt-9")
         with httpx.Client(base_url=server.url) as http:
             health = http.get("/health")
             metrics = http.get("/metrics")
     assert [m.id for m in models.data] == ["fake-model"]
     assert models.data[0].model_dump()["max_model_len"] == 256
+    assert card.model_dump() == models.data[0].model_dump()
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert metrics.status_code == 200 and "kvswap_fake_requests_total 1" in metrics.text
     assert metrics.headers["content-type"].startswith("text/plain")

@@ -3,6 +3,7 @@
     POST /v1/completions        prompt: text or token ids; stream or not
     POST /v1/chat/completions   messages rendered by the model's chat template
     GET  /v1/models             the one served model
+    GET  /v1/models/{model}     its card (404 for any other name)
     GET  /health                200 while the engine runs, 503 once it stopped
     GET  /metrics               the service's Prometheus text (same port)
 
@@ -105,6 +106,7 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
@@ -156,7 +158,15 @@ class _Api:
         return await self._generate(request, body, prompt_ids, CHAT_SHAPE)
 
     async def models(self, request: Request) -> Response:
-        card = {
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the served model's card (`client.models.retrieve`)."""
+        self._check_model(str(request.path_params["model"]))
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, object]:
+        return {
             "id": self.service.model_id,
             "object": "model",
             "created": self.created,
@@ -165,7 +175,6 @@ class _Api:
             "parent": None,
             "max_model_len": self.service.max_model_tokens,
         }
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
         if self.service.healthy():
