@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis import Redis
 
 from kvswap.config import load_config
 from kvswap.engine.engine import Engine, EngineOptions
@@ -74,14 +75,21 @@ def test_a_second_process_restores_the_shared_prompt_from_the_store(tmp_path: Pa
     assert second["remote"]["hit_tokens"] == second["prefix_hit_tokens"]["remote"]
 
 
+def filled_store(redis_server: RedisServer) -> tuple[dict[str, Any], Redis, list[bytes]]:
+    """A run without the tier (the reference), then the same run filling the store: the
+    reference summary, a plain client of the store and its keys (at least two)."""
+    reference = run(workload(0))
+    run(workload(0), remote_url=redis_server.url)
+    plain = redis_server.client()
+    names = sorted(plain.keys("*"))
+    assert len(names) >= 2
+    return reference, plain, names
+
+
 def test_a_corrupt_value_is_detected_recomputed_and_changes_nothing(
     redis_server: RedisServer,
 ) -> None:
-    reference = run(workload(0))
-    run(workload(0), remote_url=redis_server.url)  # fills the store
-    plain = redis_server.client()
-    names = sorted(plain.keys("*"))
-    assert names
+    reference, plain, names = filled_store(redis_server)
     for name in names[:3]:
         plain.setrange(name, 40, b"\xff\x00\xff")  # payload bytes: the CRC no longer holds
     again = run(workload(0), remote_url=redis_server.url)
@@ -96,11 +104,7 @@ def test_values_rotated_between_keys_are_rejected_and_change_nothing(
     # Regression: a value carried its layout and its payload's CRC but not its key,
     # so a well-formed value found under another key (RENAME, values swapped by an
     # operator's script) was restored as that block's KV and changed the outputs.
-    reference = run(workload(0))
-    run(workload(0), remote_url=redis_server.url)  # fills the store
-    plain = redis_server.client()
-    names = sorted(plain.keys("*"))
-    assert len(names) >= 2
+    reference, plain, names = filled_store(redis_server)
     values = [plain.get(name) for name in names]
     for name, value in zip(names, values[1:] + values[:1], strict=True):
         assert isinstance(value, bytes)
