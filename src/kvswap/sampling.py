@@ -113,9 +113,7 @@ def sampling_or_greedy(
     """The sampling for these values, or None (greedy) when `temperature` is None or 0.
     Every value is checked either way: a one-line KvSwapError names the first that is
     outside the rule."""
-    problems = sampling_problems(
-        0 if temperature is None else temperature, seed, top_p, top_k
-    )
+    problems = sampling_problems(0 if temperature is None else temperature, seed, top_p, top_k)
     if problems:
         raise KvSwapError(problems[0])
     if not temperature:

@@ -303,7 +303,7 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(
         completion = http.post("/v1/completions", json={"prompt": long_text})
         chat = http.post(
             "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": long_text[: 1000]}] * 2},
+            json={"messages": [{"role": "user", "content": long_text[:1000]}] * 2},
         )
     message = str(one_line_error(completion, 413)["message"])
     assert message.startswith("prompt: 4194304 characters cannot fit in 128 tokens")
