@@ -3,7 +3,7 @@
 Bookkeeping only: the store never plans a transfer (the swapper does) and
 never touches bytes (the data plane does). It owns every `Block`, the slot
 accounting of each tier, the prefix index and one eviction policy per tier
-(GPU, CPU; built by name, `kvswap.control.policy`), and keeps them consistent:
+(GPU, CPU, NVMe; built by name, `kvswap.control.policy`), and keeps them consistent:
 every change to a block's references or copies goes through here, and the
 store alone tells the policies, each call with the `BlockFacts` of that tier's
 copy. Only the tiers holding a copy hear of a change, and not those whose

@@ -45,7 +45,7 @@ _GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
 _new_facts = tuple.__new__
 
 
-# The two builders the store calls for every re-rank are written out tier by tier
+# The builders the store calls for every re-rank are written out tier by tier
 # (no loops, no calls): they are most of what a re-rank costs.
 
 
