@@ -79,6 +79,9 @@ def test_a_key_that_vanished_before_its_fetch_is_lost_and_recomputed() -> None:
     metrics = b.swapper.metrics
     assert (metrics.remote_fetch_failures, metrics.lost_blocks) == (1, 1)
     assert b.runs[7].recomputed_tokens == 2
+    # Two blocks were found, one landed: a remote hit is counted once its fetch lands.
+    assert metrics.remote_found_blocks == 2
+    assert metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] == 1
     assert placement(b, 7) == ["gpu+cpu+remote", "gpu", "gpu", "gpu"]
     assert not b.swapper.has_lost_blocks()
     # It goes on and finishes; the recomputed block is written back to the store.
@@ -101,6 +104,7 @@ def test_a_store_down_at_fetch_time_fails_the_whole_chunk_and_everything_is_reco
     assert computed(plan) == [(7, (1, 2, 3, 4, 9), 0)]
     assert b.swapper.metrics.remote_fetch_failures == 2
     assert b.runs[7].recomputed_tokens == 4
+    assert b.swapper.metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] == 0  # none landed
 
 
 def test_the_lookup_is_bounded_and_never_asks_for_the_block_of_the_last_token() -> None:

@@ -9,7 +9,7 @@ its lower copies.
     Block 7 --copies--> {GPU: slot 12 (ready), CPU: slot 40 (ready), NVMe: -, remote: key}
 
 A remote copy lives in a store shared by processes and is addressed by the
-block's key, not by a slot (its `slot` is `REMOTE_SLOT`, never read). It counts
+block's key, not by a slot (its `slot` is None). It counts
 as a copy below like an NVMe copy: dropping the copies above it is free, and
 if the store lost the key after all, the fetch fails and the block is
 recomputed (lost), never read wrong.
@@ -19,17 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.control.transfer import Tier
+from kvswap.control.transfer import LOCAL_TIERS, TIER_SPECS, TIERS_BELOW, Tier
 
-#: The tiers slower than each tier, fastest first.
-TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
-    Tier.GPU: (Tier.CPU, Tier.NVME, Tier.REMOTE),
-    Tier.CPU: (Tier.NVME, Tier.REMOTE),
-    Tier.NVME: (Tier.REMOTE,),
-    Tier.REMOTE: (),
-}
-#: The `slot` of every remote copy: the store addresses it by the block's key.
-REMOTE_SLOT = 0
+_SPEED = {tier: position for position, tier in enumerate(TIER_SPECS)}  # 0: fastest
 
 
 @dataclass(slots=True)
@@ -39,7 +31,7 @@ class Copy:
     `stale` marks a busy copy whose block changed meanwhile: it is dropped as
     soon as its transfers finish and is never read as valid."""
 
-    slot: int
+    slot: int | None  # None on a tier addressed by key (`Addressing.KEYS`)
     ready: bool = True
     num_readers: int = 0
     stale: bool = False
@@ -74,11 +66,24 @@ class Block:
         copy = self.copies.get(tier)
         return copy if copy is not None and copy.ready and not copy.stale else None
 
+    def fastest_copy_tier(self) -> Tier | None:
+        """Where the block's KV is served from: the fastest tier with a ready copy, else
+        the fastest with one being written (its bytes are on the way); None when every
+        copy went stale."""
+        for ready_only in (True, False):
+            for tier, copy in sorted(self.copies.items(), key=lambda item: _SPEED[item[0]]):
+                if not copy.stale and (copy.ready or not ready_only):
+                    return tier
+        return None
+
     def has_local_copy(self) -> bool:
         """A copy on a tier of this process (any state): what keeps an unreferenced
         block worth remembering. A block known only remotely is found again by a lookup."""
         copies = self.copies
-        return Tier.GPU in copies or Tier.CPU in copies or Tier.NVME in copies
+        for tier in LOCAL_TIERS:  # noqa: SIM110 - a loop: called on every drop
+            if tier in copies:
+                return True
+        return False
 
     def has_ready_copy_below(self, tier: Tier) -> bool:
         """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped).

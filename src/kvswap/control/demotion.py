@@ -90,7 +90,7 @@ class Demoter:
                 self.metrics.evictions_by_reason["demote"] += 1
             used -= 1
         for block in skipped:
-            self.store.rerank(block)
+            self.store.return_victim(Tier.CPU, block)
         # Both with evict: the CPU copy is freed by whichever completes last, successfully.
         self.mover.submit(Direction.CPU_TO_NVME, Priority.LOW, to_nvme, evict=True)
         if remote is not None:

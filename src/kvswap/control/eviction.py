@@ -92,7 +92,7 @@ class Evictor:
             if Tier.CPU in block.copies:
                 # A stale CPU copy still read by a demotion in flight: the block gets
                 # no second CPU copy, and stays until that transfer ends.
-                self.store.rerank(block)
+                self.store.return_victim(Tier.GPU, block)
                 continue
             cpu = self.cpu_slot(block)
             if cpu is not None:
@@ -102,7 +102,7 @@ class Evictor:
                 self.store.delete_block(block)  # an unreferenced cache entry with nowhere to go
                 self.metrics.evictions_by_reason[f"{reason}_discard"] += 1
             else:
-                self.store.rerank(block)  # stays; nowhere below has room
+                self.store.return_victim(Tier.GPU, block)  # stays; nowhere below has room
         self.mover.submit(Direction.GPU_TO_CPU, priority, pairs, evict=True)
 
     @staticmethod
@@ -142,7 +142,7 @@ def make_room(
             if block.ref_count == 0 and (not displace_cache or _is_prefix_of(victim, block)):
                 # Stays: one cache entry for another is no gain; nor is a prefix's head
                 # for its own tail (the tail is found only through the head).
-                store.rerank(victim)
+                store.return_victim(tier, victim)
                 return None
             store.delete_block(victim)
             metrics.evictions_by_reason[f"{tier.value}_discard"] += 1

@@ -3,19 +3,22 @@
 The mover is the only code that turns a decision ("copy these blocks down")
 into `TransferChunk`s and, when results come back, into copy state:
 
-    plan:     source copy  num_readers += 1      destination copy  ready = False
-              (`reserve`; `unreserve` gives a source back that was not used)
+    plan:     the source copy is reserved (`reserve`: `store.reserve_source`);
+              the destination copy was placed being written (`store.place`)
+              (`unreserve` gives a source back that was not used)
     submit:   the chunk goes to the copy engine
-    complete: source copy  num_readers -= 1      destination copy  ready = True
-              (or dropped: failure, stale source, stale destination)
-              eviction: the source copy is freed once its bytes are safe below
+    complete: `store.finish_transfer` per block: the destination copy is ready
+              (or dropped: failure, stale source, stale destination); with
+              eviction the source copy is freed once its bytes are safe below
 
-A slot is therefore never reused while a transfer reads or writes it.
+The mover changes no copy itself: the store owns copy state and tells the
+policies. A slot is never reused while a transfer reads or writes it.
 
-A remote chunk (`REMOTE_DIRECTIONS`) names its blocks by key; its remote side's
-slots are the positions 0..n-1. A failed or corrupt read from NVMe or from the
-remote store marks that source copy stale: it is never read again, and a
-block left with no copy is lost (its owner recomputes it).
+A chunk to or from a tier addressed by key (`REMOTE_DIRECTIONS`) names its
+blocks by key; that side's slots are the positions 0..n-1. A failed or corrupt
+read from a tier with checked reads (NVMe, the remote store) marks that source
+copy stale: it is never read again, and a block left with no copy is lost (its
+owner recomputes it).
 """
 
 from __future__ import annotations
@@ -37,12 +40,6 @@ from kvswap.control.transfer import (
     TransferChunk,
     TransferResult,
 )
-
-#: Directions up the hierarchy: on HIGH they move in swap-in chunks.
-_UPWARD = frozenset({Direction.CPU_TO_GPU, Direction.NVME_TO_CPU, Direction.REMOTE_TO_CPU})
-#: Sources whose failed read means the copy itself is bad (a CRC or value check failed,
-#: the key vanished), not only this transfer.
-_CHECKED_SOURCES = frozenset({Tier.NVME, Tier.REMOTE})
 
 
 @dataclass
@@ -81,14 +78,12 @@ class Mover:
     def reserve(self, block: Block, src_tier: Tier, dst: Copy) -> tuple[Block, Copy]:
         """Mark `block`'s `src_tier` copy as read by a planned transfer at once, so
         nothing done before the chunk is submitted can drop it."""
-        block.copies[src_tier].num_readers += 1
-        self.store.rerank(block)
+        self.store.reserve_source(block, src_tier)
         return block, dst
 
     def unreserve(self, block: Block, src_tier: Tier) -> None:
         """Give back a source reserved for a transfer that will not be submitted."""
-        block.copies[src_tier].num_readers -= 1
-        self.store.rerank(block)
+        self.store.release_source(block, src_tier)
 
     @property
     def has_inflight(self) -> bool:
@@ -97,7 +92,7 @@ class Mover:
     def chunk_blocks(self, direction: Direction, priority: Priority) -> int:
         """Swap-in and prefetch (up the hierarchy, HIGH) move in swap-in chunks;
         everything else in swap-out chunks."""
-        if priority is Priority.HIGH and direction in _UPWARD:
+        if priority is Priority.HIGH and direction.upward:
             return self.swap_in_chunk_blocks
         return self.swap_out_chunk_blocks
 
@@ -117,22 +112,17 @@ class Mover:
         ids: list[int] = []
         for start in range(0, len(pairs), chunk_blocks):
             part = pairs[start : start + chunk_blocks]
-            src_slots = []
-            for block, _ in part:
-                src = block.copies[direction.src_tier]
-                assert src.num_readers > 0, "the swapper reserves a source when it plans it"
-                src_slots.append(src.slot)
-            dst_slots = [dst.slot for _, dst in part]
             blocks = [block for block, _ in part]
-            keys: tuple[bytes, ...] = ()
-            if remote:
-                # The remote side is addressed by key; its slots are the positions.
-                positions = list(range(len(part)))
-                if direction.src_tier is Tier.REMOTE:
-                    src_slots = positions
-                else:
-                    dst_slots = positions
-                keys = tuple(_key(block) for block in blocks)
+            assert all(b.copies[direction.src_tier].num_readers > 0 for b in blocks), (
+                "the swapper reserves a source when it plans it"
+            )
+            # A side addressed by key has no slots: its slots are the positions.
+            src_slots = [
+                _slot(block.copies[direction.src_tier], position)
+                for position, block in enumerate(blocks)
+            ]
+            dst_slots = [_slot(dst, position) for position, (_, dst) in enumerate(part)]
+            keys = tuple(_key(block) for block in blocks) if remote else ()
             transfer_id = next(self._ids)
             chunk = TransferChunk(
                 transfer_id=transfer_id,
@@ -201,38 +191,18 @@ class Mover:
     def _finish_block(self, block: Block, direction: Direction, evict: bool, bad: bool) -> bool:
         """Apply one block's completion (`bad`: its bytes did not arrive intact);
         True when its destination copy is ready."""
-        src_tier, dst_tier = direction.src_tier, direction.dst_tier
-        src = block.copies[src_tier]
-        dst = block.copies[dst_tier]
-        src.num_readers -= 1
-        ok = not bad and not src.stale and not dst.stale
-        if ok:
-            dst.ready = True
-        else:
-            if src_tier in _CHECKED_SOURCES and bad:
-                # A failed or corrupt NVMe or remote read: that copy cannot be trusted again.
-                src.stale = True
-            # May forget the block (nobody references it, only a remote copy is left).
-            self.store.drop_copy(block, dst_tier)
-        if block.copies.get(src_tier) is not src:
-            pass  # the block was forgotten with its source copy
-        elif src.stale and src.num_readers == 0:
-            was_lost = block.lost
-            self.store.drop_copy(block, src_tier)
-            if block.lost and not was_lost:
-                self.metrics.lost_blocks += 1
-        elif ok and evict and src.num_readers == 0 and self._may_evict(block, src_tier):
-            self.store.drop_copy(block, src_tier)
-        else:
-            self.store.rerank(block)
-        if ok and block.block_id in self.store.blocks:
-            self._on_arrival(block, dst_tier)
-        return ok
+        outcome = self.store.finish_transfer(
+            block, direction.src_tier, direction.dst_tier, intact=not bad, evict=evict
+        )
+        self.metrics.lost_blocks += outcome.lost_now
+        if outcome.arrived:
+            self._on_arrival(block, direction.dst_tier)
+        return outcome.ready
 
-    @staticmethod
-    def _may_evict(block: Block, tier: Tier) -> bool:
-        """An eviction is called off when the block became needed on the GPU meanwhile."""
-        return not (tier is Tier.GPU and block.num_running_refs > 0)
+
+def _slot(copy: Copy, position: int) -> int:
+    """The slot a chunk names for `copy`: its own, or its position on a keyed side."""
+    return position if copy.slot is None else copy.slot
 
 
 def _key(block: Block) -> bytes:

@@ -15,25 +15,33 @@ parts ask the store for victims (`pop_victim`), never a policy.
                   |  |  '----- GPU + CPU copies (dropping the GPU copy is free)
                   '--'-------- protected sinks: never leave the GPU while referenced
 
-Remote copies (`Tier.REMOTE`) take no slot: the shared store addresses them by
-block key. An unreferenced block left with no local copy is forgotten (the
-store is asked again by the next lookup), so what this process remembers
-stays bounded by its own tiers and the tables that reference blocks.
+Copy state has one owner too: a transfer's reservation of its source, its
+arrival and its failure are store calls (`reserve_source`, `release_source`,
+`finish_transfer`), so the policies hear every change from here and no caller
+asks for a re-rank.
+
+Tiers are described once (`TIER_SPECS`). A tier addressed by slots gets a
+`TierSlots`; one addressed by key (`Tier.REMOTE`) takes no slot: the shared
+store addresses its copies by block key. An unreferenced block left with no
+local copy is forgotten (the store is asked again by the next lookup), so what
+this process remembers stays bounded by its own tiers and the tables that
+reference blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvswap.control import identity
-from kvswap.control.blocks import REMOTE_SLOT, TIERS_BELOW, Block, Copy
+from kvswap.control.blocks import Block, Copy
 from kvswap.control.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_policies import TierPolicies
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import Tier
+from kvswap.control.transfer import SLOT_TIERS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
@@ -58,6 +66,14 @@ class StoreLayout:
         return self.namespace
 
 
+class TransferOutcome(NamedTuple):
+    """What one block's finished transfer did to its copies (`finish_transfer`)."""
+
+    ready: bool  # the destination copy is ready (its bytes arrived, nothing went stale)
+    arrived: bool  # ready, and the block still lives
+    lost_now: bool  # its last copy failed: the block became lost
+
+
 @dataclass
 class SequenceState:
     block_ids: list[int]
@@ -76,13 +92,13 @@ class BlockStore:
                 f"namespace block_tokens = {self.namespace.block_tokens}; allowed: the "
                 f"store's block_tokens ({layout.block_tokens})"
             )
-        self.tiers = {
-            Tier.GPU: TierSlots(Tier.GPU, layout.num_gpu_blocks),
-            Tier.CPU: TierSlots(Tier.CPU, layout.num_cpu_blocks),
-            Tier.NVME: TierSlots(Tier.NVME, layout.num_nvme_blocks),
-            # The remote store has no slots here: its copies are addressed by key.
-            Tier.REMOTE: TierSlots(Tier.REMOTE, 0),
+        num_slots = {
+            Tier.GPU: layout.num_gpu_blocks,
+            Tier.CPU: layout.num_cpu_blocks,
+            Tier.NVME: layout.num_nvme_blocks,
         }
+        # Only the tiers addressed by slots have slots here (not the remote store).
+        self.tiers = {tier: TierSlots(tier, num_slots[tier]) for tier in SLOT_TIERS}
         self.blocks: dict[int, Block] = {}
         self.sequences: dict[int, SequenceState] = {}
         self.index = PrefixIndex(layout.block_tokens)
@@ -287,7 +303,7 @@ class BlockStore:
         table = []
         for block in self.sequence_blocks(seq_id):
             copy = block.ready_copy(Tier.GPU)
-            if copy is None:
+            if copy is None or copy.slot is None:
                 raise AssertionError(f"block {block.block_id} of sequence {seq_id} is not on GPU")
             table.append(copy.slot)
         return table
@@ -312,7 +328,7 @@ class BlockStore:
         it (it stops being a candidate there); None when nothing may leave. With
         `droppable_only`, only a copy that goes without a transfer and without a
         sequence losing its KV. Whoever pops a victim drops, moves or deletes it, or
-        `rerank`s it (it stays)."""
+        returns it (`return_victim`: it stays)."""
         return self._policies.pop_victim(tier, droppable_only=droppable_only)
 
     def unrank(self, tier: Tier, block: Block) -> None:
@@ -331,20 +347,19 @@ class BlockStore:
     # -------------------------------------------------------------------- copies
 
     def place(self, block: Block, tier: Tier, *, ready: bool) -> Copy | None:
-        """Give `block` a slot on `tier` (None when the tier is full). A remote copy
-        takes no slot: the store has room for it as far as the control plane knows."""
+        """Give `block` a slot on `tier` (None when the tier is full). A copy on a tier
+        addressed by key takes no slot: the store has room for it as far as the control
+        plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
-        if tier is Tier.REMOTE:
+        if tier.spec.addressing is Addressing.KEYS:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
-            copy = Copy(slot=REMOTE_SLOT, ready=ready)
-            block.copies[tier] = copy
-            self._policies.placed(block, tier, copy)
-            return copy
-        slot = self.tiers[tier].allocate(block.block_id)
-        if slot is None:
-            return None
-        copy = Copy(slot=slot, ready=ready)
+            copy = Copy(slot=None, ready=ready)
+        else:
+            slot = self.tiers[tier].allocate(block.block_id)
+            if slot is None:
+                return None
+            copy = Copy(slot=slot, ready=ready)
         block.copies[tier] = copy
         self._policies.placed(block, tier, copy)
         return copy
@@ -396,16 +411,70 @@ class BlockStore:
             return
         del self.blocks[block.block_id]
 
-    def rerank(self, block: Block) -> None:
-        """`block` changed outside the store (copies became ready, readers came or went),
-        or a popped victim stays: the policies of the tiers holding a copy re-rank it."""
+    def return_victim(self, tier: Tier, block: Block) -> None:
+        """A victim popped (or unranked) from `tier` stays after all: its policy ranks
+        it again."""
         self._policies.changed(block)
+
+    # ----------------------------------------------------------------- transfers
+
+    def reserve_source(self, block: Block, tier: Tier) -> None:
+        """A planned transfer will read `block`'s `tier` copy: from now on it is busy
+        (not freed, not a victim) until `finish_transfer` or `release_source`."""
+        block.copies[tier].num_readers += 1
+        self._policies.changed(block)
+
+    def release_source(self, block: Block, tier: Tier) -> None:
+        """Give back a source reserved for a transfer that will not be submitted."""
+        block.copies[tier].num_readers -= 1
+        self._policies.changed(block)
+
+    def finish_transfer(
+        self, block: Block, src_tier: Tier, dst_tier: Tier, *, intact: bool, evict: bool
+    ) -> TransferOutcome:
+        """Apply one block's finished transfer from `src_tier` to `dst_tier` (`intact`:
+        its bytes arrived whole and checked).
+
+        The destination copy becomes ready, unless the bytes failed or either copy went
+        stale meanwhile: then it is dropped, and a failed read from a tier with checked
+        reads marks that source stale (never read again). A stale source is freed once
+        no transfer reads it; with `evict`, so is a good source once its bytes are safe
+        below, unless the block became needed on the GPU meanwhile.
+        """
+        src = block.copies[src_tier]
+        dst = block.copies[dst_tier]
+        src.num_readers -= 1
+        ok = intact and not src.stale and not dst.stale
+        if ok:
+            dst.ready = True
+        else:
+            if src_tier.spec.checked_reads and not intact:
+                src.stale = True
+            # May forget the block (nobody references it, only a remote copy is left).
+            self.drop_copy(block, dst_tier)
+        lost_now = False
+        if block.copies.get(src_tier) is not src:
+            pass  # the block was forgotten with its source copy
+        elif src.stale and src.num_readers == 0:
+            was_lost = block.lost
+            self.drop_copy(block, src_tier)
+            lost_now = block.lost and not was_lost
+        elif (
+            ok
+            and evict
+            and src.num_readers == 0
+            and not (src_tier is Tier.GPU and block.num_running_refs > 0)
+        ):
+            self.drop_copy(block, src_tier)
+        else:
+            self._policies.changed(block)
+        return TransferOutcome(ok, ok and block.block_id in self.blocks, lost_now)
 
     # ------------------------------------------------------------------ internal
 
     def _release(self, block: Block, tier: Tier, copy: Copy) -> None:
         """Give back what a copy held: its slot, or its place in the remote count."""
-        if tier is Tier.REMOTE:
+        if copy.slot is None:
             self.num_remote_copies -= 1
         else:
             self.tiers[tier].release(copy.slot, block.block_id)
@@ -451,7 +520,7 @@ class BlockStore:
                 f"block {block.block_id}: unreferenced and only in the remote store"
             )
             for tier, copy in block.copies.items():
-                if tier is Tier.REMOTE:
+                if copy.slot is None:
                     num_remote += 1
                     continue
                 owner = self.tiers[tier].owner(copy.slot)

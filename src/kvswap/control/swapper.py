@@ -23,6 +23,7 @@ much room, what is in flight) and never reaches into the store or the mover.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,9 @@ class Swapper:
                 self.store, self.mover, self.metrics, remote_settings, remote_index
             )
         self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remote)
+        # Blocks prefixes found only in the remote store, not yet fetched: block id ->
+        # the sequences that hit it (each counts as a hit once its fetch lands).
+        self._remote_hits_due: Counter[int] = Counter()
 
     # ------------------------------------------------------------ step bracket
 
@@ -119,8 +123,16 @@ class Swapper:
         if self.remote is not None:
             hits += self.remote.extend_prefix(seq_id, prompt_ids)
         for block in hits:
-            tier = next((t for t in Tier if block.ready_copy(t) is not None), Tier.GPU)
-            self.metrics.prefix_hit_blocks_by_tier[tier] += 1
+            tier = block.fastest_copy_tier()
+            assert tier is not None, "the prefix index holds no lost block"
+            if tier is Tier.REMOTE:
+                # Counted once its fetch lands: a fetch that fails is recomputed.
+                self._remote_hits_due[block.block_id] += 1
+            else:
+                self.metrics.prefix_hit_blocks_by_tier[tier] += 1
+        if len(self._remote_hits_due) > 2 * len(self.store.blocks) + 64:  # O(1) amortised
+            for block_id in self._remote_hits_due.keys() - self.store.blocks.keys():
+                del self._remote_hits_due[block_id]
         return len(hits) * self.store.block_tokens
 
     def allocate(self, seq_id: int, token_ids: Sequence[int]) -> bool:
@@ -203,6 +215,9 @@ class Swapper:
         return self.evictor.ensure_gpu_slots(num_blocks)
 
     def _arrived(self, block: Block, tier: Tier) -> None:
+        if tier is Tier.CPU and block.block_id in self._remote_hits_due:
+            hits = self._remote_hits_due.pop(block.block_id)
+            self.metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] += hits
         self.swap_in.arrived(block, tier)
         if self.remote is not None:
             self.remote.arrived(block, tier)
@@ -310,7 +325,7 @@ class Swapper:
             (record.chunk.direction.dst_tier, slot)
             for record in self.mover.inflight.values()
             for slot in record.chunk.dst_slots
-            if record.chunk.direction.dst_tier is not Tier.REMOTE  # keyed, not slotted
+            if record.chunk.direction.dst_tier in self.store.tiers  # not a keyed tier
         }
         for tier, slot in busy_slots:
             assert self.store.tiers[tier].owner(slot) is not None, (

@@ -31,9 +31,6 @@ class TierSlots:
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def occupancy(self) -> float:
-        return self.num_used_slots / self.num_slots if self.num_slots else 1.0
-
     def allocate(self, block_id: int) -> int | None:
         """A free slot now owned by `block_id`, or None when the tier is full."""
         if not self._free:

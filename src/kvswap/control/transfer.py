@@ -33,6 +33,56 @@ class Tier(enum.Enum):
     # block's copies, which made it a top cost of large simulations.
     __hash__ = object.__hash__
 
+    @property
+    def spec(self) -> TierSpec:
+        return TIER_SPECS[self]
+
+
+class Addressing(enum.Enum):
+    """How a tier's copies are found."""
+
+    SLOTS = "slots"  # fixed slots this process hands out (GPU, pinned CPU, NVMe slab)
+    KEYS = "keys"  # by block key, in a store shared between processes (no slots here)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier, described once: everything the control plane treats differently per
+    tier reads it from here (its capacity comes with the store's layout)."""
+
+    tier: Tier
+    addressing: Addressing
+    # A failed read means the copy itself is bad (a CRC or value check failed, the key
+    # vanished), not only that transfer: the copy is never read again.
+    checked_reads: bool
+    # In this process (memory or a slab it owns): a copy worth remembering a block for.
+    # A block known only in a shared store is found again by a lookup.
+    local: bool
+    # The tier a copy moves through to reach this one (None: the GPU, where KV is
+    # computed). Every direction is a pair of a tier and this one.
+    above: Tier | None
+
+
+#: Fastest first: the order is the tiers' speed.
+_SLOTS, _KEYS = Addressing.SLOTS, Addressing.KEYS
+TIER_SPECS: dict[Tier, TierSpec] = {
+    Tier.GPU: TierSpec(Tier.GPU, _SLOTS, checked_reads=False, local=True, above=None),
+    Tier.CPU: TierSpec(Tier.CPU, _SLOTS, checked_reads=False, local=True, above=Tier.GPU),
+    Tier.NVME: TierSpec(Tier.NVME, _SLOTS, checked_reads=True, local=True, above=Tier.CPU),
+    Tier.REMOTE: TierSpec(Tier.REMOTE, _KEYS, checked_reads=True, local=False, above=Tier.CPU),
+}
+#: The tiers slower than each tier, fastest first: a ready copy on one of them makes
+#: that tier's copy free to drop.
+TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
+    tier: tuple(TIER_SPECS)[position + 1 :] for position, tier in enumerate(TIER_SPECS)
+}
+#: The tiers whose copies take a slot of this process (each has a `TierSlots`).
+SLOT_TIERS: tuple[Tier, ...] = tuple(
+    spec.tier for spec in TIER_SPECS.values() if spec.addressing is Addressing.SLOTS
+)
+#: The tiers of this process (a block with a copy on one is remembered).
+LOCAL_TIERS: tuple[Tier, ...] = tuple(spec.tier for spec in TIER_SPECS.values() if spec.local)
+
 
 class Direction(enum.Enum):
     """Which way a chunk moves; the value is the metric label."""
@@ -54,6 +104,11 @@ class Direction(enum.Enum):
     def dst_tier(self) -> Tier:
         return _DIRECTION_TIERS[self][1]
 
+    @property
+    def upward(self) -> bool:
+        """Towards the GPU (a swap-in or its first hop): what a step may wait for."""
+        return self in _UPWARD
+
 
 _DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
     Direction.GPU_TO_CPU: (Tier.GPU, Tier.CPU),
@@ -64,9 +119,25 @@ _DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
     Direction.REMOTE_TO_CPU: (Tier.REMOTE, Tier.CPU),
 }
 
-#: Directions whose one side is the remote store: that side is addressed by the
-#: chunk's `keys` (its slots are the positions 0..n-1 of `keys`).
-REMOTE_DIRECTIONS = frozenset({Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU})
+# Every direction is a tier and the one above it, one way or the other.
+for _direction, (_src, _dst) in _DIRECTION_TIERS.items():
+    assert _src.spec.above is _dst or _dst.spec.above is _src, _direction
+_UPWARD = frozenset(d for d, (src, dst) in _DIRECTION_TIERS.items() if src.spec.above is dst)
+
+#: Directions whose one side is a store addressed by key: that side is addressed by
+#: the chunk's `keys` (its slots are the positions 0..n-1 of `keys`).
+REMOTE_DIRECTIONS = frozenset(
+    d for d, (src, dst) in _DIRECTION_TIERS.items()
+    if Addressing.KEYS in (src.spec.addressing, dst.spec.addressing)
+)  # fmt: skip
+
+
+def direction_between(src: Tier, dst: Tier) -> Direction:
+    """The direction from `src` to `dst` (adjacent tiers)."""
+    for direction, pair in _DIRECTION_TIERS.items():
+        if pair == (src, dst):
+            return direction
+    raise ValueError(f"no direction from {src.value} to {dst.value}: not adjacent tiers")
 
 
 class Priority(enum.IntEnum):

@@ -231,8 +231,10 @@ class RunSummary:
                 "evictions_by_reason": dict(sorted(self.evictions_by_reason.items())),
                 "failed_transfers": self.failed_transfers,
                 "lost_blocks": self.lost_blocks,
-                "peak_blocks_by_tier": {t.value: self.peak_blocks_by_tier[t] for t in Tier},
-                "capacity_blocks_by_tier": {t.value: self.capacity_blocks_by_tier[t] for t in Tier},
+                "peak_blocks_by_tier": {t.value: n for t, n in self.peak_blocks_by_tier.items()},
+                "capacity_blocks_by_tier": {
+                    t.value: n for t, n in self.capacity_blocks_by_tier.items()
+                },
                 "outputs_digest": self.outputs_digest,
             }
         )
@@ -314,8 +316,9 @@ def build_summary(
         evictions_by_reason=dict(metrics.evictions_by_reason),
         failed_transfers=metrics.failed_transfers,
         lost_blocks=metrics.lost_blocks,
-        peak_blocks_by_tier={t: occupancy[t].peak_used_blocks for t in Tier},
-        capacity_blocks_by_tier={t: occupancy[t].num_blocks for t in Tier},
+        # The tiers with slots: a keyed store's capacity is not the control plane's to know.
+        peak_blocks_by_tier={t: o.peak_used_blocks for t, o in occupancy.items()},
+        capacity_blocks_by_tier={t: o.num_blocks for t, o in occupancy.items()},
         outputs_digest=outputs_digest([(r.seq_id, r.output_ids) for r in completed]),
         backend=extras,
         remote=remote,
