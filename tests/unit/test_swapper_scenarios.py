@@ -318,10 +318,13 @@ def test_a_paused_sequence_takes_nvme_room_from_cache_entries_and_is_never_dropp
     swapper.end_step()
     swapper.finish(4)
     settle(swapper, engine)
-    # Its head (400, 404) took conversation 2's slots; its tail never displaces its
-    # own head (the tail is found only through it) and stays on the CPU.
+    # Its blocks landed on the CPU tail first (the head most recent), so its tail
+    # (408, 412) left the pinned pool first and took conversation 2's slots. Its head
+    # (400, 404) followed and displaced its own tail: a tail is found only through
+    # its head, so a chain leaves NVMe from its end, and a tail never displaces its
+    # own head.
     assert nvme_tokens(swapper) == [300, 304, 400, 404]
-    assert metrics["nvme_discard"] == 4
+    assert metrics["nvme_discard"] == 6
     assert [sorted(t.value for t in b.copies) for b in paused] == [["nvme"], ["nvme"]]
 
     # The paused sequence resumes with all its KV.

@@ -183,7 +183,10 @@ class Swapper:
             if cpu is None:
                 break
             pairs.append(self.mover.reserve(block, Tier.GPU, cpu))
-        self.mover.submit(Direction.GPU_TO_CPU, Priority.LOW, pairs, evict=False)
+        # Slots went head first (a prefix's head is worth most); the copies land tail
+        # first, so the head is the most recent on the CPU: a chain leaves the pinned
+        # pool (and NVMe after it) from its tail, and what stays is a usable prefix.
+        self.mover.submit(Direction.GPU_TO_CPU, Priority.LOW, pairs[::-1], evict=False)
         if self.remote is not None:
             self.remote.finished(table)
 
