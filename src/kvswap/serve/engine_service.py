@@ -173,7 +173,7 @@ class LiveArrivals:
     def finished(self, request_id: int, output_ids: Sequence[int], done_s: float) -> None:
         """The loop is done with a request that ended in a step: forget it (a server runs
         for days and keeps no history; `on_step` already told the client)."""
-        self._scheduler.runs.pop(request_id, None)
+        self._scheduler.forget(request_id)
 
     def on_step(self, plan: StepPlan, sampled: Mapping[int, int], done: Sequence[int]) -> None:
         """The driver's step listener: stream each sampled token, end finished requests."""
@@ -188,14 +188,13 @@ class LiveArrivals:
         request = handle.request
         self.handles[handle.request_id] = handle
         self.sampling[handle.request_id] = handle.sampling
-        self._scheduler.add_request(
+        admission = self._scheduler.add_request(
             handle.request_id, request.prompt_ids, request.max_new_tokens, now_s,
             cache_salt=request.cache_salt, stop_token_ids=request.stop_token_ids,
         )  # fmt: skip
-        run = self._scheduler.runs[handle.request_id]
-        if run.rejected_reason is not None:
-            self._tell(handle.request_id, error=run.rejected_reason)
-            self._scheduler.runs.pop(handle.request_id, None)
+        if admission.refusal is not None:
+            self._tell(handle.request_id, error=admission.refusal.message)
+            self._scheduler.forget(handle.request_id)
 
     def _end(
         self, request_id: int, now_s: float, *, discard: bool, error: str | None = None
@@ -204,7 +203,7 @@ class LiveArrivals:
             return  # it ended meanwhile
         if self._scheduler.end_request(request_id, now_s, discard=discard):
             self._tell(request_id, error=error)
-            self._scheduler.runs.pop(request_id, None)
+            self._scheduler.forget(request_id)
 
     def _tell(self, request_id: int, *, error: str | None = None) -> None:
         """Tell the client its request ended, and forget its handle."""
@@ -254,12 +253,8 @@ class EngineThreadService(EngineService):
     ) -> None:
         self.engine = engine
         self.model_id = model_id
-        # The longest sequence that can run: the model's positions, and what the GPU
-        # tier holds beside the protected sinks (a running sequence is all on the GPU).
-        gpu_tokens = (engine.swapper.num_gpu_blocks - engine.swapper.protected_blocks) * (
-            engine.swapper.block_tokens
-        )
-        self.max_model_tokens = min(engine.arch.max_position_tokens, gpu_tokens)
+        # The scheduler's own rule (the model's positions, the GPU tier), asked once.
+        self.max_model_tokens = engine.scheduler.max_request_tokens()
         self.vocab_size = engine.arch.vocab_size
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_model_tokens,
                                      self.max_model_tokens)  # fmt: skip
@@ -312,9 +307,9 @@ class EngineThreadService(EngineService):
                 f"got {min(request.prompt_ids)}..{max(request.prompt_ids)}"
             )
         sampling = _sampling(request)
-        reason = self._scheduler.rejection_reason(num_prompt, request.max_new_tokens)
-        if reason is not None:
-            raise PromptTooLong(f"this request {reason}")
+        refusal = self._scheduler.admission(num_prompt, request.max_new_tokens).refusal
+        if refusal is not None:
+            raise PromptTooLong(f"this request {refusal.message}")
         with self._lock:
             if self._stopping or self._error is not None:
                 raise ServiceStopping("the server is stopping; no new requests are accepted")

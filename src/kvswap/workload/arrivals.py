@@ -48,11 +48,11 @@ class ArrivalQueue:
             request = self.workload[request_id]
             prompt = tuple(resolve_prompt(request, self.outputs, self.prompts))
             self.prompts[request_id] = prompt
-            scheduler.add_request(
+            admission = scheduler.add_request(
                 request_id, prompt, request.max_new_tokens, arrival_s,
                 cache_salt=request.cache_salt,
             )  # fmt: skip
-            if scheduler.runs[request_id].rejected_reason is not None:
+            if not admission.accepted:
                 self.finished(request_id, (), now_s, think=False)
 
     def finished(
