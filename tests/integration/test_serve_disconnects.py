@@ -63,5 +63,5 @@ def test_streams_whose_clients_leave_end_as_abort_and_leave_nothing_behind(
         assert ended == {"abort": num_streams}
         whole = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
         assert whole.status_code == 200, whole.text
-    assert service.arrivals.handles == {} and service.arrivals.sampling == {}
-    assert service.engine.scheduler.runs == {}
+    assert service.arrivals.handles == {}
+    assert service.engine.scheduler.runs == {}  # each run held its request's sampling

@@ -1,7 +1,8 @@
 """The control plane's dependencies point one way.
 
 `kvswap.control` decides in ids, counts and hashes: it imports the standard
-library, itself, and the two leaf modules `kvswap.units` / `kvswap.errors`,
+library, itself, and the leaf modules `kvswap.units` / `kvswap.errors` /
+`kvswap.sampling` (a request's sampling, which the scheduler carries to the backend),
 never torch, the data plane, the engine, the simulator, the monitoring or the
 pydantic configuration (settings reach it as plain records from `kvswap.drive`).
 The check reads every import statement of every control module, so a lazy
@@ -18,7 +19,8 @@ from pathlib import Path
 import kvswap.control
 
 CONTROL_DIR = Path(kvswap.control.__file__).parent
-ALLOWED_KVSWAP = ("kvswap.control", "kvswap.units", "kvswap.errors")
+LEAF_MODULES = ("kvswap.units", "kvswap.errors", "kvswap.sampling")
+ALLOWED_KVSWAP = ("kvswap.control", *LEAF_MODULES)
 FORBIDDEN_OTHERS = ("torch", "numpy", "pydantic")
 
 
@@ -42,6 +44,14 @@ def test_control_imports_only_itself_and_leaf_modules() -> None:
             if root in FORBIDDEN_OTHERS:
                 offenders.append(f"{path.name}: {name}")
     assert offenders == []
+
+
+def test_the_leaf_modules_import_nothing_of_kvswap_but_errors() -> None:
+    src = CONTROL_DIR.parent
+    for module in LEAF_MODULES:
+        path = src / f"{module.removeprefix('kvswap.')}.py"
+        kvswap_imports = {name for name in imported_modules(path) if name.split(".")[0] == "kvswap"}
+        assert kvswap_imports <= {"kvswap.errors"}, (module, kvswap_imports)
 
 
 def test_drive_and_simulator_run_without_torch() -> None:

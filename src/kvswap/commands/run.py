@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)
-    with Engine(config, EngineOptions(model, dtype, sampling)) as engine:
+    with Engine(config, EngineOptions(model, dtype)) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:
             print(describe(engine, workload))
@@ -164,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
             kv_metrics=engine.swapper.metrics, remote_counters=engine.remote_counters,
             run_info=run_info,
         ) as monitoring:  # fmt: skip
-            result = engine.run(workload, monitoring.progress, monitoring.observers)
+            result = engine.run(
+                workload, monitoring.progress, monitoring.observers, sampling=sampling
+            )
             summary = monitoring.finish(result.to_json())
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     if monitoring.report_error is not None:

@@ -17,9 +17,9 @@ running sequence is preempted: by swapping its blocks out (default) or by
 dropping them to be recomputed (vLLM V1's only mode, kept for comparison).
 Preempted sequences resume first, their blocks prefetched on the HIGH queue.
 
-The scheduler is the one owner of requests: `add_request` records a run and
-answers with an `Admission`; `forget` drops a finished run. Nobody else writes
-`runs`.
+The scheduler is the one owner of requests: `add_request` records a run (its
+sampling included: each `ScheduledSeq` carries it to the backend) and answers
+with an `Admission`; `forget` drops a finished run. Nobody else writes `runs`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvswap.control.swapper import Swapper
+from kvswap.sampling import SamplingParams
 from kvswap.units import ceil_div
 
 
@@ -94,6 +95,7 @@ class SequenceRun:
     max_new_tokens: int
     arrival_s: float
     cache_salt: str | None = None  # tenants share prefix KV only under the same salt
+    sampling: SamplingParams | None = None  # None: greedy
     output_ids: list[int] = field(default_factory=list)
     admitted_s: float | None = None  # first time it was scheduled (queueing ends)
     first_token_s: float | None = None
@@ -136,12 +138,14 @@ class SequenceRun:
 @dataclass(frozen=True)
 class ScheduledSeq:
     """KV to compute for one sequence this step: `token_ids` at positions
-    `start_position ...`; `samples` when the chunk reaches the sequence's end."""
+    `start_position ...`; `samples` when the chunk reaches the sequence's end, with
+    the request's own `sampling` (None: greedy), which the backend samples with."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     start_position: int
     samples: bool
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -177,11 +181,14 @@ class Scheduler:
         *,
         cache_salt: str | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
+        sampling: SamplingParams | None = None,
     ) -> Admission:
-        """Queue a request. One that can never run (see `admission`) is refused: recorded
-        as finished (ABORT) with its refusal; the others keep running."""
+        """Queue a request with its sampling (None: greedy); every step that samples it
+        carries that sampling to the backend. One that can never run (see `admission`)
+        is refused: recorded as finished (ABORT) with its refusal; the others keep
+        running."""
         run = SequenceRun(
-            seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt,
+            seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt, sampling,
             stop_token_ids=stop_token_ids,
         )  # fmt: skip
         self.runs[seq_id] = run
@@ -423,7 +430,8 @@ class Scheduler:
             if seq_id not in self.running:
                 continue
             budget -= len(chunk)
-            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == num_tokens))
+            samples = done + count == num_tokens
+            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, samples, run.sampling))
             if budget <= 0:
                 break
         # A victim is always the newest running sequence, at or after the one being

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -57,7 +57,6 @@ IDLE_SLICE_S = 0.05
 class EngineOptions:
     model: str = "small"
     dtype: str | None = None
-    sampling: SamplingParams | None = None
     # Threads for the model on a CPU device. None: every core (the copy workers
     # sleep while idle; the command line makes idle OpenMP threads sleep too,
     # kvswap.model.openmp_env, so a copy finds a free core).
@@ -95,9 +94,6 @@ class Engine(Backend):
             _note_released(exc, self.close())
             raise
         self._start_s = time.perf_counter()
-        # Per-sequence sampling (a server's requests each bring theirs); None: the
-        # options' one sampling for every sequence.
-        self.sampling_for: Callable[[int], SamplingParams | None] | None = None
 
     def _allocate(self, config: KvSwapConfig, options: EngineOptions) -> None:
         """Weights, then the NVMe slab, the pinned pool, the device pool, the copy engine."""
@@ -141,7 +137,7 @@ class Engine(Backend):
             settings, copy_engine, time.perf_counter, remote_index=self.remote
         )
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
-        self.runner = ModelRunner(model, device_pool.kv, options.sampling)
+        self.runner = ModelRunner(model, device_pool.kv)
 
     def _open_remote(self, namespace: str) -> RemoteCopyEngine:
         """The shared store (tiers.remote_*): one line and exit 2 if it is unusable and
@@ -189,14 +185,20 @@ class Engine(Backend):
         workload: Workload,
         progress: RequestProgress | None = None,
         observers: Sequence[StepObserver] = (),
+        *,
+        sampling: SamplingParams | None = None,
     ) -> RunSummary:
-        """Serve every request of `workload`; returns the run summary."""
+        """Serve every request of `workload`, each with `sampling` (None: greedy);
+        returns the run summary."""
         if workload.vocab_size > self.arch.vocab_size:
             raise KvSwapError(
                 f"workload {workload.name!r} uses token ids up to {workload.vocab_size - 1} but "
                 f"the model's vocabulary has {self.arch.vocab_size} tokens"
             )
-        return drive(self.control, self, workload, progress=progress, observers=observers)
+        return drive(
+            self.control, self, workload, progress=progress, observers=observers,
+            sampling=sampling,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ Backend
 
@@ -211,7 +213,7 @@ class Engine(Backend):
 
     def execute(self, plan: StepPlan) -> StepOutput:
         tables = {item.seq_id: self.swapper.gpu_block_table(item.seq_id) for item in plan.seqs}
-        return self.runner.run(plan, tables, self.sampling_for)
+        return self.runner.run(plan, tables)
 
     def summary_extras(self, duration_s: float) -> Mapping[str, object]:
         return {

@@ -133,7 +133,6 @@ class LiveArrivals:
         self._wake = threading.Event()
         self._open = True
         self.handles: dict[int, LiveHandle] = {}
-        self.sampling: dict[int, SamplingParams | None] = {}
         self._on_finished = on_finished
 
     # -- from the HTTP side (any thread) -------------------------------------------------
@@ -187,10 +186,10 @@ class LiveArrivals:
     def _admit(self, handle: LiveHandle, now_s: float) -> None:
         request = handle.request
         self.handles[handle.request_id] = handle
-        self.sampling[handle.request_id] = handle.sampling
         admission = self._scheduler.add_request(
             handle.request_id, request.prompt_ids, request.max_new_tokens, now_s,
             cache_salt=request.cache_salt, stop_token_ids=request.stop_token_ids,
+            sampling=handle.sampling,
         )  # fmt: skip
         if admission.refusal is not None:
             self._tell(handle.request_id, error=admission.refusal.message)
@@ -208,7 +207,6 @@ class LiveArrivals:
     def _tell(self, request_id: int, *, error: str | None = None) -> None:
         """Tell the client its request ended, and forget its handle."""
         handle = self.handles.pop(request_id, None)
-        self.sampling.pop(request_id, None)
         if handle is None:
             return
         run = self._scheduler.runs[request_id]
@@ -285,7 +283,6 @@ class EngineThreadService(EngineService):
             registry=registry,
         )  # fmt: skip
         self.arrivals = LiveArrivals(engine.scheduler, self._finished)
-        engine.sampling_for = self.arrivals.sampling.get
         self._thread = threading.Thread(target=self._run, name="kvswap-engine", daemon=True)
         self._thread.start()
 
