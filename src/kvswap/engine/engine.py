@@ -42,7 +42,7 @@ from kvswap.engine.runner import ModelRunner
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.loader import PRESET_SEED, load_model, resolve_model
-from kvswap.model.weights_identity import block_fingerprint
+from kvswap.model.weights_identity import block_fingerprint, weights_identity
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sampling import SamplingParams
@@ -122,7 +122,7 @@ class Engine(Backend):
         )  # fmt: skip
         self.copy_engine = local
         fingerprint = block_fingerprint(
-            arch.description, options.model, preset_seed=PRESET_SEED,
+            arch.description, weights_identity(options.model, preset_seed=PRESET_SEED),
             batch_invariant=config.engine.batch_invariant,
         )  # fmt: skip
         settings = control_settings(

@@ -41,6 +41,7 @@ from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.model.description import ModelDescription
+from kvswap.model.weights_identity import block_fingerprint
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sim.clock import VirtualClock
@@ -149,7 +150,10 @@ class Simulator(Backend):
             on_submit=self.tap, remote=self.remote,
             remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
-        fingerprint = setup.shape.fingerprint(setup.dtype)
+        # No weights run here: the architecture (in the KV dtype) names the blocks.
+        fingerprint = block_fingerprint(
+            setup.shape, None, batch_invariant=config.engine.batch_invariant
+        )
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
             model_fingerprint=fingerprint, policy=options.policy,
