@@ -19,10 +19,11 @@ import sys
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
-from kvswap.commands.run import ENGINE_DTYPES, engine_model
+from kvswap.commands.run import engine_model
 from kvswap.config import KvSwapConfig
 from kvswap.config_sources import API_KEY_VARIABLE
 from kvswap.errors import KvSwapError
+from kvswap.model.choice import ENGINE_DTYPES
 from kvswap.obs.prometheus import is_loopback_address
 from kvswap.serve.app import BODY_READ_TIMEOUT_S, AppSettings, body_limit_bytes, build_app
 from kvswap.serve.http_server import HEADER_READ_TIMEOUT_S, ApiServer, bind_listener
