@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.sampling import SamplingParams
 from kvswap.workload.request import FollowUp, Request, Workload
@@ -42,7 +43,7 @@ BASE: dict[str, object] = {
 
 def run(workload: Workload, **settings: object) -> dict[str, Any]:
     config = load_config(environ={}, overrides={**BASE, **settings})
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         return engine.run(workload).to_json()
 
 
@@ -184,7 +185,7 @@ def test_a_corrupt_nvme_slab_is_recomputed_never_served(tmp_path: Path) -> None:
             "cpu_demote_low_watermark": 0.0,
         },
     )  # fmt: skip
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         summary = engine.run(workload, observers=[CorruptSlabAfterStep(engine, 10)]).to_json()
     assert summary["bytes_nvme_to_cpu"] > 0
     assert summary["lost_blocks"] > 0
@@ -228,14 +229,21 @@ PROMPT_A = tuple(range(3, 23))
 PROMPT_B = tuple(range(40, 53))
 
 
+def roomy_engine() -> Engine:
+    """The tiny model with room on the GPU for every request at once."""
+    overrides = {**BASE, "gpu_kv_capacity_blocks": 64, "cpu_kv_capacity_blocks": 0}
+    return Engine(
+        engine_settings(load_config(environ={}, overrides=overrides), EngineOptions("tiny"))
+    )
+
+
 def sampled_outputs(
     requests: list[tuple[int, tuple[int, ...], SamplingParams | None]],
 ) -> tuple[dict[int, list[int]], int]:
     """Serve `requests` (seq id, prompt, sampling), all arriving at once, stepping the
     scheduler and the engine by hand: each one's 8 output tokens, and the most requests
     that sampled in one step."""
-    overrides = {**BASE, "gpu_kv_capacity_blocks": 64, "cpu_kv_capacity_blocks": 0}
-    with Engine(load_config(environ={}, overrides=overrides), EngineOptions("tiny")) as engine:
+    with roomy_engine() as engine:
         scheduler = engine.scheduler
         for seq_id, prompt, sampling in requests:
             assert scheduler.add_request(seq_id, prompt, 8, 0.0, sampling=sampling).accepted
@@ -259,8 +267,7 @@ def test_two_requests_in_one_batch_sample_as_each_would_alone() -> None:
 
 def test_a_run_wide_sampling_is_every_request_carrying_it() -> None:
     workload = Workload((Request(0, 0.0, PROMPT_A, 8), Request(1, 0.0, PROMPT_B, 8)), "two", 256)
-    overrides = {**BASE, "gpu_kv_capacity_blocks": 64, "cpu_kv_capacity_blocks": 0}
-    with Engine(load_config(environ={}, overrides=overrides), EngineOptions("tiny")) as engine:
+    with roomy_engine() as engine:
         engine.run(workload, sampling=HOT)
         run_wide = {seq_id: list(run.output_ids) for seq_id, run in engine.scheduler.runs.items()}
     assert run_wide == sampled_outputs([(0, PROMPT_A, HOT), (1, PROMPT_B, HOT)])[0]

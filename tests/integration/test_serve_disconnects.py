@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.serve.app import build_app
 from kvswap.serve.engine_service import EngineThreadService
 from kvswap.serve.tokenizer import builtin_codec
@@ -31,7 +32,9 @@ SETTINGS: dict[str, object] = {
 @pytest.fixture
 def service() -> Iterator[EngineThreadService]:
     config = load_config(environ={}, overrides=SETTINGS)
-    svc = EngineThreadService(Engine(config, EngineOptions(model="tiny")), model_id="tiny")
+    svc = EngineThreadService(
+        Engine(engine_settings(config, EngineOptions(model="tiny"))), model_id="tiny"
+    )
     yield svc
     svc.close(timeout_s=5)
 

@@ -62,3 +62,30 @@ def test_drive_and_simulator_run_without_torch() -> None:
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_only_the_command_line_imports_the_commands() -> None:
+    """The server, the engine and the simulator are built from settings records; no
+    import runs back up to `kvswap.commands` (the server once took its model there)."""
+    src = CONTROL_DIR.parent
+    offenders = [
+        f"{path.relative_to(src)}: {name}"
+        for path in sorted(src.rglob("*.py"))
+        if path.parent.name != "commands" and path.name not in ("cli.py", "__main__.py")
+        for name in imported_modules(path)
+        if name.startswith("kvswap.commands")
+    ]
+    assert offenders == []
+
+
+def test_the_engine_and_its_server_thread_read_no_configuration_model() -> None:
+    """`Engine` and the server's engine thread take a frozen `EngineSettings`; only
+    `kvswap.engine.settings`, at the edge, reads the pydantic config."""
+    src = CONTROL_DIR.parent
+    for path in (
+        src / "engine" / "engine.py",
+        src / "engine" / "runner.py",
+        src / "serve" / "engine_service.py",
+    ):
+        names = imported_modules(path)
+        assert "kvswap.config" not in names and "argparse" not in names, path

@@ -10,7 +10,8 @@ from typing import Any
 from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.commands.outputs import check_output_dir
 from kvswap.config import KvSwapConfig
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.model.choice import ENGINE_DTYPES, ConfiguredModel, ModelChoice, choose_engine_model
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)
-    with Engine(config, EngineOptions(model, dtype)) as engine:
+    with Engine(engine_settings(config, EngineOptions(model, dtype))) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:
             print(describe(engine, workload))

@@ -20,7 +20,6 @@ and `healthy()` turns False.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -35,12 +34,12 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from kvswap.config import KvSwapConfig
 from kvswap.control.scheduler import FinishReason as SchedulerFinish
 from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import Driver
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineSettings
 from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import PrometheusExporter
 from kvswap.obs.watermarks import Watermarks
@@ -258,18 +257,18 @@ class EngineThreadService(EngineService):
                                      self.max_model_tokens)  # fmt: skip
         self.max_waiting_requests = max_waiting_requests
         self._scheduler = engine.scheduler
-        self._max_open = engine.config.engine.max_num_seqs + max_waiting_requests
+        control = engine.settings.control
+        self._max_open = control.scheduler.max_num_seqs + max_waiting_requests
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._num_open = 0  # submitted, not yet finished
         self._all_done = threading.Condition(self._lock)
         self._stopping = False
         self._error: BaseException | None = None
-        config = engine.config
         self.exporter = PrometheusExporter(
             block_bytes=engine.layout.block_bytes,
-            block_tokens=config.cache.kv_block_tokens,
-            watermarks=Watermarks.from_config(config),
+            block_tokens=control.layout.block_tokens,
+            watermarks=Watermarks.from_swap_settings(control.swap),
             kv_metrics=engine.swapper.metrics,
             remote_counters=engine.remote_counters,
         )
@@ -387,27 +386,29 @@ class EngineThreadService(EngineService):
             self.engine.close()
 
 
-def build_engine_service(config: KvSwapConfig, args: argparse.Namespace) -> EngineThreadService:
-    """The engine for `kvswap serve` from its parsed flags (`model`, `max_prompt_tokens`,
-    `max_waiting_requests`, `served_model_name`; missing ones take their defaults)."""
-    from kvswap.commands.run import engine_model  # the one place a run's model is resolved
-
-    model, dtype = engine_model(args, config)
-    engine = Engine(config, EngineOptions(model, dtype))
+def build_engine_service(
+    settings: EngineSettings,
+    *,
+    served_model_name: str | None = None,
+    max_prompt_tokens: int | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+) -> EngineThreadService:
+    """The engine for `kvswap serve`, built from its settings record; the model's name in
+    the API is `served_model_name`, else the model's (`model_id`). `max_prompt_tokens`
+    None: the longest a request may be."""
+    engine = Engine(settings)
     try:
-        name = getattr(args, "served_model_name", None) or _model_id(model)
         return EngineThreadService(
             engine,
-            model_id=name,
-            max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
-            max_waiting_requests=getattr(args, "max_waiting_requests", None)
-            or DEFAULT_MAX_WAITING_REQUESTS,
+            model_id=served_model_name or model_id(settings.options.model),
+            max_prompt_tokens=max_prompt_tokens,
+            max_waiting_requests=max_waiting_requests,
         )
     except BaseException:
         engine.close()
         raise
 
 
-def _model_id(model: str) -> str:
+def model_id(model: str) -> str:
     """A model's name as clients see it: a preset's name, a directory's basename."""
     return Path(model).name or model
