@@ -31,7 +31,8 @@ from kvswap.bench.bandwidth import run_bandwidth_bench
 from kvswap.config import load_config
 from kvswap.control.scheduler import ScheduledSeq, StepPlan
 from kvswap.control.transfer import Direction, Priority, TransferChunk
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.model.presets import preset_description
 from kvswap.sim.hardware import hardware_from_report, hardware_preset
 from kvswap.sim.simulator import Simulator
@@ -129,7 +130,7 @@ def main() -> None:
     ))  # fmt: skip
     shape = preset_description("small")
     assert shape.num_params is not None
-    with Engine(config, EngineOptions("small")) as engine:
+    with Engine(engine_settings(config, EngineOptions("small"))) as engine:
         block_bytes = engine.layout.block_bytes
         compute = measure_compute(engine, shape.num_params)
         bench = run_bandwidth_bench(

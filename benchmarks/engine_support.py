@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 from kvswap.workload.request import Request, Workload
@@ -124,7 +125,7 @@ def serve(bench: Bench, workload: Workload, **settings: object) -> Any:
     overrides = {**COMMON, "device": bench.device, **settings}
     config = load_config(environ={}, overrides=overrides)
     options = EngineOptions(model=bench.model, cpu_threads=bench.threads)
-    with Engine(config, options) as engine:
+    with Engine(engine_settings(config, options)) as engine:
         summary = engine.run(workload).to_json()
         runs = engine.scheduler.runs
         summary["ttft_ms_by_request"] = {

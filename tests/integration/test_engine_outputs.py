@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.obs.observer import StepObserver, StepSample
+from kvswap.sampling import SamplingParams
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
@@ -41,7 +43,7 @@ BASE: dict[str, object] = {
 
 def run(workload: Workload, **settings: object) -> dict[str, Any]:
     config = load_config(environ={}, overrides={**BASE, **settings})
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         return engine.run(workload).to_json()
 
 
@@ -183,7 +185,7 @@ def test_a_corrupt_nvme_slab_is_recomputed_never_served(tmp_path: Path) -> None:
             "cpu_demote_low_watermark": 0.0,
         },
     )  # fmt: skip
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         summary = engine.run(workload, observers=[CorruptSlabAfterStep(engine, 10)]).to_json()
     assert summary["bytes_nvme_to_cpu"] > 0
     assert summary["lost_blocks"] > 0
@@ -217,3 +219,55 @@ def test_a_full_disk_and_a_failing_copy_worker_cost_transfers_not_outputs(
     summary = run(generate_synthetic(SPEC), **nvme_tiers(tmp_path))
     assert summary["failed_transfers"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
+
+
+# --- each request samples with its own params -------------------------------------------
+
+COLD = SamplingParams(temperature=0.7, seed=11)
+HOT = SamplingParams(temperature=1.6, seed=12345)
+PROMPT_A = tuple(range(3, 23))
+PROMPT_B = tuple(range(40, 53))
+
+
+def roomy_engine() -> Engine:
+    """The tiny model with room on the GPU for every request at once."""
+    overrides = {**BASE, "gpu_kv_capacity_blocks": 64, "cpu_kv_capacity_blocks": 0}
+    return Engine(
+        engine_settings(load_config(environ={}, overrides=overrides), EngineOptions("tiny"))
+    )
+
+
+def sampled_outputs(
+    requests: list[tuple[int, tuple[int, ...], SamplingParams | None]],
+) -> tuple[dict[int, list[int]], int]:
+    """Serve `requests` (seq id, prompt, sampling), all arriving at once, stepping the
+    scheduler and the engine by hand: each one's 8 output tokens, and the most requests
+    that sampled in one step."""
+    with roomy_engine() as engine:
+        scheduler = engine.scheduler
+        for seq_id, prompt, sampling in requests:
+            assert scheduler.add_request(seq_id, prompt, 8, 0.0, sampling=sampling).accepted
+        most_sampling = 0
+        while scheduler.has_work():
+            plan = scheduler.schedule(0.0)
+            most_sampling = max(most_sampling, sum(item.samples for item in plan.seqs))
+            scheduler.complete(plan, engine.execute(plan).sampled, 0.0)
+        outputs = {seq_id: list(run.output_ids) for seq_id, run in scheduler.runs.items()}
+    return outputs, most_sampling
+
+
+def test_two_requests_in_one_batch_sample_as_each_would_alone() -> None:
+    together, most_sampling = sampled_outputs([(0, PROMPT_A, COLD), (1, PROMPT_B, HOT)])
+    assert most_sampling == 2  # they sampled in the same steps
+    assert sampled_outputs([(0, PROMPT_A, COLD)])[0] == {0: together[0]}
+    assert sampled_outputs([(1, PROMPT_B, HOT)])[0] == {1: together[1]}
+    greedy, _ = sampled_outputs([(0, PROMPT_A, None), (1, PROMPT_B, None)])
+    assert greedy[0] != together[0] and greedy[1] != together[1]  # their params were used
+
+
+def test_a_run_wide_sampling_is_every_request_carrying_it() -> None:
+    workload = Workload((Request(0, 0.0, PROMPT_A, 8), Request(1, 0.0, PROMPT_B, 8)), "two", 256)
+    with roomy_engine() as engine:
+        engine.run(workload, sampling=HOT)
+        run_wide = {seq_id: list(run.output_ids) for seq_id, run in engine.scheduler.runs.items()}
+    assert run_wide == sampled_outputs([(0, PROMPT_A, HOT), (1, PROMPT_B, HOT)])[0]

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 
 from kvswap.config import load_config
 from kvswap.engine import runner
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.model.generate import sample_token
 from kvswap.model.loader import load_model
 from kvswap.sampling import SamplingParams
@@ -55,7 +56,7 @@ def peaky(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def run(model: str, **settings: object) -> dict[str, Any]:
     config = load_config(environ={}, overrides={**FAST_BASE, **settings})
-    with Engine(config, EngineOptions(model=model)) as engine:
+    with Engine(engine_settings(config, EngineOptions(model=model))) as engine:
         assert engine.model.batch_invariant is bool(settings.get("batch_invariant", False))
         return engine.run(generate_synthetic(SPEC)).to_json()
 

@@ -16,7 +16,8 @@ import pytest
 from redis import Redis
 
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request, Workload
 from tests.redis_server import RedisServer, redis_server_missing
@@ -47,7 +48,7 @@ def workload(variant: int, salt: str | None = None) -> Workload:
 
 def run(load: Workload, **settings: object) -> dict[str, Any]:
     config = load_config(environ={}, overrides={**BASE, **settings})
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         return engine.run(load).to_json()
 
 
@@ -125,7 +126,7 @@ def test_a_store_killed_mid_run_changes_no_output(tmp_path: Path) -> None:
     reference = run(workload(0))
     server = RedisServer(tmp_path / "redis").start()
     config = load_config(environ={}, overrides={**BASE, "remote_url": server.url})
-    with Engine(config, EngineOptions(model="tiny")) as engine:
+    with Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         engine.run(workload(0))  # the store holds the shared prompt now
         server.kill()
         after = engine.run(workload(10)).to_json()

@@ -16,7 +16,8 @@ import torch
 from kvswap.config import load_config
 from kvswap.control.transfer import Tier
 from kvswap.engine import runner as runner_module
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.model.generate import generate_reference
 from kvswap.sampling import SamplingParams
 from kvswap.serve.engine_service import EngineThreadService
@@ -45,7 +46,7 @@ SETTINGS: dict[str, object] = {
 
 def make_service(**settings: object) -> EngineThreadService:
     config = load_config(environ={}, overrides={**SETTINGS, **settings})
-    engine = Engine(config, EngineOptions(model="tiny"))
+    engine = Engine(engine_settings(config, EngineOptions(model="tiny")))
     return EngineThreadService(engine, model_id="tiny", max_waiting_requests=2)
 
 

@@ -198,37 +198,41 @@ def test_the_cuda_fast_path_matches_the_cpu_and_is_placement_invariant(
 # --- per-request sampling ---------------------------------------------------------------
 
 
-def _plan(step: int, *items: tuple[int, list[int], int]) -> StepPlan:
-    """items: (seq_id, new token ids, start position); every item samples."""
-    seqs = tuple(ScheduledSeq(seq, tuple(ids), start, True) for seq, ids, start in items)
+def _plan(step: int, *items: tuple[int, list[int], int, SamplingParams | None]) -> StepPlan:
+    """items: (seq_id, new token ids, start position, its sampling); every item samples."""
+    seqs = tuple(
+        ScheduledSeq(seq, tuple(ids), start, True, sampling) for seq, ids, start, sampling in items
+    )
     return StepPlan(step=step, seqs=seqs, swap_wait_s=0.0)
 
 
-def test_sampling_for_gives_each_sequence_its_own_params(exact: LlamaForCausal) -> None:
+def test_each_sequence_samples_with_the_params_its_plan_carries(exact: LlamaForCausal) -> None:
     a, b = _tokens(6, 20), _tokens(9, 21)
     tables = {1: (0, 1), 2: (2, 3, 4)}
     hot = SamplingParams(temperature=2.0, seed=9)
-    params = {1: None, 2: hot}
 
-    def sampled(runner: ModelRunner, plans: list[StepPlan], **kwargs: object) -> dict[int, int]:
+    def sampled(plans: list[StepPlan]) -> dict[int, int]:
+        runner = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS))
         out: dict[int, int] = {}
         for plan in plans:
-            out.update(runner.run(plan, tables, **kwargs).sampled)  # type: ignore[arg-type]
+            out.update(runner.run(plan, tables).sampled)
         return out
 
-    together = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS), sampling=hot)
-    got = sampled(together, [_plan(0, (1, a, 0), (2, b, 0))], sampling_for=params.get)
+    got = sampled([_plan(0, (1, a, 0, None), (2, b, 0, hot))])
     # Each alone, in other steps: the same tokens (the seed is per sequence and position).
-    alone = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS), sampling=None)
-    assert sampled(alone, [_plan(3, (2, b, 0))], sampling_for=params.get) == {2: got[2]}
-    assert sampled(alone, [_plan(7, (1, a, 0))], sampling_for=params.get) == {1: got[1]}
-    logits_a = exact(torch.tensor(a), AttentionBatch((6,), (6,), (tables[1],)), alone.kv)[0]
+    assert sampled([_plan(3, (2, b, 0, hot))]) == {2: got[2]}
+    assert sampled([_plan(7, (1, a, 0, None))]) == {1: got[1]}
+    logits_a = exact(
+        torch.tensor(a),
+        AttentionBatch((6,), (6,), (tables[1],)),
+        exact.allocate_kv(5, BLOCK_TOKENS),
+    )[0]
     assert got[1] == sample_token(logits_a, None, None)  # None: greedy
-    # Without `sampling_for`, the engine-wide params apply to every sequence.
-    engine_wide = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS), sampling=hot)
-    assert sampled(engine_wide, [_plan(0, (2, b, 0))]) == {2: got[2]}
-    greedy = ModelRunner(exact, exact.allocate_kv(5, BLOCK_TOKENS), sampling=None)
-    assert sampled(greedy, [_plan(0, (1, a, 0))]) == {1: got[1]}
+    # One sampling for a whole run (`kvswap run --temperature`) is every request carrying
+    # the same params: the same token as that sequence's own params give it.
+    run_wide = sampled([_plan(0, (1, a, 0, hot), (2, b, 0, hot))])
+    assert run_wide[2] == got[2]
+    assert sampled([_plan(5, (1, a, 0, hot))]) == {1: run_wide[1]}
 
 
 # --- kvswap generate follows [engine] batch_invariant -----------------------------------

@@ -1,7 +1,8 @@
 """The control plane's dependencies point one way.
 
 `kvswap.control` decides in ids, counts and hashes: it imports the standard
-library, itself, and the two leaf modules `kvswap.units` / `kvswap.errors`,
+library, itself, and the leaf modules `kvswap.units` / `kvswap.errors` /
+`kvswap.sampling` (a request's sampling, which the scheduler carries to the backend),
 never torch, the data plane, the engine, the simulator, the monitoring or the
 pydantic configuration (settings reach it as plain records from `kvswap.drive`).
 The check reads every import statement of every control module, so a lazy
@@ -18,7 +19,8 @@ from pathlib import Path
 import kvswap.control
 
 CONTROL_DIR = Path(kvswap.control.__file__).parent
-ALLOWED_KVSWAP = ("kvswap.control", "kvswap.units", "kvswap.errors")
+LEAF_MODULES = ("kvswap.units", "kvswap.errors", "kvswap.sampling")
+ALLOWED_KVSWAP = ("kvswap.control", *LEAF_MODULES)
 FORBIDDEN_OTHERS = ("torch", "numpy", "pydantic")
 
 
@@ -44,6 +46,14 @@ def test_control_imports_only_itself_and_leaf_modules() -> None:
     assert offenders == []
 
 
+def test_the_leaf_modules_import_nothing_of_kvswap_but_errors() -> None:
+    src = CONTROL_DIR.parent
+    for module in LEAF_MODULES:
+        path = src / f"{module.removeprefix('kvswap.')}.py"
+        kvswap_imports = {name for name in imported_modules(path) if name.split(".")[0] == "kvswap"}
+        assert kvswap_imports <= {"kvswap.errors"}, (module, kvswap_imports)
+
+
 def test_drive_and_simulator_run_without_torch() -> None:
     code = (
         "import sys, kvswap.control.swapper, kvswap.control.scheduler, kvswap.ledger, "
@@ -52,3 +62,30 @@ def test_drive_and_simulator_run_without_torch() -> None:
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_only_the_command_line_imports_the_commands() -> None:
+    """The server, the engine and the simulator are built from settings records; no
+    import runs back up to `kvswap.commands` (the server once took its model there)."""
+    src = CONTROL_DIR.parent
+    offenders = [
+        f"{path.relative_to(src)}: {name}"
+        for path in sorted(src.rglob("*.py"))
+        if path.parent.name != "commands" and path.name not in ("cli.py", "__main__.py")
+        for name in imported_modules(path)
+        if name.startswith("kvswap.commands")
+    ]
+    assert offenders == []
+
+
+def test_the_engine_and_its_server_thread_read_no_configuration_model() -> None:
+    """`Engine` and the server's engine thread take a frozen `EngineSettings`; only
+    `kvswap.engine.settings`, at the edge, reads the pydantic config."""
+    src = CONTROL_DIR.parent
+    for path in (
+        src / "engine" / "engine.py",
+        src / "engine" / "runner.py",
+        src / "serve" / "engine_service.py",
+    ):
+        names = imported_modules(path)
+        assert "kvswap.config" not in names and "argparse" not in names, path

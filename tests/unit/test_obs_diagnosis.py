@@ -14,7 +14,8 @@ import pytest
 
 from kvswap.commands import simulate as simulate_command
 from kvswap.config import load_config
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.obs.diagnosis import (
     TAIL_CAUSES,
     TAIL_MIXED,
@@ -177,7 +178,7 @@ def test_a_real_healthy_run_raises_nothing() -> None:
     settings = {**TINY_SETTINGS, "gpu_kv_capacity_blocks": 200, "cpu_kv_capacity_blocks": 0}
     config = load_config(environ={}, overrides=settings)
     recorder = TimeSeriesRecorder()
-    with one_torch_thread(), Engine(config, EngineOptions(model="tiny")) as engine:
+    with one_torch_thread(), Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         result = engine.run(generate_synthetic(TINY_SPEC), observers=[recorder])
     summary = result.to_json()  # the --json object the diagnosis reads
     assert summary["preemptions"] == 0 and summary["requests_completed"] == 12

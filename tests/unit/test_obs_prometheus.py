@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvswap.config import load_config
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.transfer import Tier
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.prometheus import PrometheusExporter
@@ -58,7 +59,7 @@ class Scraper(StepObserver):
 @pytest.fixture(scope="module")
 def scraped_run() -> tuple[dict[str, Any], list[Scrape], Scrape]:
     config = load_config(environ={}, overrides=TINY_SETTINGS)
-    with one_torch_thread(), Engine(config, EngineOptions(model="tiny")) as engine:
+    with one_torch_thread(), Engine(engine_settings(config, EngineOptions(model="tiny"))) as engine:
         exporter = PrometheusExporter(
             block_bytes=engine.layout.block_bytes, block_tokens=8,
             watermarks=Watermarks.from_config(config), kv_metrics=engine.swapper.metrics,

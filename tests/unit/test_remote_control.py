@@ -173,6 +173,11 @@ def test_control_settings_read_the_remote_tier_and_name_its_namespace() -> None:
     capacities = base.tier_capacities(1024, slab_needed=False)
     plain = control_settings(base, capacities, block_bytes=1024, model_fingerprint="fp")
     assert plain.remote is None  # no remote_url: no remote tier
+    # A caller that brings its own store (the simulator's modelled one) needs no URL.
+    brought = control_settings(
+        base, capacities, block_bytes=1024, model_fingerprint="fp", shared_store=True
+    )
+    assert brought.remote == RemoteSettings(namespace="fp")
     config = load_config(
         environ={},
         overrides={"remote_url": "redis://127.0.0.1:6379/0", "remote_write_policy": "on_demote",

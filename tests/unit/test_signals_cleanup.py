@@ -26,7 +26,8 @@ from kvswap.cli import main
 from kvswap.config import load_config
 from kvswap.data import pinned
 from kvswap.data.disk_pool import DiskPool
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.host_memory import available_host_bytes
 from kvswap.signals import Terminated, signals_deferred, stop_message, stop_signals_raise
 
@@ -284,7 +285,7 @@ def test_ctrl_c_while_the_pinned_pool_fills_removes_the_slab(
     monkeypatch.setattr(pinned, "_touch_pages", interrupted_touch)
     config = load_config(None, overrides={"nvme_dir": str(slab_dir)}, defaults=TINY_SETTINGS)
     with pytest.raises(KeyboardInterrupt) as info:
-        Engine(config, EngineOptions(model="tiny", cpu_threads=1))
+        Engine(engine_settings(config, EngineOptions(model="tiny", cpu_threads=1)))
     assert len(touched) == 2  # stopped at the next piece, not after all 8
     assert list(slab_dir.iterdir()) == []
     assert "removed the NVMe slab" in stop_message(info.value)
@@ -301,7 +302,7 @@ def test_a_failure_after_the_slab_was_made_releases_it(
     monkeypatch.setattr(engine_module, "DevicePool", broken_device_pool)
     config = load_config(None, overrides={"nvme_dir": str(slab_dir)}, defaults=TINY_SETTINGS)
     with pytest.raises(RuntimeError, match="device pool"):
-        Engine(config, EngineOptions(model="tiny", cpu_threads=1))
+        Engine(engine_settings(config, EngineOptions(model="tiny", cpu_threads=1)))
     assert list(slab_dir.iterdir()) == []
 
 

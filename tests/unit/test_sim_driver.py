@@ -9,6 +9,7 @@ import pytest
 
 from kvswap.config import load_config
 from kvswap.errors import ConfigError, KvSwapError
+from kvswap.model.weights_identity import block_fingerprint
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.hit_rate import hit_rate_curve, parse_capacities_tokens
 from kvswap.sim.simulator import Simulator
@@ -45,6 +46,15 @@ def chat(seed: int = 0) -> object:
                       user_tokens_per_turn=40, system_prompt_tokens=64, arrival_rate_per_s=20.0,
                       think_time_s=0.2, seed=seed)
     )  # fmt: skip
+
+
+def test_the_simulator_names_its_blocks_with_the_engines_block_fingerprint() -> None:
+    sim = small_sim()
+    namespace = sim.control.settings.layout.key_namespace()
+    # No weights run in a simulation: the architecture in its KV dtype names the blocks.
+    assert namespace.model_fingerprint == block_fingerprint(
+        sim.setup.shape, None, batch_invariant=False
+    )
 
 
 def test_same_seed_same_run_and_the_engine_keys() -> None:

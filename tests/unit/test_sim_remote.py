@@ -13,6 +13,7 @@ import random
 import pytest
 
 from kvswap.config import load_config
+from kvswap.control.settings import RemoteWritePolicy
 from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock
@@ -240,6 +241,20 @@ def test_several_engines_are_deterministic() -> None:
     first = engines_run(2, SharedRemoteStore(capacity_bytes=64 * BLOCK_BYTES))
     second = engines_run(2, SharedRemoteStore(capacity_bytes=64 * BLOCK_BYTES))
     assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_a_simulator_with_a_store_reads_the_remote_tier_settings_as_the_engine_does() -> None:
+    hardware = hardware_preset("article-40gb")
+    store = SharedRemoteStore(capacity_bytes=1 << 30)
+    config = load_config(None, overrides={**SMALL, "remote_write_policy": "on_demote"})
+    remote = Simulator(config, hardware, remote_store=store).control.settings.remote
+    assert remote is not None and remote.write_policy is RemoteWritePolicy.ON_DEMOTE
+    plain = Simulator(config, hardware).control.settings
+    assert plain.remote is None  # no store, no URL: no remote tier
+    assert remote.namespace == plain.layout.key_namespace().model_fingerprint
+    named = load_config(None, overrides={**SMALL, "remote_namespace": "team-a"})
+    remote = Simulator(named, hardware, remote_store=store).control.settings.remote
+    assert remote is not None and remote.namespace == "team-a"
 
 
 def test_one_engine_without_a_store_is_the_plain_simulator() -> None:

@@ -145,13 +145,16 @@ def test_a_source_that_is_neither_is_a_one_line_error(tmp_path: Path) -> None:
 
 def test_block_fingerprint_is_the_description_named_with_its_weights(tmp_path: Path) -> None:
     tiny = preset_description("tiny")
-    fast = block_fingerprint(tiny, "tiny", preset_seed=0, batch_invariant=False)
+    seeded = weights_identity("tiny", preset_seed=0)
+    fast = block_fingerprint(tiny, seeded, batch_invariant=False)
     assert fast == tiny.fingerprint(weights=preset_weights_identity("tiny", 0) + "/fast")
     # The exact mode never reuses KV the fast path computed.
-    assert block_fingerprint(tiny, "tiny", preset_seed=0, batch_invariant=True) != fast
+    assert block_fingerprint(tiny, seeded, batch_invariant=True) != fast
     # Two checkpoints of one architecture: one description, two fingerprints.
-    base = checkpoint(tmp_path / "base", tensors(0))
-    tuned = checkpoint(tmp_path / "tuned", tensors(1))
-    assert block_fingerprint(
-        tiny, str(base), preset_seed=0, batch_invariant=False
-    ) != block_fingerprint(tiny, str(tuned), preset_seed=0, batch_invariant=False)
+    base = weights_identity(str(checkpoint(tmp_path / "base", tensors(0))), preset_seed=0)
+    tuned = weights_identity(str(checkpoint(tmp_path / "tuned", tensors(1))), preset_seed=0)
+    assert block_fingerprint(tiny, base, batch_invariant=False) != block_fingerprint(
+        tiny, tuned, batch_invariant=False
+    )
+    # Without weights (a simulation) the architecture alone names the blocks.
+    assert block_fingerprint(tiny, None, batch_invariant=True) == tiny.fingerprint() != fast

@@ -10,6 +10,7 @@ from kvswap.commands.run import engine_model
 from kvswap.config import load_config
 from kvswap.engine.engine import pick_device
 from kvswap.errors import KvSwapError
+from kvswap.model.choice import ENGINE_DTYPES
 from kvswap.model.generate import check_generation_length, generate_reference
 from kvswap.model.loader import load_model, resolve_model
 from kvswap.sampling import sampling_or_greedy
@@ -25,7 +26,7 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--prompt-ids", required=True, metavar="ID,ID,...")
     parser.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
-    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None)
+    parser.add_argument("--dtype", choices=ENGINE_DTYPES, default=None)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)

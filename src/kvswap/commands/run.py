@@ -10,9 +10,10 @@ from typing import Any
 from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.commands.outputs import check_output_dir
 from kvswap.config import KvSwapConfig
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
-from kvswap.model.presets import ENGINE_PRESET_NAMES
+from kvswap.model.choice import ENGINE_DTYPES, ConfiguredModel, ModelChoice, choose_engine_model
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 from kvswap.sampling import sampling_or_greedy
 from kvswap.units import format_bytes
@@ -22,8 +23,6 @@ from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
 #: The engine's model when neither --model nor [model] preset names one.
 DEFAULT_RUN_MODEL = "small"
-#: The dtypes the engine computes in (the [model] section also allows fp8, for sizing).
-ENGINE_DTYPES = ("fp32", "fp16", "bf16")
 
 #: The demo: 8 two-turn sessions sharing a system prompt, whose KV at its peak
 #: is 4x the 30-block device pool; the pinned CPU pool absorbs the rest.
@@ -113,38 +112,17 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 def engine_model(
     args: argparse.Namespace, config: KvSwapConfig, default_model: str = DEFAULT_RUN_MODEL
-) -> tuple[str, str | None]:
-    """The model and dtype to run: `--model` / `--dtype` (None when not given), else what
-    --config or KVSWAP_* set in [model], else `default_model` and the checkpoint's dtype.
-
-    [model] describes a model for sizing (plan, simulate); the engine runs only what it
-    can load, so anything else is refused in one line that names the flag to use.
-    """
+) -> ModelChoice:
+    """The model and dtype to run (`kvswap.model.choice`): `--model` / `--dtype`, else
+    what --config or KVSWAP_* set in [model], else `default_model`."""
     given = config.model.model_fields_set  # what a file or variable set, not the defaults
-    model: str = args.model if args.model is not None else default_model
-    if args.model is None and "hf_config" in given and config.model.hf_config is not None:
-        raise KvSwapError(
-            f"[model] hf_config = {config.model.hf_config!r}: `kvswap run` needs weights, "
-            "not a config.json alone; use --model DIR (a checkpoint directory)"
-        )
-    if args.model is None and "preset" in given and config.model.preset is not None:
-        if config.model.preset not in ENGINE_PRESET_NAMES:
-            raise KvSwapError(
-                f"[model] preset = {config.model.preset!r}: `kvswap run` runs only "
-                f"{', '.join(ENGINE_PRESET_NAMES)} or a checkpoint; use --model NAME|DIR "
-                "(the other presets are for plan and simulate)"
-            )
-        model = config.model.preset
-    dtype: str | None = args.dtype
-    if dtype is None and "dtype" in given:
-        if config.model.dtype not in ENGINE_DTYPES:
-            raise KvSwapError(
-                f"[model] dtype = {config.model.dtype!r}: the engine computes in "
-                f"{', '.join(ENGINE_DTYPES)}; use --dtype {'|'.join(ENGINE_DTYPES)} "
-                "(fp8 is for plan and simulate)"
-            )
-        dtype = config.model.dtype
-    return model, dtype
+    section = config.model
+    configured = ConfiguredModel(
+        preset=section.preset if "preset" in given else None,
+        hf_config=section.hf_config if "hf_config" in given else None,
+        dtype=section.dtype if "dtype" in given else None,
+    )
+    return choose_engine_model(args.model, args.dtype, configured, default_model=default_model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)
-    with Engine(config, EngineOptions(model, dtype, sampling)) as engine:
+    with Engine(engine_settings(config, EngineOptions(model, dtype))) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))
         if not args.json and not args.quiet:
             print(describe(engine, workload))
@@ -164,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
             kv_metrics=engine.swapper.metrics, remote_counters=engine.remote_counters,
             run_info=run_info,
         ) as monitoring:  # fmt: skip
-            result = engine.run(workload, monitoring.progress, monitoring.observers)
+            result = engine.run(
+                workload, monitoring.progress, monitoring.observers, sampling=sampling
+            )
             summary = monitoring.finish(result.to_json())
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     if monitoring.report_error is not None:

@@ -19,10 +19,11 @@ import sys
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
-from kvswap.commands.run import ENGINE_DTYPES, engine_model
+from kvswap.commands.run import engine_model
 from kvswap.config import KvSwapConfig
 from kvswap.config_sources import API_KEY_VARIABLE
 from kvswap.errors import KvSwapError
+from kvswap.model.choice import ENGINE_DTYPES
 from kvswap.obs.prometheus import is_loopback_address
 from kvswap.serve.app import BODY_READ_TIMEOUT_S, AppSettings, body_limit_bytes, build_app
 from kvswap.serve.http_server import HEADER_READ_TIMEOUT_S, ApiServer, bind_listener
@@ -153,14 +154,20 @@ def _serve_on(
 ) -> int:
     # Imported here: the engine side (torch, the model) is the integrator's to build,
     # and nothing of it is needed to parse flags or to test the HTTP side.
-    from kvswap.serve.engine_service import build_engine_service
+    from kvswap.engine.settings import EngineOptions, engine_settings
+    from kvswap.serve.engine_service import DEFAULT_MAX_WAITING_REQUESTS, build_engine_service
     from kvswap.serve.tokenizer import load_text
 
-    service = build_engine_service(config, args)
+    model, dtype = engine_model(args, config)
+    service = build_engine_service(
+        engine_settings(config, EngineOptions(model, dtype)),
+        served_model_name=args.served_model_name,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_waiting_requests=args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS,
+    )
     timeout_s = float(args.shutdown_timeout_s)
     try:
         vocab_size = service.engine.arch.vocab_size
-        model, _dtype = engine_model(args, config)  # as build_engine_service resolved it
         codec = load_text(model, vocab_size)
         if codec is None:
             print(

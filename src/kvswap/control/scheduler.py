@@ -16,6 +16,10 @@ attention reads them all). When the GPU cannot grow the batch, the newest
 running sequence is preempted: by swapping its blocks out (default) or by
 dropping them to be recomputed (vLLM V1's only mode, kept for comparison).
 Preempted sequences resume first, their blocks prefetched on the HIGH queue.
+
+The scheduler is the one owner of requests: `add_request` records a run (its
+sampling included: each `ScheduledSeq` carries it to the backend) and answers
+with an `Admission`; `forget` drops a finished run. Nobody else writes `runs`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvswap.control.swapper import Swapper
+from kvswap.sampling import SamplingParams
 from kvswap.units import ceil_div
 
 
@@ -40,6 +45,35 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     STOP = "stop"  # a stop token, or ended early by its client (a stop string)
     ABORT = "abort"  # cancelled, or rejected at admission
+
+
+class RefusalReason(enum.Enum):
+    """Why `add_request` refused a request: it can never run, whatever else runs."""
+
+    EMPTY_PROMPT = "empty_prompt"
+    PAST_MAX_POSITION = "past_max_position"  # longer than the model's maximum position
+    EXCEEDS_GPU_TIER = "exceeds_gpu_tier"  # a running sequence must fit the GPU tier
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: RefusalReason
+    message: str  # one line: the request's size against the limit it breaks
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `add_request` answers: accepted (`refusal` is None), or refused and why.
+    A refused request is recorded as finished (ABORT) at its arrival time."""
+
+    refusal: Refusal | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.refusal is None
+
+
+ACCEPTED = Admission()
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,7 @@ class SequenceRun:
     max_new_tokens: int
     arrival_s: float
     cache_salt: str | None = None  # tenants share prefix KV only under the same salt
+    sampling: SamplingParams | None = None  # None: greedy
     output_ids: list[int] = field(default_factory=list)
     admitted_s: float | None = None  # first time it was scheduled (queueing ends)
     first_token_s: float | None = None
@@ -70,12 +105,17 @@ class SequenceRun:
     prefix_hit_tokens: int = 0
     recomputed_tokens: int = 0
     tokens_to_recompute: int = 0  # computed before a recompute preemption dropped them
-    rejected_reason: str | None = None
+    refusal: Refusal | None = None  # refused at admission: it never ran
     # Why it was aborted mid-run (its sampling failed); its KV is freed on every tier.
     abort_reason: str | None = None
     # Sampling one of these ends the request (an end-of-sequence token).
     stop_token_ids: frozenset[int] = frozenset()
     finish_reason: FinishReason | None = None
+
+    @property
+    def rejected_reason(self) -> str | None:
+        """The refusal's one line, or None for a request that was accepted."""
+        return self.refusal.message if self.refusal is not None else None
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,12 +138,14 @@ class SequenceRun:
 @dataclass(frozen=True)
 class ScheduledSeq:
     """KV to compute for one sequence this step: `token_ids` at positions
-    `start_position ...`; `samples` when the chunk reaches the sequence's end."""
+    `start_position ...`; `samples` when the chunk reaches the sequence's end, with
+    the request's own `sampling` (None: greedy), which the backend samples with."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     start_position: int
     samples: bool
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -139,43 +181,70 @@ class Scheduler:
         *,
         cache_salt: str | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
-    ) -> None:
-        """Queue a request. One longer than the model's maximum position or that can
-        never fit the GPU tier is rejected with a reason (the others keep running)."""
+        sampling: SamplingParams | None = None,
+    ) -> Admission:
+        """Queue a request with its sampling (None: greedy); every step that samples it
+        carries that sampling to the backend. One that can never run (see `admission`)
+        is refused: recorded as finished (ABORT) with its refusal; the others keep
+        running."""
         run = SequenceRun(
-            seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt,
+            seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt, sampling,
             stop_token_ids=stop_token_ids,
         )  # fmt: skip
         self.runs[seq_id] = run
-        run.rejected_reason = self.rejection_reason(len(prompt_ids), max_new_tokens)
-        if run.rejected_reason is not None:
+        admission = self.admission(len(prompt_ids), max_new_tokens)
+        run.refusal = admission.refusal
+        if admission.accepted:
+            self.waiting.append(seq_id)
+        else:
             run.finish_s = arrival_s
             run.finish_reason = FinishReason.ABORT
             self.finished.append(seq_id)
-            return
-        self.waiting.append(seq_id)
+        return admission
 
-    def rejection_reason(self, num_prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """Why a request of this size can never run, or None. Reads only settings fixed
-        at construction, so a server may ask from another thread before queueing."""
+    def max_request_tokens(self) -> int:
+        """THE longest prompt + output a request may have: within the model's maximum
+        position, and a sequence must fit the GPU tier (a running sequence has every
+        block there) beside the protected sink blocks. Reads only what is fixed at
+        construction, so a server may ask from another thread."""
+        gpu_tokens = max(0, self._usable_gpu_blocks()) * self.block_tokens
+        max_positions = self.settings.max_sequence_tokens
+        return gpu_tokens if max_positions is None else min(max_positions, gpu_tokens)
+
+    def admission(self, num_prompt_tokens: int, max_new_tokens: int) -> Admission:
+        """What `add_request` answers for a request of this size: a refusal iff it can
+        never run (an empty prompt, or more than `max_request_tokens`). Thread-safe
+        like `max_request_tokens`, so a server refuses before queueing."""
         num_tokens = num_prompt_tokens + max_new_tokens
-        needed = ceil_div(num_tokens, self.block_tokens)
-        capacity = self.swapper.num_gpu_blocks - self.swapper.protected_blocks
-        max_tokens = self.settings.max_sequence_tokens
         if num_prompt_tokens == 0:
-            return "empty prompt"
-        if max_tokens is not None and num_tokens > max_tokens:
+            return Admission(Refusal(RefusalReason.EMPTY_PROMPT, "empty prompt"))
+        if num_tokens <= self.max_request_tokens():
+            return ACCEPTED
+        max_positions = self.settings.max_sequence_tokens
+        if max_positions is not None and num_tokens > max_positions:
             # Checked here, not in the forward pass, so one such request cannot end a run.
-            return (
+            return Admission(Refusal(
+                RefusalReason.PAST_MAX_POSITION,
                 f"needs {num_tokens} tokens ({num_prompt_tokens} prompt + {max_new_tokens} new) "
-                f"but the model's maximum position is {max_tokens} tokens"
-            )
-        if needed > capacity:
-            return (
-                f"needs {needed} blocks of {self.block_tokens} tokens but a running sequence "
-                f"must fit the GPU tier ({capacity} usable blocks)"
-            )
-        return None
+                f"but the model's maximum position is {max_positions} tokens",
+            ))  # fmt: skip
+        return Admission(Refusal(
+            RefusalReason.EXCEEDS_GPU_TIER,
+            f"needs {ceil_div(num_tokens, self.block_tokens)} blocks of {self.block_tokens} "
+            f"tokens but a running sequence must fit the GPU tier "
+            f"({self._usable_gpu_blocks()} usable blocks)",
+        ))  # fmt: skip
+
+    def _usable_gpu_blocks(self) -> int:
+        return self.swapper.num_gpu_blocks - self.swapper.protected_blocks
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished request's run (a server runs for days and keeps no history).
+        Its KV is the swapper's, as for any finished request."""
+        run = self.runs[seq_id]
+        if run.finish_s is None:
+            raise ValueError(f"request {seq_id} has not finished; end it before forgetting it")
+        del self.runs[seq_id]
 
     def end_request(self, seq_id: int, now_s: float, *, discard: bool) -> bool:
         """End a request before it finishes by itself, between steps: `discard` False
@@ -361,7 +430,8 @@ class Scheduler:
             if seq_id not in self.running:
                 continue
             budget -= len(chunk)
-            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, done + count == num_tokens))
+            samples = done + count == num_tokens
+            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, samples, run.sampling))
             if budget <= 0:
                 break
         # A victim is always the newest running sequence, at or after the one being

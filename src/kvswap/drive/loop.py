@@ -36,6 +36,7 @@ from kvswap.drive.summary import RunSummary, StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.obs.observer import StepObserver, sample_step
 from kvswap.progress import RequestProgress
+from kvswap.sampling import SamplingParams
 from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
 
@@ -172,11 +173,13 @@ def drive(
     *,
     progress: RequestProgress | None = None,
     observers: Sequence[StepObserver] = (),
+    sampling: SamplingParams | None = None,
 ) -> RunSummary:
-    """Serve every request of `workload`; each observer sees every step's sample,
-    then the summary's JSON object."""
+    """Serve every request of `workload`, each with `sampling` (None: greedy); each
+    observer sees every step's sample, then the summary's JSON object."""
     driver = Driver(
-        control, backend, ArrivalQueue(workload), num_requests=lambda: len(workload),
+        control, backend, ArrivalQueue(workload, sampling),
+        num_requests=lambda: len(workload),
         progress=progress, observers=observers,
     )  # fmt: skip
     while driver.step():

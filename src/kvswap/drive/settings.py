@@ -51,13 +51,19 @@ def policy_options(config: KvSwapConfig) -> PolicyOptions:
 
 
 def remote_settings(
-    config: KvSwapConfig, model_fingerprint: str, *, max_lookup_blocks: int | None = None
+    config: KvSwapConfig,
+    model_fingerprint: str,
+    *,
+    max_lookup_blocks: int | None = None,
+    shared_store: bool = False,
 ) -> RemoteSettings | None:
-    """The remote tier's control-plane settings; None when no store is configured.
-    The namespace defaults to the model fingerprint, which names the weights too:
-    two checkpoints of one architecture never share a key prefix."""
+    """The remote tier's control-plane settings; None when there is no store: none
+    configured (`tiers.remote_url`) and none brought by the caller (`shared_store`:
+    the simulator's modelled one, `--shared-remote-gib`). The namespace defaults to
+    the model fingerprint, which names the weights too: two checkpoints of one
+    architecture never share a key prefix."""
     tiers = config.tiers
-    if tiers.remote_url is None:
+    if tiers.remote_url is None and not shared_store:
         return None
     return RemoteSettings(
         namespace=tiers.remote_namespace or model_fingerprint,
@@ -78,6 +84,7 @@ def control_settings(
     policy: PolicyOptions | None = None,
     max_sequence_tokens: int | None = None,
     remote_max_lookup_blocks: int | None = None,
+    shared_store: bool = False,
 ) -> ControlSettings:
     """Everything the control plane is built with; `policy` overrides the config's
     (the simulator's findings compare policies on one configuration).
@@ -86,7 +93,8 @@ def control_settings(
     `model_fingerprint` names the model's blocks (its weights included: pass
     `ModelDescription.fingerprint(weights=...)`); it roots every block key and is
     the remote store's default namespace. `remote_max_lookup_blocks` bounds one
-    remote lookup (default `DEFAULT_MAX_LOOKUP_BLOCKS`)."""
+    remote lookup (default `DEFAULT_MAX_LOOKUP_BLOCKS`); `shared_store`: the caller
+    brings a remote store the config names no URL for (see `remote_settings`)."""
     if max_sequence_tokens is not None and (
         isinstance(max_sequence_tokens, bool)
         or not isinstance(max_sequence_tokens, int)
@@ -124,6 +132,9 @@ def control_settings(
             max_sequence_tokens=max_sequence_tokens,
         ),
         remote=remote_settings(
-            config, model_fingerprint, max_lookup_blocks=remote_max_lookup_blocks
+            config,
+            model_fingerprint,
+            max_lookup_blocks=remote_max_lookup_blocks,
+            shared_store=shared_store,
         ),
     )

@@ -5,44 +5,41 @@
                                   '-- LocalCopyEngine: device pool <-> pinned pool <-> NVMe slab
 
 The engine is the real `Backend` of the one driver loop (`kvswap.drive`):
-a wall clock, the model, the copy engine. Everything is allocated once in
-`__init__` at exactly the configured sizes, checked before anything is
-allocated: the device pool, the pinned host pool, the NVMe slab. `close()`
-releases them (the slab file is removed unless `nvme_persist`); so does a
-failure or a stop signal part-way through `__init__`, on the same path.
+a wall clock, the model, the copy engine. It is built from one frozen
+`EngineSettings` record (`kvswap.engine.settings`: the edge reads the
+configuration and the flags once). Everything is allocated once in `__init__`
+at exactly the configured sizes, checked before anything is allocated: the
+device pool, the pinned host pool, the NVMe slab. `close()` releases them (the
+slab file is removed unless `nvme_persist`); so does a failure or a stop signal
+part-way through `__init__`, on the same path.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 import torch
 
-from kvswap.config import KvSwapConfig
 from kvswap.control.scheduler import StepPlan
 from kvswap.control.transfer import CopyEngine
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.layout import KVLayout
 from kvswap.data.remote_copy import RemoteCopyEngine, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
-from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
+from kvswap.engine.settings import EngineSettings, RemoteStoreSettings
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
-from kvswap.model.loader import PRESET_SEED, load_model, resolve_model
-from kvswap.model.weights_identity import block_fingerprint
+from kvswap.model.loader import load_model
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sampling import SamplingParams
@@ -51,17 +48,6 @@ from kvswap.workload.request import Workload
 
 #: The longest the loop sleeps while idle, so an arrival is noticed promptly.
 IDLE_SLICE_S = 0.05
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    model: str = "small"
-    dtype: str | None = None
-    sampling: SamplingParams | None = None
-    # Threads for the model on a CPU device. None: every core (the copy workers
-    # sleep while idle; the command line makes idle OpenMP threads sleep too,
-    # kvswap.model.openmp_env, so a copy finds a free core).
-    cpu_threads: int | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -73,13 +59,11 @@ def pick_device(name: str) -> torch.device:
 
 
 class Engine(Backend):
-    def __init__(self, config: KvSwapConfig, options: EngineOptions):
-        self.config = config
-        self.device = pick_device(config.engine.device)
-        arch, _, _ = resolve_model(options.model, options.dtype)
-        self.layout = KVLayout.for_model(arch.description, config.cache.kv_block_tokens)
-        capacities = config.tier_capacities(self.layout.block_bytes)
-        self.capacities = capacities
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.device = pick_device(settings.device)
+        self.layout = settings.layout
+        self.capacities = settings.capacities
         self._check_tiers()  # before anything is allocated, weights included
         self._saved_threads = torch.get_num_threads()
         self.host_pool: HostPool | None = None
@@ -88,33 +72,29 @@ class Engine(Backend):
         self.copy_engine: CopyEngine | None = None
         self.remote: RemoteCopyEngine | None = None
         try:
-            self._allocate(config, options)
+            self._allocate()
         except BaseException as exc:
             # A failure or a stop signal half-way: release what was made (the slab
             # among it) on the same path as close(), then let the error through.
             _note_released(exc, self.close())
             raise
         self._start_s = time.perf_counter()
-        # Per-sequence sampling (a server's requests each bring theirs); None: the
-        # options' one sampling for every sequence.
-        self.sampling_for: Callable[[int], SamplingParams | None] | None = None
 
-    def _allocate(self, config: KvSwapConfig, options: EngineOptions) -> None:
+    def _allocate(self) -> None:
         """Weights, then the NVMe slab, the pinned pool, the device pool, the copy engine."""
-        capacities = self.capacities
+        settings, capacities = self.settings, self.capacities
+        options = settings.options
         if self.device.type == "cpu":
             torch.set_num_threads(options.cpu_threads or os.cpu_count() or 1)
         model, arch = load_model(
-            options.model, options.dtype, self.device,
-            batch_invariant=config.engine.batch_invariant,
-        )  # fmt: skip
+            options.model, options.dtype, self.device, batch_invariant=settings.batch_invariant
+        )
         self.model, self.arch = model, arch
         self.model_name = options.model
-        if capacities.num_nvme_blocks:
-            assert config.tiers.nvme_dir is not None  # validated with the capacities
+        if settings.nvme is not None:
             self.disk_pool = DiskPool(
-                config.tiers.nvme_dir, self.layout.block_bytes, capacities.num_nvme_blocks,
-                persist=config.tiers.nvme_persist,
+                settings.nvme.directory, self.layout.block_bytes, capacities.num_nvme_blocks,
+                persist=settings.nvme.persist,
             )  # fmt: skip
         if capacities.num_cpu_blocks:
             self.host_pool = HostPool(self.layout, capacities.num_cpu_blocks)
@@ -122,42 +102,31 @@ class Engine(Backend):
         self.device_pool = device_pool
         local = LocalCopyEngine(
             device_pool, self.host_pool, self.disk_pool,
-            prefetch_streams=config.swap.prefetch_stream_count,
+            prefetch_streams=settings.prefetch_stream_count,
         )  # fmt: skip
         self.copy_engine = local
-        fingerprint = block_fingerprint(
-            arch.description, options.model, preset_seed=PRESET_SEED,
-            batch_invariant=config.engine.batch_invariant,
-        )  # fmt: skip
-        settings = control_settings(
-            config, capacities, block_bytes=self.layout.block_bytes,
-            model_fingerprint=fingerprint, max_sequence_tokens=arch.max_position_tokens,
-        )  # fmt: skip
         copy_engine: CopyEngine = local
-        if settings.remote is not None:
-            self.remote = self._open_remote(settings.remote.namespace)
+        if settings.remote_store is not None:
+            self.remote = self._open_remote(settings.remote_store)
             copy_engine = self.copy_engine = TieredCopyEngine(local, self.remote)
         self.control = build_control_plane(
-            settings, copy_engine, time.perf_counter, remote_index=self.remote
+            settings.control, copy_engine, time.perf_counter, remote_index=self.remote
         )
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
-        self.runner = ModelRunner(model, device_pool.kv, options.sampling)
+        self.runner = ModelRunner(model, device_pool.kv)
 
-    def _open_remote(self, namespace: str) -> RemoteCopyEngine:
+    def _open_remote(self, store: RemoteStoreSettings) -> RemoteCopyEngine:
         """The shared store (tiers.remote_*): one line and exit 2 if it is unusable and
         `remote_required`; else a warning and the tier off until the store answers."""
-        tiers = self.config.tiers
-        assert tiers.remote_url is not None  # settings.remote exists only with a URL
         if self.host_pool is None:
             raise KvSwapError(
                 "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
                 "(or _bytes) > 0, or leave remote_url unset"
             )
         return open_remote_tier(
-            tiers.remote_url, self.host_pool, namespace=namespace,
-            timeout_ms=tiers.remote_timeout_ms, ttl_s=tiers.remote_ttl_s,
-            max_inflight_chunks=tiers.remote_max_inflight_chunks,
-            required=tiers.remote_required,
+            store.url, self.host_pool, namespace=store.namespace,
+            timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
+            max_inflight_chunks=store.max_inflight_chunks, required=store.required,
         )  # fmt: skip
 
     def remote_counters(self) -> Mapping[str, int]:
@@ -178,9 +147,8 @@ class Engine(Backend):
             f"cpu_kv_capacity = {caps.num_cpu_blocks} blocks x {block} bytes needs "
             f"{caps.num_cpu_blocks * block} bytes of pinned memory",
         )
-        if caps.num_nvme_blocks:
-            assert self.config.tiers.nvme_dir is not None  # validated with the capacities
-            nvme_dir = Path(self.config.tiers.nvme_dir)
+        if self.settings.nvme is not None:
+            nvme_dir = self.settings.nvme.directory
             report_stale_slabs(nvme_dir)  # their space counts as free in the check below
             check_directory(nvme_dir, slab_bytes(block, caps.num_nvme_blocks))
 
@@ -189,14 +157,20 @@ class Engine(Backend):
         workload: Workload,
         progress: RequestProgress | None = None,
         observers: Sequence[StepObserver] = (),
+        *,
+        sampling: SamplingParams | None = None,
     ) -> RunSummary:
-        """Serve every request of `workload`; returns the run summary."""
+        """Serve every request of `workload`, each with `sampling` (None: greedy);
+        returns the run summary."""
         if workload.vocab_size > self.arch.vocab_size:
             raise KvSwapError(
                 f"workload {workload.name!r} uses token ids up to {workload.vocab_size - 1} but "
                 f"the model's vocabulary has {self.arch.vocab_size} tokens"
             )
-        return drive(self.control, self, workload, progress=progress, observers=observers)
+        return drive(
+            self.control, self, workload, progress=progress, observers=observers,
+            sampling=sampling,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ Backend
 
@@ -211,15 +185,15 @@ class Engine(Backend):
 
     def execute(self, plan: StepPlan) -> StepOutput:
         tables = {item.seq_id: self.swapper.gpu_block_table(item.seq_id) for item in plan.seqs}
-        return self.runner.run(plan, tables, self.sampling_for)
+        return self.runner.run(plan, tables)
 
     def summary_extras(self, duration_s: float) -> Mapping[str, object]:
         return {
             "device": self.device.type,
             "model": self.model_name,
-            "preemption": self.config.engine.preemption,
+            "preemption": self.settings.control.scheduler.preemption.value,
             "block_bytes": self.layout.block_bytes,
-            "batch_invariant": self.config.engine.batch_invariant,
+            "batch_invariant": self.settings.batch_invariant,
             **self._pool_sizes(),
             **({"remote": self.remote_counters()} if self.remote is not None else {}),
         }

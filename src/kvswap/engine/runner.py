@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -11,35 +11,23 @@ from kvswap.drive.backend import StepOutput
 from kvswap.model.generate import sample_token
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
-from kvswap.sampling import SamplingParams
-
-#: A sequence's sampling parameters by its id; None means greedy.
-SamplingFor = Callable[[int], SamplingParams | None]
 
 
 class ModelRunner:
     """Runs a `StepPlan` against the device pool tensor `kv`.
 
-    Sampling is greedy, or seeded per (seed, sequence, position) so a token is
-    the same whatever step or batch it is sampled in.
+    Each sequence samples with its request's own sampling, carried by the plan
+    (`ScheduledSeq.sampling`): greedy, or seeded per (seed, sequence, position)
+    so a token is the same whatever step or batch it is sampled in.
     """
 
-    def __init__(self, model: LlamaForCausal, kv: torch.Tensor, sampling: SamplingParams | None):
+    def __init__(self, model: LlamaForCausal, kv: torch.Tensor):
         self.model = model
         self.kv = kv  # [num_blocks, num_layers, 2, block_tokens, kv_heads, head_dim]
-        self.sampling = sampling  # engine-wide, for run() calls without `sampling_for`
 
-    def run(
-        self,
-        plan: StepPlan,
-        tables: Mapping[int, Sequence[int]],
-        sampling_for: SamplingFor | None = None,
-    ) -> StepOutput:
+    def run(self, plan: StepPlan, tables: Mapping[int, Sequence[int]]) -> StepOutput:
         """Compute the plan's KV; returns the sampled token of each sampling sequence
-        (or, where sampling raised, why: that sequence alone is aborted).
-
-        `sampling_for(seq_id)` gives each sequence's own sampling (None: greedy);
-        without it every sequence uses the engine-wide `self.sampling`."""
+        (or, where sampling raised, why: that sequence alone is aborted)."""
         ids = [token for item in plan.seqs for token in item.token_ids]
         batch = AttentionBatch(
             query_lens=tuple(len(item.token_ids) for item in plan.seqs),
@@ -53,7 +41,7 @@ class ModelRunner:
         for row, item in enumerate(plan.seqs):
             if not item.samples:
                 continue
-            sampling = self.sampling if sampling_for is None else sampling_for(item.seq_id)
+            sampling = item.sampling
             generator = None
             if sampling is not None:
                 position = item.start_position + len(item.token_ids)

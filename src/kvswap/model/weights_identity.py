@@ -4,9 +4,10 @@ Two checkpoints of one architecture (a base model and its fine-tune) compute
 different KV for the same tokens, so they must never share a block key, and
 above all never a remote store's namespace. `ModelDescription.fingerprint`
 digests the architecture; this module names the weights, and the fingerprint
-takes it: `block_fingerprint(description, source, preset_seed=..., batch_invariant=...)`
-is `description.fingerprint(weights=weights_identity(source, ...) + mode)`, the one call
-the engine makes for its block keys and its remote namespace.
+takes it: `block_fingerprint(description, weights, batch_invariant=...)` is
+`description.fingerprint(weights=weights + "/" + mode)`, THE fingerprint of block
+keys and of the remote namespace, for the engine (`weights_identity(source, ...)`)
+and the simulator alike (no weights: the architecture alone).
 
 * A built-in preset's weights are drawn from a seeded generator
   (`kvswap.model.loader`): its identity is the preset's name, the seed and the
@@ -93,21 +94,22 @@ def weights_identity(source: str, *, preset_seed: int) -> str:
 
 
 def block_fingerprint(
-    description: ModelDescription,
-    source: str,
-    *,
-    preset_seed: int,
-    batch_invariant: bool,
-    kv_dtype: str | None = None,
+    description: ModelDescription, weights: str | None, *, batch_invariant: bool
 ) -> str:
-    """THE fingerprint of the blocks a model computes, weights included: what the
-    engine roots block keys in and the remote store's default namespace. `source`
-    and `preset_seed` as for `weights_identity`. The compute mode is part of it:
-    the exact mode's KV is bit-identical whatever the batch, the fast path's is
-    not, so an exact-mode process must never reuse KV the fast path computed."""
-    weights = weights_identity(source, preset_seed=preset_seed)
+    """THE fingerprint of a model's blocks: what block keys are rooted in
+    (`KeyNamespace.model_fingerprint`) and the remote store's default namespace,
+    for the engine and the simulator alike. `description` is in the KV dtype.
+
+    `weights`: the identity of the weights that compute the KV
+    (`weights_identity`); their compute mode is part of it, as the exact mode's KV
+    is bit-identical whatever the batch and the fast path's is not, so an
+    exact-mode process never reuses KV the fast path computed. None: no weights run
+    (a simulation), so no KV is computed and the architecture alone names the
+    blocks (`batch_invariant` then names nothing)."""
+    if weights is None:
+        return description.fingerprint()
     mode = "exact" if batch_invariant else "fast"
-    return description.fingerprint(kv_dtype, weights=f"{weights}/{mode}")
+    return description.fingerprint(weights=f"{weights}/{mode}")
 
 
 def checkpoint_files(directory: Path) -> list[str]:

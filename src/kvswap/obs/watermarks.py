@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from kvswap.config import KvSwapConfig
+from kvswap.control.settings import SwapSettings
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,16 @@ class Watermarks:
     @classmethod
     def from_config(cls, config: KvSwapConfig) -> Watermarks:
         swap = config.swap
+        return cls(
+            gpu_high=swap.swap_out_high_watermark,
+            gpu_low=swap.swap_out_low_watermark,
+            cpu_high=swap.cpu_demote_high_watermark,
+            cpu_low=swap.cpu_demote_low_watermark,
+        )
+
+    @classmethod
+    def from_swap_settings(cls, swap: SwapSettings) -> Watermarks:
+        """The watermarks the swapper was built with (an engine's settings record)."""
         return cls(
             gpu_high=swap.swap_out_high_watermark,
             gpu_low=swap.swap_out_low_watermark,

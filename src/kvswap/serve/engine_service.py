@@ -20,7 +20,6 @@ and `healthy()` turns False.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -35,12 +34,12 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from kvswap.config import KvSwapConfig
 from kvswap.control.scheduler import FinishReason as SchedulerFinish
 from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.backend import Backend
 from kvswap.drive.loop import Driver
-from kvswap.engine.engine import Engine, EngineOptions
+from kvswap.engine.engine import Engine
+from kvswap.engine.settings import EngineSettings
 from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import PrometheusExporter
 from kvswap.obs.watermarks import Watermarks
@@ -133,7 +132,6 @@ class LiveArrivals:
         self._wake = threading.Event()
         self._open = True
         self.handles: dict[int, LiveHandle] = {}
-        self.sampling: dict[int, SamplingParams | None] = {}
         self._on_finished = on_finished
 
     # -- from the HTTP side (any thread) -------------------------------------------------
@@ -173,7 +171,7 @@ class LiveArrivals:
     def finished(self, request_id: int, output_ids: Sequence[int], done_s: float) -> None:
         """The loop is done with a request that ended in a step: forget it (a server runs
         for days and keeps no history; `on_step` already told the client)."""
-        self._scheduler.runs.pop(request_id, None)
+        self._scheduler.forget(request_id)
 
     def on_step(self, plan: StepPlan, sampled: Mapping[int, int], done: Sequence[int]) -> None:
         """The driver's step listener: stream each sampled token, end finished requests."""
@@ -187,15 +185,14 @@ class LiveArrivals:
     def _admit(self, handle: LiveHandle, now_s: float) -> None:
         request = handle.request
         self.handles[handle.request_id] = handle
-        self.sampling[handle.request_id] = handle.sampling
-        self._scheduler.add_request(
+        admission = self._scheduler.add_request(
             handle.request_id, request.prompt_ids, request.max_new_tokens, now_s,
             cache_salt=request.cache_salt, stop_token_ids=request.stop_token_ids,
+            sampling=handle.sampling,
         )  # fmt: skip
-        run = self._scheduler.runs[handle.request_id]
-        if run.rejected_reason is not None:
-            self._tell(handle.request_id, error=run.rejected_reason)
-            self._scheduler.runs.pop(handle.request_id, None)
+        if admission.refusal is not None:
+            self._tell(handle.request_id, error=admission.refusal.message)
+            self._scheduler.forget(handle.request_id)
 
     def _end(
         self, request_id: int, now_s: float, *, discard: bool, error: str | None = None
@@ -204,12 +201,11 @@ class LiveArrivals:
             return  # it ended meanwhile
         if self._scheduler.end_request(request_id, now_s, discard=discard):
             self._tell(request_id, error=error)
-            self._scheduler.runs.pop(request_id, None)
+            self._scheduler.forget(request_id)
 
     def _tell(self, request_id: int, *, error: str | None = None) -> None:
         """Tell the client its request ended, and forget its handle."""
         handle = self.handles.pop(request_id, None)
-        self.sampling.pop(request_id, None)
         if handle is None:
             return
         run = self._scheduler.runs[request_id]
@@ -254,29 +250,25 @@ class EngineThreadService(EngineService):
     ) -> None:
         self.engine = engine
         self.model_id = model_id
-        # The longest sequence that can run: the model's positions, and what the GPU
-        # tier holds beside the protected sinks (a running sequence is all on the GPU).
-        gpu_tokens = (engine.swapper.num_gpu_blocks - engine.swapper.protected_blocks) * (
-            engine.swapper.block_tokens
-        )
-        self.max_model_tokens = min(engine.arch.max_position_tokens, gpu_tokens)
+        # The scheduler's own rule (the model's positions, the GPU tier), asked once.
+        self.max_model_tokens = engine.scheduler.max_request_tokens()
         self.vocab_size = engine.arch.vocab_size
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_model_tokens,
                                      self.max_model_tokens)  # fmt: skip
         self.max_waiting_requests = max_waiting_requests
         self._scheduler = engine.scheduler
-        self._max_open = engine.config.engine.max_num_seqs + max_waiting_requests
+        control = engine.settings.control
+        self._max_open = control.scheduler.max_num_seqs + max_waiting_requests
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._num_open = 0  # submitted, not yet finished
         self._all_done = threading.Condition(self._lock)
         self._stopping = False
         self._error: BaseException | None = None
-        config = engine.config
         self.exporter = PrometheusExporter(
             block_bytes=engine.layout.block_bytes,
-            block_tokens=config.cache.kv_block_tokens,
-            watermarks=Watermarks.from_config(config),
+            block_tokens=control.layout.block_tokens,
+            watermarks=Watermarks.from_swap_settings(control.swap),
             kv_metrics=engine.swapper.metrics,
             remote_counters=engine.remote_counters,
         )
@@ -290,7 +282,6 @@ class EngineThreadService(EngineService):
             registry=registry,
         )  # fmt: skip
         self.arrivals = LiveArrivals(engine.scheduler, self._finished)
-        engine.sampling_for = self.arrivals.sampling.get
         self._thread = threading.Thread(target=self._run, name="kvswap-engine", daemon=True)
         self._thread.start()
 
@@ -312,9 +303,9 @@ class EngineThreadService(EngineService):
                 f"got {min(request.prompt_ids)}..{max(request.prompt_ids)}"
             )
         sampling = _sampling(request)
-        reason = self._scheduler.rejection_reason(num_prompt, request.max_new_tokens)
-        if reason is not None:
-            raise PromptTooLong(f"this request {reason}")
+        refusal = self._scheduler.admission(num_prompt, request.max_new_tokens).refusal
+        if refusal is not None:
+            raise PromptTooLong(f"this request {refusal.message}")
         with self._lock:
             if self._stopping or self._error is not None:
                 raise ServiceStopping("the server is stopping; no new requests are accepted")
@@ -395,27 +386,29 @@ class EngineThreadService(EngineService):
             self.engine.close()
 
 
-def build_engine_service(config: KvSwapConfig, args: argparse.Namespace) -> EngineThreadService:
-    """The engine for `kvswap serve` from its parsed flags (`model`, `max_prompt_tokens`,
-    `max_waiting_requests`, `served_model_name`; missing ones take their defaults)."""
-    from kvswap.commands.run import engine_model  # the one place a run's model is resolved
-
-    model, dtype = engine_model(args, config)
-    engine = Engine(config, EngineOptions(model, dtype))
+def build_engine_service(
+    settings: EngineSettings,
+    *,
+    served_model_name: str | None = None,
+    max_prompt_tokens: int | None = None,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+) -> EngineThreadService:
+    """The engine for `kvswap serve`, built from its settings record; the model's name in
+    the API is `served_model_name`, else the model's (`model_id`). `max_prompt_tokens`
+    None: the longest a request may be."""
+    engine = Engine(settings)
     try:
-        name = getattr(args, "served_model_name", None) or _model_id(model)
         return EngineThreadService(
             engine,
-            model_id=name,
-            max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
-            max_waiting_requests=getattr(args, "max_waiting_requests", None)
-            or DEFAULT_MAX_WAITING_REQUESTS,
+            model_id=served_model_name or model_id(settings.options.model),
+            max_prompt_tokens=max_prompt_tokens,
+            max_waiting_requests=max_waiting_requests,
         )
     except BaseException:
         engine.close()
         raise
 
 
-def _model_id(model: str) -> str:
+def model_id(model: str) -> str:
     """A model's name as clients see it: a preset's name, a directory's basename."""
     return Path(model).name or model

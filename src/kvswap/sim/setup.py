@@ -25,7 +25,7 @@ from kvswap.units import format_bytes
 @dataclass(frozen=True)
 class SimSetup:
     config: KvSwapConfig
-    shape: ModelDescription  # in `dtype`: shape.fingerprint() names its blocks
+    shape: ModelDescription  # in `dtype`: block_fingerprint(shape, None) names its blocks
     dtype: str
     hardware: HardwareProfile
     block_bytes: int

@@ -24,7 +24,6 @@ same as before the remote tier was modelled.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from dataclasses import dataclass
 from kvswap.config import KvSwapConfig
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler, StepPlan
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.drive.assembly import build_control_plane
@@ -41,6 +39,7 @@ from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.model.description import ModelDescription
+from kvswap.model.weights_identity import block_fingerprint
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sim.clock import VirtualClock
@@ -59,17 +58,6 @@ class SimOptions:
     seed: int | None = None  # None: the config's [simulator] seed
     policy: PolicyOptions | None = None  # None: the engine's policy for the config
     ping_pong_window_steps: int = 64  # a swap-in this soon after the last one is a re-swap
-
-
-def store_settings(config: KvSwapConfig, model_fingerprint: str) -> RemoteSettings:
-    """The remote tier's settings for a modelled store the config names no URL for
-    (`--shared-remote-gib`): the config's write policy, in-flight bound and namespace."""
-    tiers = config.tiers
-    return RemoteSettings(
-        namespace=tiers.remote_namespace or model_fingerprint,
-        write_policy=RemoteWritePolicy(tiers.remote_write_policy),
-        max_inflight_write_chunks=tiers.remote_max_inflight_chunks,
-    )
 
 
 def placeholder_token(seq_id: int, position: int, vocab_size: int) -> int:
@@ -149,13 +137,15 @@ class Simulator(Backend):
             on_submit=self.tap, remote=self.remote,
             remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
-        fingerprint = setup.shape.fingerprint(setup.dtype)
+        # No weights run here: the architecture (in the KV dtype) names the blocks.
+        fingerprint = block_fingerprint(
+            setup.shape, None, batch_invariant=config.engine.batch_invariant
+        )
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
             model_fingerprint=fingerprint, policy=options.policy,
+            shared_store=self.remote is not None,
         )  # fmt: skip
-        if self.remote is not None and settings.remote is None:
-            settings = dataclasses.replace(settings, remote=store_settings(config, fingerprint))
         self.control = build_control_plane(
             settings, self.copy_engine, self.clock, remote_index=self.remote
         )

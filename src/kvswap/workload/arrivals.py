@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvswap.control.scheduler import Scheduler
+from kvswap.sampling import SamplingParams
 from kvswap.workload.request import Workload, resolve_prompt
 
 
@@ -22,8 +23,12 @@ class IdleClock(Protocol):
 
 
 class ArrivalQueue:
-    def __init__(self, workload: Workload):
+    """`sampling`: what every request of the workload samples with (None: greedy),
+    handed to the scheduler with each request."""
+
+    def __init__(self, workload: Workload, sampling: SamplingParams | None = None):
         self.workload = workload
+        self.sampling = sampling
         self._heap = [(r.arrival_s, r.request_id) for r in workload.first_arrivals()]
         heapq.heapify(self._heap)
         self.prompts: dict[int, tuple[int, ...]] = {}
@@ -48,11 +53,11 @@ class ArrivalQueue:
             request = self.workload[request_id]
             prompt = tuple(resolve_prompt(request, self.outputs, self.prompts))
             self.prompts[request_id] = prompt
-            scheduler.add_request(
+            admission = scheduler.add_request(
                 request_id, prompt, request.max_new_tokens, arrival_s,
-                cache_salt=request.cache_salt,
+                cache_salt=request.cache_salt, sampling=self.sampling,
             )  # fmt: skip
-            if scheduler.runs[request_id].rejected_reason is not None:
+            if not admission.accepted:
                 self.finished(request_id, (), now_s, think=False)
 
     def finished(

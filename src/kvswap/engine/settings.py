@@ -1,0 +1,115 @@
+"""The engine's settings: one frozen record, built once at the edge.
+
+    a command's flags --> EngineOptions --.
+                                          +--> engine_settings() --> EngineSettings --> Engine,
+    the validated KvSwapConfig -----------'                                              the server
+
+`engine_settings` is the one place that reads the validated configuration for
+the engine. It resolves the model (architecture, block layout, the fingerprint
+its blocks are named by), sizes the tiers in its blocks, and builds the control
+plane's settings with `kvswap.drive.settings.control_settings`, as the
+simulator does. Every check that needs no allocation runs here; `Engine` and
+the server's engine thread read only the record, never the pydantic
+configuration or a command's flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvswap.config import KvSwapConfig, TierCapacities
+from kvswap.data.layout import KVLayout
+from kvswap.drive.settings import ControlSettings, control_settings
+from kvswap.model.arch_config import ModelArchConfig
+from kvswap.model.loader import PRESET_SEED, resolve_model
+from kvswap.model.weights_identity import block_fingerprint, weights_identity
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a command says beyond the configuration: the model (a preset's name or a
+    checkpoint directory, `kvswap.model.choice`), its dtype (None: the checkpoint's),
+    and the threads for the model on a CPU device (None: every core; the copy
+    workers sleep while idle, and the command line makes idle OpenMP threads sleep
+    too, `kvswap.model.openmp_env`, so a copy finds a free core)."""
+
+    model: str = "small"
+    dtype: str | None = None
+    cpu_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class NvmeSlabSettings:
+    directory: Path
+    persist: bool  # keep the slab file when the engine closes (`nvme_persist`)
+
+
+@dataclass(frozen=True)
+class RemoteStoreSettings:
+    """The data plane's side of the remote tier (`tiers.remote_*`); the control plane's
+    side is `ControlSettings.remote`, whose key namespace this repeats."""
+
+    url: str
+    namespace: str
+    timeout_ms: float
+    ttl_s: float
+    max_inflight_chunks: int
+    required: bool  # a store unreachable at start is an error (else a warning, tier off)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    options: EngineOptions
+    device: str  # "auto" | "cpu" | "cuda"
+    batch_invariant: bool  # the exact mode (`kvswap.model.llama`)
+    arch: ModelArchConfig  # the model, in the dtype its weights and KV are held in
+    layout: KVLayout
+    capacities: TierCapacities
+    prefetch_stream_count: int
+    nvme: NvmeSlabSettings | None  # None: no NVMe tier
+    remote_store: RemoteStoreSettings | None  # None: no remote tier configured
+    control: ControlSettings
+
+
+def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSettings:
+    """The engine's settings for `options` under `config`; a one-line error for a model
+    or a tier that cannot be (the model's config.json and its weights' identity are
+    read; no weight is loaded, nothing is allocated)."""
+    engine, tiers = config.engine, config.tiers
+    arch, _, _ = resolve_model(options.model, options.dtype)
+    layout = KVLayout.for_model(arch.description, config.cache.kv_block_tokens)
+    capacities = config.tier_capacities(layout.block_bytes)
+    weights = weights_identity(options.model, preset_seed=PRESET_SEED)
+    control = control_settings(
+        config, capacities, block_bytes=layout.block_bytes,
+        model_fingerprint=block_fingerprint(
+            arch.description, weights, batch_invariant=engine.batch_invariant
+        ),
+        max_sequence_tokens=arch.max_position_tokens,
+    )  # fmt: skip
+    nvme = None
+    if capacities.num_nvme_blocks:
+        assert tiers.nvme_dir is not None  # validated with the capacities
+        nvme = NvmeSlabSettings(Path(tiers.nvme_dir), tiers.nvme_persist)
+    remote_store = None
+    if control.remote is not None:
+        assert tiers.remote_url is not None  # the engine's remote tier is the configured one
+        remote_store = RemoteStoreSettings(
+            url=tiers.remote_url, namespace=control.remote.namespace,
+            timeout_ms=tiers.remote_timeout_ms, ttl_s=tiers.remote_ttl_s,
+            max_inflight_chunks=tiers.remote_max_inflight_chunks,
+            required=tiers.remote_required,
+        )  # fmt: skip
+    return EngineSettings(
+        options=options,
+        device=engine.device,
+        batch_invariant=engine.batch_invariant,
+        arch=arch,
+        layout=layout,
+        capacities=capacities,
+        prefetch_stream_count=config.swap.prefetch_stream_count,
+        nvme=nvme,
+        remote_store=remote_store,
+        control=control,
+    )
