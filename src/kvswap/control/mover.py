@@ -41,6 +41,10 @@ from kvswap.control.transfer import (
     TransferResult,
 )
 
+#: Called with each chunk and its blocks as it is submitted (a read-only look: the
+#: simulator counts swap-ins per block through it).
+SubmitHook = Callable[[TransferChunk, Sequence[Block]], None]
+
 
 @dataclass
 class _InFlight:
@@ -60,8 +64,10 @@ class Mover:
         *,
         swap_in_chunk_blocks: int,
         swap_out_chunk_blocks: int,
+        on_submit: SubmitHook | None = None,
     ):
         self.store = store
+        self._on_submit = on_submit
         self.swap_in_chunk_blocks = swap_in_chunk_blocks
         self.swap_out_chunk_blocks = swap_out_chunk_blocks
         self.engine = engine
@@ -139,6 +145,8 @@ class Mover:
             if evict and direction.src_tier is Tier.GPU:
                 self.num_gpu_evictions_pending += len(blocks)
             self.num_inflight_by_direction[direction] += 1
+            if self._on_submit is not None:
+                self._on_submit(chunk, blocks)
             self.engine.submit(chunk)
             ids.append(transfer_id)
         return ids

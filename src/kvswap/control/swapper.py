@@ -32,7 +32,7 @@ from kvswap.control.demotion import Demoter
 from kvswap.control.eviction import Evictor
 from kvswap.control.eviction_policy import PolicyOptions
 from kvswap.control.metrics import KVMetrics
-from kvswap.control.mover import Mover
+from kvswap.control.mover import Mover, SubmitHook
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.remote_tier import RemoteTier
 from kvswap.control.settings import RemoteSettings, SwapSettings
@@ -60,9 +60,11 @@ class Swapper:
         *,
         remote_index: RemoteIndex | None = None,
         remote: RemoteSettings | None = None,
+        on_submit: SubmitHook | None = None,
     ):
         """`remote_index`: the shared store's presence index; without one there is no
-        remote tier. `remote`: how it is used (default: the default settings)."""
+        remote tier. `remote`: how it is used (default: the default settings).
+        `on_submit`: sees each chunk and its blocks as it is submitted."""
         self.settings = settings
         self.options = options
         # Read-only to everyone but the swapper's parts (tests and exporters look).
@@ -71,7 +73,7 @@ class Swapper:
         self.mover = Mover(
             self.store, engine, self.metrics, settings.block_bytes, self._arrived,
             swap_in_chunk_blocks=settings.swap_in_chunk_blocks,
-            swap_out_chunk_blocks=settings.swap_out_chunk_blocks,
+            swap_out_chunk_blocks=settings.swap_out_chunk_blocks, on_submit=on_submit,
         )  # fmt: skip
         self.evictor = Evictor(self.store, self.mover, self.metrics, settings, clock_s)
         self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvswap.control.metrics import KVMetrics
+from kvswap.control.mover import SubmitHook
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.swapper import Swapper
@@ -35,13 +36,15 @@ def build_control_plane(
     copy_engine: CopyEngine,
     clock_s: Callable[[], float],
     remote_index: RemoteIndex | None = None,
+    on_submit: SubmitHook | None = None,
 ) -> ControlPlane:
     """The control plane; with `remote_index` (and the copy engine executing remote
     chunks) it reads from and writes to the shared store as `settings.remote` says.
     Without one there is no remote tier, whatever the settings (the store was not
-    configured, or could not be reached and is not required)."""
+    configured, or could not be reached and is not required). `on_submit` sees each
+    chunk and its blocks as it is submitted (the simulator's swap-in counts)."""
     swapper = Swapper(
         settings.layout, settings.policy, settings.swap, copy_engine, clock_s,
-        remote_index=remote_index, remote=settings.remote,
+        remote_index=remote_index, remote=settings.remote, on_submit=on_submit,
     )  # fmt: skip
     return ControlPlane(settings, swapper, Scheduler(swapper, settings.scheduler))

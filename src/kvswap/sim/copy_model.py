@@ -30,7 +30,6 @@ those copies and recomputes them. Times are on the simulator's `VirtualClock`:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 from kvswap.control.transfer import (
     REMOTE_DIRECTIONS,
@@ -57,7 +56,6 @@ class ModelledCopyEngine(CopyEngine):
         pinned_host: bool = True,
         prefetch_streams: int = 2,
         seed: int = 0,
-        on_submit: Callable[[TransferChunk], None] | None = None,
         remote: RemoteStoreView | None = None,
         remote_streams: int = 1,
     ):
@@ -70,7 +68,6 @@ class ModelledCopyEngine(CopyEngine):
         self.pinned_host = pinned_host
         self.remote = remote
         self._rng = random.Random(f"kvswap-sim-copy:{seed}")
-        self._on_submit = on_submit
         yields = hardware.low_yields_per_block
 
         def link(name: str) -> Link:
@@ -114,8 +111,6 @@ class ModelledCopyEngine(CopyEngine):
                 f"transfer {chunk.transfer_id}: {chunk.direction.value} but no remote store "
                 "is modelled"
             )
-        if self._on_submit is not None:
-            self._on_submit(chunk)
         link = self.links[chunk.direction]
         overhead_s, data_s = self.chunk_time_s(chunk.direction, chunk.num_bytes)
         if self._jittered(chunk.direction):

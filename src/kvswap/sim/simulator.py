@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig
+from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler, StepPlan
-from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
@@ -77,25 +77,24 @@ def blocked_summary(delays_s: Sequence[float]) -> dict[str, object]:
 
 
 class SwapInTap:
-    """Counts swap-ins per block as chunks are submitted: sink-block swap-ins (blocks
-    among some sequence's protected first blocks) and re-swaps (a block swapped in
-    again within `window_steps` steps of its previous swap-in: ping-pong)."""
+    """Counts swap-ins per block as chunks are submitted (the mover's submit hook):
+    sink-block swap-ins (blocks among some sequence's protected first blocks) and
+    re-swaps (a block swapped in again within `window_steps` steps of its previous
+    swap-in: ping-pong)."""
 
     def __init__(self, window_steps: int):
         self.window_steps = window_steps
-        self.swapper: Swapper | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | None = None  # its step numbers the swap-ins
         self.blocks_swapped_in = 0
         self.sink_block_swap_ins = 0
         self.re_swaps = 0
         self._last_swap_in_step: dict[int, int] = {}
 
-    def __call__(self, chunk: TransferChunk) -> None:
-        if chunk.direction is not Direction.CPU_TO_GPU or self.swapper is None:
+    def __call__(self, chunk: TransferChunk, blocks: Sequence[Block]) -> None:
+        if chunk.direction is not Direction.CPU_TO_GPU:
             return
-        record = self.swapper.mover.inflight.get(chunk.transfer_id)  # read-only look
         step = self.scheduler.step if self.scheduler is not None else 0
-        for block in record.blocks if record is not None else ():
+        for block in blocks:
             self.blocks_swapped_in += 1
             if block.num_protected_refs > 0:
                 self.sink_block_swap_ins += 1
@@ -134,7 +133,7 @@ class Simulator(Backend):
             hardware, self.clock, pinned_host=options.pinned_host,
             prefetch_streams=config.swap.prefetch_stream_count,
             seed=config.simulator.seed if options.seed is None else options.seed,
-            on_submit=self.tap, remote=self.remote,
+            remote=self.remote,
             remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
         # No weights run here: the architecture (in the KV dtype) names the blocks.
@@ -147,14 +146,14 @@ class Simulator(Backend):
             shared_store=self.remote is not None,
         )  # fmt: skip
         self.control = build_control_plane(
-            settings, self.copy_engine, self.clock, remote_index=self.remote
+            settings, self.copy_engine, self.clock, remote_index=self.remote, on_submit=self.tap
         )
         self._request_ids = tuple(request_ids) if request_ids is not None else None
         self.tokens_computed = 0  # every token of every step's forward pass
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self._vocab_size = 0
         self._wall_start_s = time.perf_counter()
-        self.tap.swapper, self.tap.scheduler = self.swapper, self.scheduler
+        self.tap.scheduler = self.scheduler
         self.cost = StepCostModel(setup.shape, setup.dtype, hardware)
 
     def run(
