@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvswap import __version__
 from kvswap.commands import bench as bench_command
@@ -24,7 +24,12 @@ EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake in one line and exits with 2."""
+    """argparse that reports a usage mistake in one line and exits with 2, and takes
+    no abbreviation of a flag (`--prompt` is never taken for `--prompt-ids`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

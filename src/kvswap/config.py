@@ -47,9 +47,11 @@ MAX_NUM_BLOCKS = 2**40
 
 class _Section(BaseModel):
     # allow_inf_nan=False: a NaN or infinite rate or watermark is never a setting.
+    # Attribute docstrings are the fields' descriptions: the help line of each flag.
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
-    )
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False,
+        use_attribute_docstrings=True,
+    )  # fmt: skip
 
     @field_validator("*", mode="before")
     @classmethod
@@ -71,20 +73,30 @@ class ModelSection(_Section):
     """Which model's KV is being stored."""
 
     preset: str | None = "article-8b"
+    """a built-in model description (article-8b, tiny, small, ...) to size KV for"""
     hf_config: str | None = None
+    """a checkpoint's config.json to size KV for (instead of a preset)"""
     dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp16"
+    """dtype of the KV (and weights) being sized: fp32, fp16, bf16, fp8"""
 
 
 class CacheSection(_Section):
     """Block size and how many blocks each tier holds (blocks or bytes, not both)."""
 
     kv_block_tokens: int = Field(default=16, ge=1, le=4096)
+    """tokens per KV block (a power of two, 1..4096; vLLM: --block-size)"""
     gpu_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
+    """device (GPU) tier size in blocks (or give _bytes)"""
     gpu_kv_capacity_bytes: SizeValue | None = None
+    """device (GPU) tier size in bytes, e.g. 24GiB (or give _blocks)"""
     cpu_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
+    """pinned CPU tier size in blocks (or give _bytes)"""
     cpu_kv_capacity_bytes: SizeValue | None = None
+    """pinned CPU tier size in bytes, e.g. 64GiB (or give _blocks)"""
     nvme_kv_capacity_blocks: int | None = Field(default=None, ge=0, le=MAX_NUM_BLOCKS)
+    """NVMe tier size in blocks (needs nvme_dir; or give _bytes)"""
     nvme_kv_capacity_bytes: SizeValue | None = None
+    """NVMe tier size in bytes, e.g. 500GiB (needs nvme_dir)"""
 
     @field_validator("kv_block_tokens")
     @classmethod
@@ -103,25 +115,29 @@ class SwapSection(_Section):
     """The residency policy and the swapper's knobs (the seed article's names)."""
 
     swap_out_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
-    # Where swap-out stops, and the admission ceiling (the seed: swap_in_low_watermark).
+    """device tier occupancy where swap-out starts (0..1]"""
     swap_out_low_watermark: float = Field(default=0.65, ge=0.0, lt=1.0)
-    # A sequence's first blocks (attention sinks) that never leave the GPU while it
-    # holds them (the seed: evict_protected_blocks).
+    """where swap-out stops, and the admission ceiling [0..1)"""
     protected_sink_blocks: int = Field(default=8, ge=0, le=MAX_NUM_BLOCKS)
+    """a sequence's first blocks (attention sinks), kept on the GPU while it holds them"""
     min_residency_steps: int = Field(default=64, ge=0, le=2**40)
-    # Which policy evicts from each tier: "kvswap" (ranked LRU with sinks, minimum
-    # residency and cost ranks), "lru", or "package.module:ClassName" (an
-    # EvictionPolicy subclass). Resolved, imports included, by kvswap.drive.settings.
-    # Nothing evicts from NVMe yet: its name is checked, not used.
+    """decode steps a block brought back stays on the GPU before it may leave again"""
     gpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
+    """which copies leave the GPU first: kvswap, lru, or package.module:ClassName"""
     cpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
+    """which copies leave the pinned CPU tier first: kvswap, lru, or package.module:ClassName"""
     nvme_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
+    """which copies leave NVMe first: kvswap, lru, or package.module:ClassName"""
     swap_out_chunk_blocks: int = Field(default=8, ge=1, le=MAX_NUM_BLOCKS)
+    """blocks per swap-out (and demotion) chunk on the LOW queue"""
     swap_in_chunk_blocks: int = Field(default=4, ge=1, le=MAX_NUM_BLOCKS)
-    # HIGH-priority copy streams (CUDA) or worker threads (CPU) for swap-in/prefetch.
+    """blocks per swap-in chunk on the HIGH queue"""
     prefetch_stream_count: int = Field(default=2, ge=1, le=8)
+    """HIGH-priority copy streams (CUDA) or worker threads (CPU) for swap-in, 1..8"""
     cpu_demote_high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
+    """pinned CPU tier occupancy where demotion (to NVMe / the store) starts (0..1]"""
     cpu_demote_low_watermark: float = Field(default=0.80, ge=0.0, lt=1.0)
+    """where demotion stops [0..1)"""
 
     @model_validator(mode="after")
     def _low_below_high(self) -> SwapSection:
@@ -147,18 +163,24 @@ class TiersSection(_Section):
     """Where the lower tiers live."""
 
     nvme_dir: str | None = None
+    """directory of the NVMe slab file (removed at exit unless nvme_persist)"""
     nvme_persist: bool = False
+    """keep the NVMe slab file at exit"""
     remote_url: str | None = None
-    """The shared remote tier: redis://host:port/db, rediss:// (TLS) or unix:///path.
-    None: no remote tier. The password may be in the URL or KVSWAP_REMOTE_PASSWORD."""
+    """the shared remote tier: redis://host:port/db, rediss:// (TLS) or unix:///path; unset:
+    none (password in the URL or KVSWAP_REMOTE_PASSWORD)"""
     remote_namespace: str | None = None
-    """Key prefix in the store; None: the model fingerprint of the block identity."""
+    """key prefix in the store (default: the model's block fingerprint)"""
     remote_ttl_s: float = Field(default=0.0, ge=0.0, le=10 * 365 * 86400)
+    """seconds a stored block lives in the store (0: no expiry)"""
     remote_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
+    """timeout of one store round trip, ms"""
     remote_max_inflight_chunks: int = Field(default=4, ge=1, le=1024)
+    """remote write chunks in flight at most (more are skipped, counted)"""
     remote_write_policy: Literal["on_finish", "on_demote", "off"] = "on_finish"
+    """when blocks are written to the store: on_finish, on_demote, off"""
     remote_required: bool = False
-    """True: a store unreachable at start is an error; False: one warning, tier off."""
+    """a store unreachable at start is an error (else one warning, tier off)"""
 
     @field_validator("nvme_dir")
     @classmethod
@@ -189,19 +211,24 @@ class EngineSection(_Section):
     """The reference engine."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where the model runs: auto, cpu, cuda"""
     preemption: Literal["swap", "recompute"] = "swap"
+    """how a sequence is preempted under pressure: swap (keep its KV below) or recompute"""
     max_num_seqs: int = Field(default=64, ge=1)
+    """sequences running at once, at most"""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    """tokens computed in one step, at most (prefill is chunked by it)"""
     batch_invariant: bool = False
-    """True: the exact mode (fixed tiles; output bit-identical whatever the batch,
-    tiering, chunking or recomputation); False: the fast path."""
+    """the exact mode: fixed tiles, output bit-identical whatever the batch, tiering or chunking"""
 
 
 class SimulatorSection(_Section):
     """The simulator's hardware model and randomness."""
 
     hardware: str = "article-40gb"
+    """the simulated hardware profile (e.g. article-40gb, h200) or a bench JSON file"""
     seed: int = 0
+    """the simulator's random seed"""
 
 
 class KvSwapConfig(_Section):

@@ -206,7 +206,7 @@ def run_settings(tmp_path: Path, toml: str, *flags: str) -> tuple[str, str | Non
     path = tmp_path / "kvswap.toml"
     path.write_text(toml)
     args = build_parser().parse_args(["run", "--config", str(path), *flags])
-    return engine_model(args, config_from_args(args, RUN_DEFAULTS))
+    return engine_model(args.model, args.dtype, config_from_args(args, RUN_DEFAULTS))
 
 
 def test_run_config_model_dtype_fp8_is_refused_naming_the_dtype_flag(

@@ -36,8 +36,14 @@ def register(commands: Any) -> None:
         metavar="N,N,...",
         help="blocks per gathered chunk (default 4,8,16)",
     )
-    parser.add_argument("--repeats", type=int, default=5, metavar="N")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--repeats", type=int, default=5, metavar="N",
+        help="timed copies per size; the best is kept (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="the device end of the link (default auto: CUDA when present)",
+    )  # fmt: skip
     parser.add_argument("--out", metavar="FILE", help="save the result as JSON for plan/simulate")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)

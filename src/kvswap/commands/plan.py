@@ -9,7 +9,7 @@ from typing import Any
 
 from kvswap.bench.report import link_gb_per_s, load_report
 from kvswap.commands.common import add_config_arguments, config_from_args
-from kvswap.config import validate_capacities
+from kvswap.config import KvSwapConfig, validate_capacities
 from kvswap.errors import KvSwapError
 from kvswap.ledger import (
     DEFAULT_LINK_GB_PER_S,
@@ -27,6 +27,7 @@ from kvswap.units import format_bytes, gib_to_bytes
 #: context and a million concurrent requests are past any deployment a plan is for.
 MAX_CONTEXT_TOKENS = 2**30
 MAX_CONCURRENCY = 2**20
+DEFAULT_GPU_MEM_GIB = 40.0
 
 
 def register(commands: Any) -> None:
@@ -35,9 +36,18 @@ def register(commands: Any) -> None:
         help="the KV memory bill: bytes per token/block/request, tier capacities, chunk times",
         description="Compute the KV cache bill for a model before deploying it.",
     )
-    parser.add_argument("--context-tokens", type=int, default=4096, metavar="N")
-    parser.add_argument("--concurrency", type=int, default=8, metavar="N")
-    parser.add_argument("--gpu-mem-gib", type=float, default=40.0, metavar="GIB")
+    parser.add_argument(
+        "--context-tokens", type=int, default=4096, metavar="N",
+        help="tokens of one request's context (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--concurrency", type=int, default=8, metavar="N",
+        help="requests held at once (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-mem-gib", type=float, default=DEFAULT_GPU_MEM_GIB, metavar="GIB",
+        help="the GPU's memory (default 40, the seed's card); the bill states it",
+    )  # fmt: skip
     parser.add_argument(
         "--weights-gib",
         type=float,
@@ -52,8 +62,14 @@ def register(commands: Any) -> None:
         metavar="GIB",
         help="GPU memory kept for activations and buffers (default 6)",
     )
-    parser.add_argument("--cpu-pool-gib", type=float, default=None, metavar="GIB")
-    parser.add_argument("--nvme-gib", type=float, default=None, metavar="GIB")
+    parser.add_argument(
+        "--cpu-pool-gib", type=float, default=None, metavar="GIB",
+        help="the pinned CPU tier, GiB (or --cpu-kv-capacity-bytes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nvme-gib", type=float, default=None, metavar="GIB",
+        help="the NVMe tier, GiB (or --nvme-kv-capacity-bytes)",
+    )  # fmt: skip
     link = parser.add_mutually_exclusive_group()
     link.add_argument(
         "--link-gb-per-s",
@@ -99,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if nvme_bytes is not None:
         args.cfg_nvme_kv_capacity_bytes = nvme_bytes
     config = config_from_args(args)
-    dtype = config.model.dtype
-    shape = describe_model(config.model.preset, config.model.hf_config).with_kv_dtype(dtype)
+    described = describe_model(config.model.preset, config.model.hf_config)
+    dtype, dtype_source = _kv_dtype(config, described.checkpoint_dtype)
+    shape = described.with_kv_dtype(dtype)
     block_bytes = kv_bytes_per_block(shape, dtype, config.cache.kv_block_tokens)
     # A plan makes no slab, so an NVMe tier needs no directory here (plan has no --nvme-dir).
     capacities = config.tier_capacities(block_bytes, slab_needed=False)
@@ -144,8 +161,37 @@ def run(args: argparse.Namespace) -> int:
         validate_capacities(config, derived, slab_needed=False)
     # allow_nan=False: NaN and Infinity are not JSON; the checks above keep them out, and
     # should one slip through this fails rather than print what no JSON reader takes.
-    print(json.dumps(plan.to_json_dict(), indent=2, allow_nan=False) if args.json else render(plan))
+    assumptions = {
+        "gpu_mem_bytes": gpu_mem_bytes,
+        "gpu_mem_source": "--gpu-mem-gib" if args.gpu_mem_gib != DEFAULT_GPU_MEM_GIB
+        else "the default, the seed's card; --gpu-mem-gib to change",
+        "dtype": dtype,
+        "dtype_source": dtype_source,
+        "link_source": "--bench" if args.bench is not None else "--link-gb-per-s"
+        if args.link_gb_per_s is not None
+        else "the default; --link-gb-per-s or --bench FILE to change",
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps({**plan.to_json_dict(), "assumptions": assumptions}, indent=2,
+                         allow_nan=False))  # fmt: skip
+    else:
+        print(render(plan))
+        print(
+            f"assumed: a {format_bytes(gpu_mem_bytes)} GPU ({assumptions['gpu_mem_source']}); "
+            f"KV in {dtype} ({dtype_source}); links at {d2h_gb_per_s:g} / {h2d_gb_per_s:g} GB/s "
+            f"out / in ({assumptions['link_source']})"
+        )
     return 0
+
+
+def _kv_dtype(config: KvSwapConfig, checkpoint_dtype: str | None) -> tuple[str, str]:
+    """The dtype of the KV to bill, and where it came from: [model] dtype when set (a
+    flag, a file, KVSWAP_DTYPE), else the checkpoint's torch_dtype / dtype, else fp16."""
+    if "dtype" in config.model.model_fields_set:
+        return config.model.dtype, "--dtype / [model] dtype"
+    if config.model.hf_config is not None and checkpoint_dtype is not None:
+        return checkpoint_dtype, "config.json's torch_dtype"
+    return config.model.dtype, "the default; --dtype to change"
 
 
 def _optional_gib(value: float | None, flag: str) -> int | None:

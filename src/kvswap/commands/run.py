@@ -61,19 +61,45 @@ def register(commands: Any) -> None:
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload (synthetic unless --trace)")
-    group.add_argument("--num-sessions", type=int, default=8)
-    group.add_argument("--turns", type=int, default=2)
-    group.add_argument("--prompt-tokens", type=int, default=160)
-    group.add_argument("--output-tokens", type=int, default=32)
+    group.add_argument(
+        "--num-sessions", type=int, default=8, metavar="N",
+        help="conversations (default %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--turns",
+        type=int,
+        default=2,
+        metavar="N",
+        help="turns per conversation (default %(default)s)",
+    )
+    group.add_argument(
+        "--prompt-tokens", type=int, default=160, metavar="N",
+        help="first prompt's tokens after the system prompt (default %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--output-tokens", type=int, default=32, metavar="N",
+        help="tokens generated per turn (default %(default)s)",
+    )  # fmt: skip
     group.add_argument("--user-tokens", type=int, default=32, help="new tokens per later turn")
-    group.add_argument("--system-prompt-tokens", type=int, default=32)
+    group.add_argument(
+        "--system-prompt-tokens", type=int, default=32, metavar="N",
+        help="a system prompt every conversation shares (default %(default)s)",
+    )  # fmt: skip
     group.add_argument("--arrival-rate", type=float, default=math.inf, help="sessions per second")
-    group.add_argument("--think-time-s", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--think-time-s", type=float, default=0.0, metavar="S",
+        help="pause between a reply and the next turn (default %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="the workload's seed (default %(default)s)"
+    )
     group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
     group.add_argument("--time-scale", type=float, default=1.0, help="trace timestamps x this")
     group.add_argument("--length-scale", type=float, default=1.0, help="trace lengths x this")
-    group.add_argument("--max-requests", type=int, default=None)
+    group.add_argument(
+        "--max-requests", type=int, default=None, metavar="N",
+        help="stop after the first N requests (default: all)",
+    )  # fmt: skip
 
 
 def check_workload_arguments(args: argparse.Namespace) -> None:
@@ -111,10 +137,13 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def engine_model(
-    args: argparse.Namespace, config: KvSwapConfig, default_model: str = DEFAULT_RUN_MODEL
+    model_flag: str | None,
+    dtype_flag: str | None,
+    config: KvSwapConfig,
+    default_model: str = DEFAULT_RUN_MODEL,
 ) -> ModelChoice:
-    """The model and dtype to run (`kvswap.model.choice`): `--model` / `--dtype`, else
-    what --config or KVSWAP_* set in [model], else `default_model`."""
+    """The model and dtype to run (`kvswap.model.choice`): the flags, else what --config
+    or KVSWAP_* set in [model], else `default_model`."""
     given = config.model.model_fields_set  # what a file or variable set, not the defaults
     section = config.model
     configured = ConfiguredModel(
@@ -122,14 +151,14 @@ def engine_model(
         hf_config=section.hf_config if "hf_config" in given else None,
         dtype=section.dtype if "dtype" in given else None,
     )
-    return choose_engine_model(args.model, args.dtype, configured, default_model=default_model)
+    return choose_engine_model(model_flag, dtype_flag, configured, default_model=default_model)
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_dir(args.report, "--report")
     check_workload_arguments(args)
     config = config_from_args(args, RUN_DEFAULTS)
-    model, dtype = engine_model(args, config)
+    model, dtype = engine_model(args.model, args.dtype, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)
     with Engine(engine_settings(config, EngineOptions(model, dtype))) as engine:
         workload = workload_from_args(args, min(engine.arch.vocab_size, 32_000))

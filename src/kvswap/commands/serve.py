@@ -19,11 +19,17 @@ import sys
 from typing import Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
+from kvswap.commands.engine_flags import (
+    add_model_arguments,
+    add_vllm_arguments,
+    check_vllm_arguments,
+    dtype_flag,
+    model_flag,
+)
 from kvswap.commands.run import engine_model
 from kvswap.config import KvSwapConfig
 from kvswap.config_sources import API_KEY_VARIABLE
 from kvswap.errors import KvSwapError
-from kvswap.model.choice import ENGINE_DTYPES
 from kvswap.obs.prometheus import is_loopback_address
 from kvswap.serve.app import BODY_READ_TIMEOUT_S, AppSettings, body_limit_bytes, build_app
 from kvswap.serve.http_server import HEADER_READ_TIMEOUT_S, ApiServer, bind_listener
@@ -49,15 +55,11 @@ def register(commands: Any) -> None:
         description="Serve a Llama-family model over the tiered KV store: /v1/completions, "
         "/v1/chat/completions (streaming or not), /v1/models, /health, /metrics.",
     )
-    parser.add_argument(
-        "--model", default=None,
-        help="checkpoint dir (its tokenizer.json and chat template give text) or preset "
+    add_model_arguments(
+        parser,
+        model_help="checkpoint dir (its tokenizer.json and chat template give text) or preset "
         "(tiny, small: a built-in byte-level tokenizer); default: [model] preset, else small",
-    )  # fmt: skip
-    parser.add_argument(
-        "--dtype", choices=ENGINE_DTYPES, default=None,
-        help="weights and KV dtype (default: [model] dtype, else the checkpoint's)",
-    )  # fmt: skip
+    )
     group = parser.add_argument_group("server")
     group.add_argument(
         "--host", default="127.0.0.1",
@@ -95,6 +97,7 @@ def register(commands: Any) -> None:
              f"(default {BODY_READ_TIMEOUT_S:g})",
     )  # fmt: skip
     add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
+    add_vllm_arguments(parser)
     parser.set_defaults(handler=serve)
 
 
@@ -131,8 +134,12 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     check_server_arguments(args)
+    check_vllm_arguments(args)
     key = api_key(args)
-    config = config_from_args(args, SERVE_DEFAULTS)
+    defaults = dict(SERVE_DEFAULTS)
+    if args.gpu_memory_utilization is not None:
+        del defaults["gpu_kv_capacity_blocks"]  # the share sizes the device tier
+    config = config_from_args(args, defaults)
     listener = bind_listener(args.host, args.port)
     try:
         address = str(listener.getsockname()[0])
@@ -158,9 +165,13 @@ def _serve_on(
     from kvswap.serve.engine_service import DEFAULT_MAX_WAITING_REQUESTS, build_engine_service
     from kvswap.serve.tokenizer import load_text
 
-    model, dtype = engine_model(args, config)
+    model, dtype = engine_model(model_flag(args), dtype_flag(args), config)
+    options = EngineOptions(
+        model, dtype, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )  # fmt: skip
     service = build_engine_service(
-        engine_settings(config, EngineOptions(model, dtype)),
+        engine_settings(config, options),
         served_model_name=args.served_model_name,
         max_prompt_tokens=args.max_prompt_tokens,
         max_waiting_requests=args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS,

@@ -15,12 +15,15 @@ configuration or a command's flags.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvswap.config import KvSwapConfig, TierCapacities
+from kvswap.config import KvSwapConfig, TierCapacities, validate_capacities
 from kvswap.data.layout import KVLayout
 from kvswap.drive.settings import ControlSettings, control_settings
+from kvswap.engine.device_tier import device_tier_blocks
+from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.loader import PRESET_SEED, resolve_model
 from kvswap.model.weights_identity import block_fingerprint, weights_identity
@@ -37,6 +40,11 @@ class EngineOptions:
     model: str = "small"
     dtype: str | None = None
     cpu_threads: int | None = None
+    # vLLM's names: a request's prompt + output at most (None: the model's maximum
+    # position), and the device tier as a share of the device's memory (None: the
+    # configured GPU tier; `kvswap.engine.device_tier`).
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,14 +87,22 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
     engine, tiers = config.engine, config.tiers
     arch, _, _ = resolve_model(options.model, options.dtype)
     layout = KVLayout.for_model(arch.description, config.cache.kv_block_tokens)
-    capacities = config.tier_capacities(layout.block_bytes)
+    capacities = _capacities(config, options, arch, layout.block_bytes)
+    max_sequence_tokens = arch.max_position_tokens
+    if options.max_model_len is not None:
+        if options.max_model_len > arch.max_position_tokens:
+            raise KvSwapError(
+                f"--max-model-len {options.max_model_len}: the model's maximum position is "
+                f"{arch.max_position_tokens} tokens; allowed: 1..{arch.max_position_tokens}"
+            )
+        max_sequence_tokens = options.max_model_len
     weights = weights_identity(options.model, preset_seed=PRESET_SEED)
     control = control_settings(
         config, capacities, block_bytes=layout.block_bytes,
         model_fingerprint=block_fingerprint(
             arch.description, weights, batch_invariant=engine.batch_invariant
         ),
-        max_sequence_tokens=arch.max_position_tokens,
+        max_sequence_tokens=max_sequence_tokens,
     )  # fmt: skip
     nvme = None
     if capacities.num_nvme_blocks:
@@ -113,3 +129,30 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
         remote_store=remote_store,
         control=control,
     )
+
+
+def _capacities(
+    config: KvSwapConfig, options: EngineOptions, arch: ModelArchConfig, block_bytes: int
+) -> TierCapacities:
+    """The tiers in blocks: as configured, or the device tier from
+    `--gpu-memory-utilization` (then the configuration must leave it unset)."""
+    capacities = config.tier_capacities(block_bytes)
+    utilization = options.gpu_memory_utilization
+    if utilization is None:
+        return capacities
+    if capacities.gpu_is_configured:
+        raise KvSwapError(
+            "--gpu-memory-utilization and a GPU tier size (gpu_kv_capacity_blocks/_bytes) "
+            "both size the device tier; give one"
+        )
+    cuda = config.engine.device == "cuda" or (config.engine.device == "auto" and _cuda_available())
+    num_gpu_blocks = device_tier_blocks(utilization, arch, block_bytes, cuda=cuda)
+    sized = dataclasses.replace(capacities, num_gpu_blocks=num_gpu_blocks, gpu_is_configured=True)
+    validate_capacities(config, sized)
+    return sized
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
