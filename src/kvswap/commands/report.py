@@ -26,7 +26,6 @@ from kvswap.obs.report import (
 )
 from kvswap.readers import REPORT_JSON_FILE, parse_json, read_user_file
 
-DEFAULT_COMPARE_DIR = "kvswap-compare"
 _SHOWN_CHARS = 60  # of an invalid value in the error line
 
 
@@ -45,8 +44,8 @@ def register(commands: Any) -> None:
         "--out",
         metavar="DIR",
         default=None,
-        help=f"where to write index.html and the plots (default: DIR itself for one run, "
-        f"./{DEFAULT_COMPARE_DIR} for several)",
+        help="where to write index.html and the plots (default: DIR itself for one run; "
+        "needed for several: nothing is written into the working directory unasked)",
     )
     parser.set_defaults(handler=run)
 
@@ -55,8 +54,11 @@ def run(args: argparse.Namespace) -> int:
     # No setting applies to rendering, but a KVSWAP_* typo is refused as everywhere else.
     load_config()
     dirs = [Path(d) for d in args.dirs]
-    default_out = args.dirs[0] if len(dirs) == 1 else DEFAULT_COMPARE_DIR
-    out = args.out if args.out is not None else default_out
+    if args.out is None and len(dirs) > 1:
+        raise KvSwapError(
+            f"comparing {len(dirs)} runs needs --out DIR, where the page and its plots go"
+        )
+    out = args.out if args.out is not None else args.dirs[0]
     check_output_dir(out, "--out")
     reports = [read_report(d) for d in dirs]
     try:

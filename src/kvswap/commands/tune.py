@@ -33,8 +33,9 @@ def register(commands: Any) -> None:
     add_simulation_arguments(parser)
     parser.set_defaults(**TUNE_WORKLOAD_DEFAULTS)
     parser.add_argument(
-        "--out", metavar="FILE", default="kvswap-tuned.toml",
-        help="where to write the recommended config (default kvswap-tuned.toml)",
+        "--out", metavar="FILE", default=None,
+        help="write the recommended config (TOML) to FILE; default: print it to stdout, "
+        "with the log on stderr (so `kvswap tune ... > tuned.toml` captures the TOML)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -42,7 +43,8 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output_file(args.out, "--out")  # before ~15 simulations, not after
+    if args.out is not None:
+        check_output_file(args.out, "--out")  # before ~15 simulations, not after
     check_workload_arguments(args)
     config, hardware = simulation_from_args(args)  # an impossible config fails here
     workload = sim_workload(args)
@@ -57,15 +59,16 @@ def run(args: argparse.Namespace) -> int:
 
     if talk:
         print(f"tuning on {hardware.name} with {workload.name} ({len(workload)} requests); "
-              f"block size fixed at {config.cache.kv_block_tokens} tokens")  # fmt: skip
+              f"block size fixed at {config.cache.kv_block_tokens} tokens",
+              file=sys.stderr)  # fmt: skip
     result = tune(config, hardware, workload, options=options, progress=progress)
     if final_trial(result).throughput_tok_s <= 0:
         # Nothing completed: every candidate ties at zero, so a "recommendation" would be
         # the first candidate of each sweep dressed up as a measurement.
         raise KvSwapError(
             f"tune: 0 of {len(workload)} requests completed with the given config, so there is "
-            f"nothing to tune and --out {args.out} was not written; see why with `kvswap "
-            "simulate` and the same flags (the tiers must fit the workload's requests)"
+            "nothing to tune and no config was written; see why with `kvswap simulate` and "
+            "the same flags (the tiers must fit the workload's requests)"
         )
     setup = resolve_setup(result.config, hardware)
     header = [
@@ -75,10 +78,15 @@ def run(args: argparse.Namespace) -> int:
     notes = {step.knob: "tuned" for step in result.steps}
     text = config_to_toml(result.config, setup.capacities, header=header, notes=notes)
     path = args.out
-    failure = attempt_write(lambda: write_text_output(path, text, "--out"), "--out", path)
-    written = path if failure is None else None
+    failure = None
+    if path is not None:
+        failure = attempt_write(lambda: write_text_output(path, text, "--out"), "--out", path)
+    written = path if path is not None and failure is None else None
     if args.json:
-        print(json.dumps(to_json(result, written), indent=2))
+        print(json.dumps(to_json(result, written) | {"config_toml": text}, indent=2))
+    elif path is None:
+        print(render(result, "stdout"), file=sys.stderr)
+        print(text, end="" if text.endswith("\n") else "\n")
     else:
         print(render(result, written))
     if failure is not None:

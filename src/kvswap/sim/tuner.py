@@ -11,9 +11,10 @@ changed from the best configuration so far. The choice, per knob:
 - keep the candidates whose throughput is within 2% of the sweep's best;
 - among them, the lowest P99 token latency wins; P99s within 2% of the
   lowest tie, and a tie goes to the lower host<->device link utilisation
-  (within 1 point), then to the knob's safer end: the higher watermark (more
-  KV stays on the GPU), the chunk nearest 16 MiB (the seed article's 8-32 MB),
-  the fewer streams.
+  (within 1 point), then to the knob's safer end: the lower watermark (more
+  headroom before a sequence's growth forces a synchronous eviction), the chunk
+  nearest 16 MiB (the seed article's 8-32 MB), the fewer streams. When every
+  candidate ties, the workload does not separate them, and the reason says so.
 """
 
 from __future__ import annotations
@@ -127,7 +128,12 @@ def choose(trials: Sequence[Trial], preference: Callable[[float], float]) -> tup
         f"{pick.knob} = {pick.value:g}: P99 {pick.p99_itl_ms:.1f} ms (lowest within "
         f"{100 * THROUGHPUT_TOLERANCE:g}% of the best throughput, {best_tps:.1f} tok/s)"
     )
-    if len(tied) > 1:
+    if len(tied) == len(trials) > 1:
+        reason += (
+            f"; all {len(trials)} candidates tied (this workload does not separate them), "
+            "kept the safer end"
+        )
+    elif len(tied) > 1:
         reason += f"; {len(tied)} candidates tied, kept the safer end"
     slow = [t for t in trials if t not in fast]
     if slow:
@@ -167,7 +173,7 @@ def tune(
     steps: list[TuneStep] = []
     current = config
     sweeps: list[tuple[str, Sequence[float], Callable[[float], float]]] = [
-        ("swap_out_high_watermark", watermarks, lambda v: -v),
+        ("swap_out_high_watermark", watermarks, lambda v: v),
         ("swap_out_chunk_blocks", chunks, lambda v: abs(v * block_bytes - 16 * MIB)),
         ("prefetch_stream_count", STREAM_CANDIDATES, lambda v: v),
     ]

@@ -1,0 +1,50 @@
+"""Outputs that say what happened: `tune` prints its TOML to stdout (the log to stderr)
+unless --out, nothing lands in the working directory unasked, ties are called ties and
+the safer watermark is the lower one."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvswap.sim.tuner import Trial, choose
+
+from .cli_checks import cli, one_error_line
+from .test_sim_cli import SMALL_FLAGS
+
+
+def trial(value: float, tok_s: float = 100.0, p99_ms: float = 50.0) -> Trial:
+    return Trial("swap_out_high_watermark", value, tok_s, 10.0, p99_ms, 0.0, 0.1, 0)
+
+
+def test_a_tie_goes_to_the_lower_watermark_and_says_the_workload_does_not_separate() -> None:
+    pick, reason = choose([trial(0.95), trial(0.9), trial(0.85)], lambda v: v)
+    assert pick.value == 0.85
+    assert "all 3 candidates tied (this workload does not separate them)" in reason
+    # A real difference is no tie: the faster one wins and nothing is said of ties.
+    pick, reason = choose([trial(0.95, p99_ms=20.0), trial(0.9), trial(0.85)], lambda v: v)
+    assert pick.value == 0.95 and "tied" not in reason
+
+
+def test_tune_without_out_prints_the_toml_and_writes_nothing_here(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "tune", *SMALL_FLAGS, "--num-sessions", "4", "--quiet")
+    assert code == 0
+    config = tomllib.loads(out)  # stdout is the TOML alone: `> tuned.toml` captures it
+    assert "swap_out_high_watermark" in str(config)
+    assert "recommended:" in err and "written to stdout" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_report_of_several_runs_needs_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "report", "a", "b")
+    assert code == 2 and "needs --out DIR" in one_error_line(err)
+    assert os.listdir(tmp_path) == []
