@@ -4,11 +4,12 @@ the safer watermark is the lower one."""
 
 from __future__ import annotations
 
+import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kvswap.sim.tuner import Trial, choose
 
@@ -48,3 +49,16 @@ def test_report_of_several_runs_needs_out(
     code, _, err = cli(capsys, "report", "a", "b")
     assert code == 2 and "needs --out DIR" in one_error_line(err)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_engine_runs_report_shows_the_model_it_ran_not_the_sizing_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "report"
+    flags = ["--num-sessions", "1", "--turns", "1", "--prompt-tokens", "8", "--output-tokens",
+             "2", "--system-prompt-tokens", "4", "--device", "cpu"]  # fmt: skip
+    code, _, _ = cli(capsys, "run", "--model", "tiny", *flags, "--report", str(report), "--json")
+    assert code == 0
+    config = json.loads((report / "report.json").read_text())["config"]
+    assert config["model"] == {"source": "tiny", "dtype": "fp32", "device": "cpu"}
+    assert "simulator" not in config  # an engine run simulated nothing

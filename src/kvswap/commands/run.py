@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
             args, config, block_bytes=engine.layout.block_bytes,
             kv_metrics=engine.swapper.metrics, remote_counters=engine.remote_counters,
             run_info=run_info,
+            engine_model={"source": model, "dtype": engine.arch.dtype_name,
+                          "device": str(engine.device)},
         ) as monitoring:  # fmt: skip
             result = engine.run(
                 workload, monitoring.progress, monitoring.observers, sampling=sampling

@@ -77,8 +77,15 @@ class Monitoring:
         watermarks: Watermarks,
         link_gb_per_s: float | None,
         stream: TextIO | None,
+        engine_model: Mapping[str, str] | None = None,
     ):
         self.config = config
+        # The configuration a report shows: an engine run's model is the one it ran
+        # (source, dtype, device), not [model]'s sizing defaults, and it simulated nothing.
+        self.config_view: dict[str, object] = config.model_dump(mode="json")
+        if engine_model is not None:
+            self.config_view["model"] = dict(engine_model)
+            self.config_view.pop("simulator", None)
         self.recorder = recorder
         self.exporter = exporter
         self.panel = panel
@@ -114,7 +121,7 @@ class Monitoring:
             report = RunReport(
                 label=label if isinstance(label, str) else Path(self.report_dir).resolve().name,
                 run=self.run_info,
-                config=self.config.model_dump(mode="json"),
+                config=self.config_view,
                 summary=out,
                 series=series,
                 findings=tuple(findings),
@@ -176,6 +183,7 @@ def build_monitoring(
     link_gb_per_s: float | None = None,
     label: str = "requests",
     stream: TextIO | None = None,
+    engine_model: Mapping[str, str] | None = None,
 ) -> Monitoring:
     """Observers for a run from the parsed flags (`metrics_port`, `metrics_host`, `report`,
     `quiet`, `json`; missing ones count as unset). Starts the /metrics server at once.
@@ -183,6 +191,8 @@ def build_monitoring(
     `block_bytes` sizes tiers in bytes; `kv_metrics` (the swapper's registry) feeds the
     counters that steps do not carry; `link_gb_per_s` is the host<->device link for the
     diagnosis (None: the summary's `link_gb_per_s`, else 25 GB/s); `stream` defaults to stderr.
+    `engine_model`: the model an engine run ran ({"source", "dtype", "device"}), shown in
+    the report instead of the configuration's [model] (which sizes simulations).
     """
     out = stream if stream is not None else sys.stderr
     quiet = bool(getattr(args, "quiet", False))
@@ -219,6 +229,7 @@ def build_monitoring(
         watermarks=watermarks,
         link_gb_per_s=link_gb_per_s,
         stream=None if quiet else out,
+        engine_model=engine_model,
     )
 
 
