@@ -62,3 +62,23 @@ def test_an_engine_runs_report_shows_the_model_it_ran_not_the_sizing_defaults(
     config = json.loads((report / "report.json").read_text())["config"]
     assert config["model"] == {"source": "tiny", "dtype": "fp32", "device": "cpu"}
     assert "simulator" not in config  # an engine run simulated nothing
+
+
+def test_requests_refused_at_admission_are_a_finding_with_a_sizing_hint() -> None:
+    from kvswap.obs.diagnosis import requests_refused
+    from kvswap.obs.timeseries import TimeSeriesRecorder
+
+    series = TimeSeriesRecorder().series()
+    summary: dict[str, object] = {"requests_completed": 6, "rejections": [
+        {"request_id": 3, "reason": "needs 40 blocks of 16 tokens but a running sequence "
+                                    "must fit the GPU tier (28 usable blocks)"},
+        {"request_id": 5, "reason": "needs 52 blocks of 16 tokens but a running sequence "
+                                    "must fit the GPU tier (28 usable blocks)"},
+        {"request_id": 7, "reason": "aborted mid-run: sampling failed"},
+    ]}  # fmt: skip
+    finding = requests_refused(summary, series)
+    assert finding is not None
+    assert finding.figure.startswith("2 of 9 requests could never run: needs 40 blocks")
+    assert "it needs 52 blocks" in finding.advice
+    # Aborted mid-run is not a sizing matter; nothing refused, nothing said.
+    assert requests_refused({"rejections": summary["rejections"][2:]}, series) is None

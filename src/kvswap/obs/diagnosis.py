@@ -34,10 +34,17 @@ None when the run does not show the symptom. The rules and their terms:
 7. With a remote tier: more than `remote_failure_share` (10%) of the blocks found in
    the store (at least `min_remote_blocks` of them) failed to arrive and were
    recomputed -> the store loses keys it reported, returns bad values or is down.
+8. Any request refused at admission (it could never run: longer than the GPU tier
+   holds, or past the model's positions) -> the tiers are sized for shorter requests;
+   the finding names the blocks the longest refused request needs.
+
+Every percentile a finding quotes is the summary's own (`itl_ms`), so a finding
+never disagrees with the table above it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,7 +77,9 @@ class Thresholds:
     sustained_share: float = 0.20
     min_sustained_windows: int = 3
     tail_ratio: float = 2.0
-    min_tail_tokens: int = 5
+    # A P99 read off fewer tokens than this flips between identical runs: at least 20
+    # tail tokens, i.e. a run of ~2,000 token latencies, before the tail rule speaks.
+    min_tail_tokens: int = 20
     tail_cause_share: float = 0.5
     remote_failure_share: float = 0.10
     min_remote_blocks: int = 8
@@ -370,10 +379,20 @@ def tail_figure(a: TailAttribution) -> str:
     )
 
 
-def tail_summary(series: TimeSeries) -> dict[str, object] | None:
-    """The summary's `tail_attribution` object (`TailAttribution.to_json`); None when the
-    series holds no per-step classes or no token latency."""
-    attribution = series.tail.attribution() if series.tail is not None else None
+def summary_percentiles_ms(summary: Mapping[str, object]) -> tuple[float, float] | None:
+    """The run's token-latency (P50, P99) as its summary states them (`itl_ms`)."""
+    p50, p99 = number(summary, "itl_ms", "p50"), number(summary, "itl_ms", "p99")
+    return None if p50 is None or p99 is None else (p50, p99)
+
+
+def tail_summary(
+    series: TimeSeries, summary: Mapping[str, object] | None = None
+) -> dict[str, object] | None:
+    """The summary's `tail_attribution` object (`TailAttribution.to_json`), read at the
+    summary's own P50/P99; None when the series holds no per-step classes or no token
+    latency."""
+    percentiles = summary_percentiles_ms(summary) if summary is not None else None
+    attribution = series.tail.attribution(percentiles) if series.tail is not None else None
     return attribution.to_json() if attribution is not None else None
 
 
@@ -381,7 +400,8 @@ def tail_attribution(
     summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
 ) -> Finding | None:
     swapped_in = number_or(summary, "bytes_cpu_to_gpu") + number_or(summary, "bytes_nvme_to_cpu")
-    attribution = series.tail.attribution() if series.tail is not None else None
+    percentiles = summary_percentiles_ms(summary)
+    attribution = series.tail.attribution(percentiles) if series.tail is not None else None
     if attribution is None or swapped_in <= 0:
         return None
     a = attribution
@@ -448,6 +468,41 @@ def remote_fetches_failing(
     )
 
 
+_NEEDS_BLOCKS = re.compile(r"needs (\d+) blocks")
+
+
+def requests_refused(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    rejections = summary.get("rejections")
+    reasons = [
+        str(r.get("reason", "")) for r in rejections if isinstance(r, Mapping)
+    ] if isinstance(rejections, list) else []  # fmt: skip
+    refused = [reason for reason in reasons if not reason.startswith("aborted")]
+    if not refused:
+        return None
+    total = integer_or(summary, "requests_completed") + len(reasons)
+    needs = [int(m.group(1)) for reason in refused if (m := _NEEDS_BLOCKS.search(reason))]
+    advice = (
+        f"size the GPU tier for the longest request: it needs {max(needs)} blocks beside the "
+        "protected sink blocks (gpu_kv_capacity_blocks), or cap request length "
+        "(max_tokens, --max-model-len, a trace's --length-scale)"
+        if needs
+        else "shorten the requests to the model's maximum position (--max-model-len, "
+        "max_tokens, a trace's --length-scale)"
+    )
+    return Finding(
+        rule="requests_refused",
+        symptom="requests refused before running",
+        metric="requests_rejected (rejections)",
+        figure=f"{len(refused)} of {total} requests could never run: {refused[0]}",
+        cause="the tiers or the model are sized for shorter requests than the workload sends",
+        advice=advice,
+        values={"refused": float(len(refused)), "requests": float(total)}
+        | ({"max_blocks_needed": float(max(needs))} if needs else {}),
+    )
+
+
 def diagnose(
     summary: Mapping[str, object],
     series: TimeSeries,
@@ -464,6 +519,7 @@ def diagnose(
         pinned_pool_full(summary, series, thresholds),
         tail_attribution(summary, series, thresholds),
         remote_fetches_failing(summary, series, thresholds),
+        requests_refused(summary, series, thresholds),
     ]
     return [f for f in found if f is not None]
 

@@ -129,12 +129,18 @@ class TailLatencies:
             },
         )
 
-    def attribution(self) -> TailAttribution | None:
-        """The tail by class; None when no token latency was recorded."""
+    def attribution(
+        self, percentiles_ms: tuple[float, float] | None = None
+    ) -> TailAttribution | None:
+        """The tail by class; None when no token latency was recorded. `percentiles_ms`:
+        the run's exact (P50, P99) as its summary states them, so the tail is read at
+        the P99 the summary quotes; else the histograms' own (to their resolution)."""
         every = LogHistogram().merged(*(self.histogram(c) for c in STEP_CLASSES))
         p50_s, p99_s = every.quantile_s(0.50), every.quantile_s(0.99)
         if p50_s is None or p99_s is None:
             return None
+        if percentiles_ms is not None:
+            p50_s, p99_s = percentiles_ms[0] / 1e3, percentiles_ms[1] / 1e3
         waited = self.histogram(SWAP_WAIT)
         not_waited = self.histogram(PREFILL).merged(self.histogram(DECODE))
         return TailAttribution(

@@ -110,7 +110,7 @@ class Monitoring:
         """
         series = self.recorder.series()
         findings = diagnose(summary, series, link_gb_per_s=self.link_gb_per_s)
-        tail = tail_summary(series)
+        tail = tail_summary(series, summary)
         out = {
             **summary,
             **({"tail_attribution": tail} if tail is not None else {}),
