@@ -1,0 +1,5 @@
+"""Secondary tiers: KV blocks by key below the pinned host pool (`base.SecondaryTier`).
+
+- `base.py`: the interface, `SecondaryTier`, `TransferJob`, `JobResult` (torch-free)
+- `copy_adapter.py`: any tier as the control plane's remote tier (CopyEngine + RemoteIndex)
+"""
