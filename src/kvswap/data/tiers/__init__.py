@@ -2,4 +2,6 @@
 
 - `base.py`: the interface, `SecondaryTier`, `TransferJob`, `JobResult` (torch-free)
 - `copy_adapter.py`: any tier as the control plane's remote tier (CopyEngine + RemoteIndex)
+- `lanes.py`: `LaneTier`, the job bookkeeping of tiers whose copies run on threads
+- `redis_tier.py`: the shared store on the Redis protocol
 """
