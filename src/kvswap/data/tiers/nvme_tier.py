@@ -78,14 +78,14 @@ class _Entry:
 class NvmeTierStats:
     """Counts since the tier opened, in blocks unless the name says otherwise."""
 
-    hits_blocks: int = 0
-    misses_blocks: int = 0
-    corrupt_blocks: int = 0
+    hits_blocks: int = 0  # loaded intact
+    misses_blocks: int = 0  # loads of a key not held (or still being written)
+    corrupt_blocks: int = 0  # loads that failed the CRC or the read: entry dropped
     written_blocks: int = 0
-    already_present: int = 0
-    failed_writes: int = 0
-    no_room_blocks: int = 0
-    evicted_blocks: int = 0
+    already_present: int = 0  # stores of a key held already: nothing written
+    failed_writes: int = 0  # keys a store did not store, whatever the reason
+    no_room_blocks: int = 0  # ... of them because every key was busy
+    evicted_blocks: int = 0  # keys the policy gave up to make room
     nvme_to_cpu_bytes: int = 0
     cpu_to_nvme_bytes: int = 0
 
