@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -23,12 +24,20 @@ from kvswap.signals import Terminated, report_stop, stop_signals_raise
 EXIT_USAGE = 2
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, but a flag named in a help line is never split at its hyphens."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake in one line and exits with 2, and takes
     no abbreviation of a flag (`--prompt` is never taken for `--prompt-ids`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.commands.engine_flags import (
@@ -31,9 +31,14 @@ from kvswap.config import KvSwapConfig
 from kvswap.config_sources import API_KEY_VARIABLE
 from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import is_loopback_address
+from kvswap.redact import redact_url
 from kvswap.serve.app import BODY_READ_TIMEOUT_S, AppSettings, body_limit_bytes, build_app
 from kvswap.serve.http_server import HEADER_READ_TIMEOUT_S, ApiServer, bind_listener
+from kvswap.serve.server_log import DEFAULT_STATS_INTERVAL_S, configure_server_log, log
 from kvswap.signals import signal_name
+
+if TYPE_CHECKING:
+    from kvswap.serve.engine_service import EngineThreadService
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 #: Tier sizes when neither flags, KVSWAP_* nor --config give them: room for a few
@@ -83,6 +88,19 @@ def register(commands: Any) -> None:
         help="requests queued beyond max_num_seqs before 429 (default 256)",
     )  # fmt: skip
     group.add_argument(
+        "--disable-log-requests", action="store_true",
+        help="no access line per request (vLLM's flag); refusals and aborts are still said",
+    )  # fmt: skip
+    group.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="no stats line while requests run (throughput, running/waiting, KV usage per "
+        "tier, link, swap wait)",
+    )  # fmt: skip
+    group.add_argument(
+        "--log-stats-interval-s", type=float, default=DEFAULT_STATS_INTERVAL_S, metavar="S",
+        help="seconds between stats lines (default %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
         "--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on a stop signal, open requests get this long to finish (default 10)",
     )  # fmt: skip
@@ -120,6 +138,9 @@ def check_server_arguments(args: argparse.Namespace) -> None:
     ):
         if not math.isfinite(value) or value <= 0:
             raise KvSwapError(f"{flag} {value}: allowed: a number > 0")
+    interval_s = args.log_stats_interval_s
+    if not math.isfinite(interval_s) or interval_s <= 0:
+        raise KvSwapError(f"--log-stats-interval-s {interval_s}: allowed: a number > 0")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise KvSwapError("--served-model-name: empty; allowed: any non-empty name")
 
@@ -165,6 +186,7 @@ def _serve_on(
     from kvswap.serve.engine_service import DEFAULT_MAX_WAITING_REQUESTS, build_engine_service
     from kvswap.serve.tokenizer import load_text
 
+    configure_server_log(log_requests=not args.disable_log_requests)
     model, dtype = engine_model(model_flag(args), dtype_flag(args), config)
     options = EngineOptions(
         model, dtype, max_model_len=args.max_model_len,
@@ -175,7 +197,9 @@ def _serve_on(
         served_model_name=args.served_model_name,
         max_prompt_tokens=args.max_prompt_tokens,
         max_waiting_requests=args.max_waiting_requests or DEFAULT_MAX_WAITING_REQUESTS,
+        stats_interval_s=None if args.disable_log_stats else args.log_stats_interval_s,
     )
+    log.info(startup_summary(service))
     timeout_s = float(args.shutdown_timeout_s)
     try:
         vocab_size = service.engine.arch.vocab_size
@@ -202,3 +226,26 @@ def _serve_on(
     if stopped_by is not None:
         print(f"kvswap serve: stopped by {signal_name(stopped_by)}", file=sys.stderr)
     return 0
+
+
+def startup_summary(service: EngineThreadService) -> str:
+    """The start-up line: the model, its tiers in blocks and tokens, the concurrency."""
+    engine = service.engine
+    settings = engine.settings
+    block_tokens = settings.control.layout.block_tokens
+    capacities = settings.capacities
+
+    def tier(name: str, num_blocks: int) -> str:
+        if not num_blocks:
+            return f"{name} -"
+        return f"{name} {num_blocks:,} blocks ({num_blocks * block_tokens:,} tokens)"
+
+    remote = settings.remote_store
+    return (
+        f"kvswap serve: model {service.model_id} ({engine.arch.dtype_name} on {engine.device}), "
+        f"{block_tokens}-token blocks; tiers: {tier('GPU', capacities.num_gpu_blocks)}, "
+        f"{tier('CPU', capacities.num_cpu_blocks)}, {tier('NVMe', capacities.num_nvme_blocks)}, "
+        f"remote {redact_url(remote.url) if remote is not None else '-'}; up to "
+        f"{settings.control.scheduler.max_num_seqs} running sequences, a request at most "
+        f"{service.max_model_tokens:,} tokens"
+    )

@@ -282,6 +282,12 @@ class PrometheusExporter(StepObserver):
             (counter.labels(*labels) if labels else counter).inc(delta)
             self._seen[key] = value
 
+    def set_queue_sizes(self, num_running: int, num_waiting: int, num_preempted: int) -> None:
+        """The request gauges (each step sets them; a server also when a request ends)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.preempted.set(num_preempted)
+
     def on_step(self, sample: StepSample) -> None:
         for direction in DIRECTIONS:
             self._total(self.transfer_bytes, sample.bytes_by_direction.get(direction, 0), direction)
@@ -305,9 +311,7 @@ class PrometheusExporter(StepObserver):
         self._total(self.generation_tokens, sample.tokens_generated)
         self._total(self.recomputed, sample.recomputed_tokens)
         self._total(self.requests_finished, sample.requests_finished)
-        self.running.set(sample.num_running)
-        self.waiting.set(sample.num_waiting)
-        self.preempted.set(sample.num_preempted)
+        self.set_queue_sizes(sample.num_running, sample.num_waiting, sample.num_preempted)
         self.remote_known.set(sample.remote_known_blocks)
         if self.kv_metrics is not None:
             self._swapper_counters(self.kv_metrics)

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import itertools
 import secrets
-import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from kvswap.errors import KvSwapError
 from kvswap.obs.prometheus import PrometheusExporter
 from kvswap.obs.watermarks import Watermarks
 from kvswap.sampling import SamplingParams, sampling_or_greedy
+from kvswap.serve.server_log import RequestLine, StatsLine, access_log, log
 from kvswap.serve.service import (
     EngineService,
     Finished,
@@ -82,6 +82,8 @@ class LiveHandle(RequestHandle):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent | Finished] = asyncio.Queue()
         self.done = False  # set on the engine thread once Finished is pushed
+        self.submitted_s = time.monotonic()
+        self.first_token_s: float | None = None  # set on the engine thread
 
     def push(self, event: TokenEvent | Finished) -> None:
         """From any thread: deliver `event` on the loop that submitted the request."""
@@ -178,6 +180,8 @@ class LiveArrivals:
         for request_id, token_id in sampled.items():
             handle = self.handles.get(request_id)
             if handle is not None:
+                if handle.first_token_s is None:
+                    handle.first_token_s = time.monotonic()
                 handle.push(TokenEvent(token_id))
         for request_id in done:
             self._tell(request_id)
@@ -211,20 +215,27 @@ class LiveArrivals:
         run = self._scheduler.runs[request_id]
         if run.abort_reason is not None:
             error = run.abort_reason
-            print(f"kvswap serve: request {request_id} aborted: {error}", file=sys.stderr)
+            log.warning(f"request {request_id} aborted: {error}")
         reason = _FINISH_REASONS[run.finish_reason or SchedulerFinish.ABORT]
         # Counted before the client hears of it: a client that saw its Finished sees
         # the open count and the metrics without it.
         self._on_finished(run.prompt_ids, run.output_ids, reason)
-        handle.push(
-            Finished(
-                reason=reason,
-                prompt_tokens=len(run.prompt_ids),
-                cached_tokens=min(run.prefix_hit_tokens, len(run.prompt_ids)),
-                completion_tokens=len(run.output_ids),
-                error=error,
-            )
+        finished = Finished(
+            reason=reason,
+            prompt_tokens=len(run.prompt_ids),
+            cached_tokens=min(run.prefix_hit_tokens, len(run.prompt_ids)),
+            completion_tokens=len(run.output_ids),
+            error=error,
         )
+        handle.push(finished)
+        first_s = handle.first_token_s
+        access_log.info(
+            RequestLine(
+                request_id, finished.prompt_tokens, finished.cached_tokens,
+                finished.completion_tokens,
+                None if first_s is None else first_s - handle.submitted_s, reason.value,
+            ).text()
+        )  # fmt: skip
 
 
 def _sampling(request: GenerationRequest) -> SamplingParams | None:
@@ -247,8 +258,11 @@ class EngineThreadService(EngineService):
         model_id: str,
         max_prompt_tokens: int | None = None,
         max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+        stats_interval_s: float | None = None,
     ) -> None:
+        """`stats_interval_s`: log a stats line that often while steps run (None: never)."""
         self.engine = engine
+        self._stats = StatsLine(stats_interval_s) if stats_interval_s is not None else None
         self.model_id = model_id
         # The scheduler's own rule (the model's positions, the GPU tier), asked once.
         self.max_model_tokens = engine.scheduler.max_request_tokens()
@@ -324,6 +338,7 @@ class EngineThreadService(EngineService):
         self.arrivals.put(_End(handle.request_id, discard=False))
 
     def cancel(self, handle: RequestHandle) -> None:
+        log.info(f"request {handle.request_id} cancelled: the client disconnected")
         self.arrivals.put(_End(handle.request_id, discard=True))
 
     def metrics_text(self) -> tuple[bytes, str]:
@@ -340,6 +355,8 @@ class EngineThreadService(EngineService):
     def close(self, timeout_s: float) -> None:
         deadline_s = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
+            if self._num_open and not self._stopping:
+                log.info(f"draining {self._num_open} open requests (up to {timeout_s:g} s)")
             self._stopping = True
             while self._num_open and self._thread.is_alive():
                 left_s = deadline_s - time.monotonic()
@@ -347,6 +364,7 @@ class EngineThreadService(EngineService):
                     break
                 self._all_done.wait(min(left_s, 0.1))
         if self._num_open:
+            log.warning(f"aborting {self._num_open} requests still open at the drain deadline")
             self.arrivals.put(_AbortAll("the server is stopping"))
         self.arrivals.close()
         self._thread.join()  # the loop ends at its next step; it then releases the pools
@@ -358,6 +376,12 @@ class EngineThreadService(EngineService):
     ) -> None:
         self._prompt_tokens.inc(len(prompt_ids))
         self._requests.labels(reason.value).inc()
+        # The gauges as of now: a request that ends without a step after it (an abort,
+        # a disconnect) must not leave them at their last step's values.
+        scheduler = self._scheduler
+        self.exporter.set_queue_sizes(
+            len(scheduler.running), len(scheduler.waiting), len(scheduler.preempted)
+        )
         with self._lock:
             self._num_open -= 1
             self._all_done.notify_all()
@@ -366,7 +390,8 @@ class EngineThreadService(EngineService):
         try:
             driver = Driver(
                 self.engine.control, self.engine, self.arrivals,
-                num_requests=lambda: self._num_open, observers=(self.exporter,),
+                num_requests=lambda: self._num_open,
+                observers=tuple(o for o in (self.exporter, self._stats) if o is not None),
                 listener=self.arrivals.on_step,
             )  # fmt: skip
             while driver.step():
@@ -374,7 +399,7 @@ class EngineThreadService(EngineService):
             driver.summary()
         except BaseException as error:
             self._error = error
-            print(f"kvswap serve: error: the engine stopped: {error}", file=sys.stderr)
+            log.error(f"the engine stopped: {error}")
             for request_id in list(self.arrivals.handles):
                 handle = self.arrivals.handles.pop(request_id)
                 handle.push(Finished(FinishReason.ABORT, len(handle.request.prompt_ids), 0, 0,
@@ -392,6 +417,7 @@ def build_engine_service(
     served_model_name: str | None = None,
     max_prompt_tokens: int | None = None,
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    stats_interval_s: float | None = None,
 ) -> EngineThreadService:
     """The engine for `kvswap serve`, built from its settings record; the model's name in
     the API is `served_model_name`, else the model's (`model_id`). `max_prompt_tokens`
@@ -403,6 +429,7 @@ def build_engine_service(
             model_id=served_model_name or model_id(settings.options.model),
             max_prompt_tokens=max_prompt_tokens,
             max_waiting_requests=max_waiting_requests,
+            stats_interval_s=stats_interval_s,
         )
     except BaseException:
         engine.close()

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvswap.errors import KvSwapError
+from kvswap.serve.server_log import log
 from kvswap.serve.service import ServiceError
 from kvswap.serve.text_errors import TextRequestError
 
@@ -129,4 +130,7 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    # Every refusal is one line in the server's log (a 413 or a 429 is an operator's
+    # concern too); the client gets the same message.
+    log.warning(f"{request.method} {request.url.path}: {exc.status} {exc.message}")
     return exc.response()
