@@ -1,0 +1,179 @@
+"""`TieredCache` in transformers' own `generate`, against `DynamicCache`.
+
+Tiny random-weight Llamas (nothing downloaded) generate greedily with a cache
+that keeps only a few blocks on the device: the tokens must equal
+`DynamicCache`'s, the blocks must really have moved (counted by the swapper's
+metrics), and the KV read back from the tiers must equal `DynamicCache`'s bit
+for bit. The pinned pool, the NVMe slab and the Redis store are each the tier
+the blocks go through in one test; CUDA is tested where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+from kvswap.errors import ConfigError, KvSwapError  # noqa: E402
+from kvswap.integrations.transformers import TieredCache  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+NEW_TOKENS = 48
+BLOCK_TOKENS = 8
+
+
+def tiny_llama(num_layers: int = 4, **extra: Any) -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, **extra,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+def generate(model: Any, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model.generate(
+            input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache=cache, **kwargs
+        )
+    return out
+
+
+@pytest.fixture
+def caches() -> Iterator[list[TieredCache]]:
+    made: list[TieredCache] = []
+    yield made
+    for cache in made:
+        cache.close()
+
+
+def tiered(made: list[TieredCache], model: Any, **sizes: Any) -> TieredCache:
+    options: dict[str, Any] = {"block_tokens": BLOCK_TOKENS, "cpu_blocks": 64} | sizes
+    cache = TieredCache(model, **options)
+    made.append(cache)
+    return cache
+
+
+def test_greedy_tokens_equal_dynamic_cache_while_blocks_move(
+    model: Any, caches: list[TieredCache]
+) -> None:
+    """20 prompt + 48 new tokens = 9 blocks per layer, 36 in all; 14 stay on the device."""
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    dynamic = transformers.DynamicCache(config=model.config)
+    expected = generate(model, prompt, dynamic)
+    cache = tiered(caches, model, resident_blocks=14)
+    assert torch.equal(generate(model, prompt, cache), expected)
+
+    report = cache.take_report()
+    assert report.num_steps == NEW_TOKENS
+    assert report.blocks_by_direction["gpu_to_cpu"] >= 36 - 14
+    assert report.blocks_by_direction["cpu_to_gpu"] > NEW_TOKENS  # cold blocks, every step
+    assert report.prefetch_hits > 0  # the next layer's blocks went up ahead of its turn
+    assert len(report.lines()) == 4 and report.lines()[1].startswith("swap-wait")
+    # The KV that went down and came back is DynamicCache's, bit for bit.
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = cache.paged.read(layer)
+        assert torch.equal(keys, dynamic.layers[layer].keys)
+        assert torch.equal(values, dynamic.layers[layer].values)
+    cache.paged.check_integrity()
+
+
+def test_a_padded_batch_and_a_second_turn_reuse_the_offloaded_prefix(
+    model: Any, caches: list[TieredCache]
+) -> None:
+    """Two rows (one left-padded), then a second turn on the same cache: the first turn's
+    KV comes back from the pinned pool instead of being computed again."""
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 128, (2, 12), generator=generator)
+    mask = torch.ones_like(prompt)
+    prompt[1, :4], mask[1, :4] = 0, 0
+    follow_up = torch.randint(1, 128, (2, 6), generator=generator)
+
+    def two_turns(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        first = generate(model, prompt, cache, attention_mask=mask)
+        if isinstance(cache, TieredCache):
+            cache.take_report()  # the next report is the second turn's alone
+        ids = torch.cat([first, follow_up], dim=1)
+        ones = torch.ones(2, ids.shape[1] - mask.shape[1], dtype=mask.dtype)
+        second = generate(model, ids, cache, attention_mask=torch.cat([mask, ones], dim=1))
+        return first, second
+
+    expected = two_turns(transformers.DynamicCache(config=model.config))
+    # 12 + 48 + 6 + 48 tokens: 15 blocks a row, 120 in all; 40 stay on the device.
+    cache = tiered(caches, model, resident_blocks=40, cpu_blocks=128)
+    first, second = two_turns(cache)
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    second_turn = cache.take_report()
+    assert second_turn.num_steps == NEW_TOKENS
+    # The first turn's KV was paged out and came back for the second turn's prefill.
+    assert second_turn.blocks_by_direction["cpu_to_gpu"] > 0
+
+
+def test_blocks_go_through_the_nvme_slab_and_the_slab_file_goes_at_close(
+    model: Any, caches: list[TieredCache], tmp_path: Path
+) -> None:
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    expected = generate(model, prompt, transformers.DynamicCache(config=model.config))
+    cache = tiered(
+        caches, model, resident_blocks=14, cpu_blocks=16, nvme_blocks=64, nvme_dir=tmp_path
+    )
+    assert torch.equal(generate(model, prompt, cache), expected)
+    moved = cache.take_report().blocks_by_direction
+    assert moved["cpu_to_nvme"] > 0 and moved["nvme_to_cpu"] > 0
+    assert list(tmp_path.iterdir())  # the slab, while the cache lives
+    cache.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blocks_go_through_the_remote_store(
+    model: Any, caches: list[TieredCache], redis_server: RedisServer
+) -> None:
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    expected = generate(model, prompt, transformers.DynamicCache(config=model.config))
+    cache = tiered(caches, model, resident_blocks=14, cpu_blocks=16, remote_url=redis_server.url)
+    assert torch.equal(generate(model, prompt, cache), expected)
+    moved = cache.take_report().blocks_by_direction
+    assert moved["cpu_to_remote"] > 0 and moved["remote_to_cpu"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_path_equals_dynamic_cache(caches: list[TieredCache]) -> None:
+    model = tiny_llama().to("cuda")
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(5)).cuda()
+    expected = generate(model, prompt, transformers.DynamicCache(config=model.config))
+    cache = tiered(caches, model, resident_blocks=14)
+    assert torch.equal(generate(model, prompt, cache), expected)
+    assert cache.paged.host_pool.is_pinned
+    assert cache.take_report().blocks_by_direction["cpu_to_gpu"] > 0
+
+
+def test_bad_input_is_one_line(model: Any, caches: list[TieredCache]) -> None:
+    for sizes, words in (
+        ({"resident_blocks": 0}, "resident_blocks = 0; allowed: an integer >= 1"),
+        ({"resident_blocks": 4, "nvme_blocks": 8}, "nvme_blocks = 8 needs nvme_dir"),
+        ({"resident_blocks": 4, "gpu_eviction_policy": "fifo"}, "gpu_eviction_policy = 'fifo'"),
+    ):
+        with pytest.raises(ConfigError, match=words) as caught:
+            TieredCache(model, cpu_blocks=8, **sizes)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="sliding_attention"):
+        TieredCache(tiny_llama(2, layer_types=["full_attention", "sliding_attention"],
+                               sliding_window=8), resident_blocks=8, cpu_blocks=8)  # fmt: skip
+    # Too few device blocks for one layer's KV: one line naming the fix, not a traceback.
+    cache = tiered(caches, model, resident_blocks=3)
+    prompt = torch.randint(1, 128, (1, 20))
+    with pytest.raises(KvSwapError, match="resident_blocks = 3 cannot hold layer 1's 3 blocks"):
+        generate(model, prompt, cache)
