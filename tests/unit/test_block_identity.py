@@ -143,6 +143,24 @@ def test_keys_follow_the_documented_byte_format() -> None:
     ).digest()
     assert chain_key(root, [9, 2**40]) == block
     assert key_hex(block) == block.hex() and len(key_hex(block)) == 64
+    external = hashlib.sha256(
+        b"kvswap/external\x00\x01" + root + struct.pack("<I", 6) + b"k:abcd"
+    ).digest()
+    assert identity.external_key(root, b"k:abcd") == external
+
+
+def test_external_names_are_scoped_by_namespace_and_never_collide_with_block_keys() -> None:
+    """Another engine's page hash names a block inside a kvswap namespace: the same hash
+    under another model, salt or name is another key, and no block key equals one."""
+    root = KeyNamespace("m", 4).root_key()
+    key = identity.external_key(root, b"ff00")
+    assert len(key) == identity.KEY_BYTES
+    assert key != identity.external_key(KeyNamespace("n", 4).root_key(), b"ff00")
+    assert key != identity.external_key(KeyNamespace("m", 4).root_key("tenant"), b"ff00")
+    assert key != identity.external_key(root, b"ff01")
+    assert key != chain_key(root, [])  # same parent, other domain tag
+    with pytest.raises(ValueError, match="root key is 3 bytes"):
+        identity.external_key(b"abc", b"ff00")
 
 
 def test_a_cache_salt_scopes_prefix_sharing() -> None:

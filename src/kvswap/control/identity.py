@@ -27,11 +27,21 @@ two's-complement signed):
                          u32 num_tokens
                          i64 x num_tokens                     token ids in order )
 
+    external_key = SHA-256( b"kvswap/external\\x00"            16 bytes, domain tag
+                            u8  KEY_FORMAT_VERSION           = 1
+                            parent_key                       32 bytes (a root key)
+                            u32 len(name) | name             another system's block name )
+
+An external key names a block another engine identifies by its own hash (an
+SGLang page hash, a vLLM block hash) inside a kvswap namespace: the root key
+fixes the model, layout and salt, the name is that engine's. Its tokens are
+never seen, so it is shared exactly as far as the other engine's hash says.
+
 Every variable-length field is length-prefixed and the parent key has a fixed
 size, so no two different inputs serialize to the same bytes; the distinct
-domain tags keep a root key from ever equalling a block key. Token ids are any
-integers in [-2**63, 2**63 - 1] (in practice non-negative: vocabulary ids, or
-Mooncake hash ids standing in for tokens in the simulator).
+domain tags keep a root key from ever equalling a block or external key.
+Token ids are any integers in [-2**63, 2**63 - 1] (in practice non-negative:
+vocabulary ids, or Mooncake hash ids standing in for tokens in the simulator).
 
 Torch-free: the standard library and `kvswap.errors` only, like the rest of `control/`.
 """
@@ -55,6 +65,7 @@ MAX_CACHE_SALT_CHARS = 256
 
 _ROOT_TAG = b"kvswap/root\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
 _BLOCK_TAG = b"kvswap/block\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
+_EXTERNAL_TAG = b"kvswap/external\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
 _U32_MAX = 2**32 - 1
 
 
@@ -133,6 +144,15 @@ def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
             "allowed: integers in [-2**63, 2**63 - 1]"
         ) from None
     return hashlib.sha256(_BLOCK_TAG + parent_key + tokens).digest()
+
+
+def external_key(root_key: bytes, name: bytes) -> bytes:
+    """Key of a block another system names `name` (its own hash), in `root_key`'s namespace."""
+    if len(root_key) != KEY_BYTES:
+        raise ValueError(f"root key is {len(root_key)} bytes; keys are {KEY_BYTES}")
+    if len(name) > _U32_MAX:
+        raise KvSwapError(f"block name is {len(name)} bytes long; allowed: at most {_U32_MAX}")
+    return hashlib.sha256(_EXTERNAL_TAG + root_key + struct.pack("<I", len(name)) + name).digest()
 
 
 def key_hex(key: bytes) -> str:
