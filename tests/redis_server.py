@@ -66,6 +66,12 @@ class RedisServer:
         return f"redis://{credentials}{HOST}:{self.port}/0"
 
     @property
+    def pid(self) -> int:
+        """The server process's id (a test in another process kills it by this)."""
+        assert self._process is not None, "not running"
+        return self._process.pid
+
+    @property
     def unix_url(self) -> str:
         assert self.socket_path is not None, "started without unix_socket=True"
         return f"unix://{self.socket_path}?db=0"

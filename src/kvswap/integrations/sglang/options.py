@@ -1,0 +1,125 @@
+"""kvswap's part of SGLang's `--hicache-storage-backend-extra-config`, read and checked once.
+
+SGLang hands the backend the whole JSON object: its own keys (`backend_name`,
+`module_path`, `class_name`, `interface_v1`, ...) pass through untouched; these
+are kvswap's:
+
+    remote_url           the shared store (`tiers.remote_url` forms: redis://, rediss://,
+                         unix://); its password may come from KVSWAP_REMOTE_PASSWORD
+    remote_namespace     the store's key prefix (default "kvswap-sglang")
+    remote_timeout_ms    every store call's bound (default 500)
+    remote_required      true: a store that cannot be used at start is an error
+                         (default false: one warning, pages miss until it answers)
+    tenant_salt          pages are shared only between engines with the same salt
+    nvme_dir, nvme_pages the NVMe slab instead of the store: a directory, and how many
+                         pages it holds
+    nvme_eviction_policy which page leaves a full slab ("kvswap", "lru", "module:Class")
+
+Exactly one of `remote_url` and `nvme_dir`. A bad value is one `ConfigError` line
+naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.control.policy import check_policy_names
+from kvswap.data.remote_format import check_namespace
+from kvswap.data.remote_url import parse_remote_url
+from kvswap.errors import ConfigError
+
+DEFAULT_NAMESPACE = "kvswap-sglang"
+_WHERE = "--hicache-storage-backend-extra-config"
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """What kvswap's HiCache backend is built with (module docstring)."""
+
+    remote_url: str | None = None
+    remote_namespace: str = DEFAULT_NAMESPACE
+    remote_timeout_ms: float = 500.0
+    remote_required: bool = False
+    tenant_salt: str | None = None
+    nvme_dir: Path | None = None
+    nvme_pages: int = 0
+    nvme_eviction_policy: str = "kvswap"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> StorageOptions:
+        extra = extra or {}
+        options = cls(
+            remote_url=_optional_str(extra, "remote_url"),
+            remote_namespace=_str(extra, "remote_namespace", DEFAULT_NAMESPACE),
+            remote_timeout_ms=_positive_number(extra, "remote_timeout_ms", 500.0),
+            remote_required=_bool(extra, "remote_required", False),
+            tenant_salt=_optional_str(extra, "tenant_salt"),
+            nvme_dir=None if (d := _optional_str(extra, "nvme_dir")) is None else Path(d),
+            nvme_pages=_count(extra, "nvme_pages"),
+            nvme_eviction_policy=_str(extra, "nvme_eviction_policy", "kvswap"),
+        )
+        options.check()
+        return options
+
+    def check(self) -> None:
+        if (self.remote_url is None) == (self.nvme_dir is None):
+            raise ConfigError(
+                f"{_WHERE}: give exactly one of remote_url (the shared store) and nvme_dir "
+                "(the NVMe slab)"
+            )
+        if self.remote_url is not None:
+            parse_remote_url(self.remote_url)  # one line naming what is wrong, if anything
+            check_namespace(self.remote_namespace)
+        if self.nvme_dir is not None and self.nvme_pages < 1:
+            raise ConfigError(
+                f"{_WHERE}: nvme_pages = {self.nvme_pages}; allowed: an integer >= 1 with nvme_dir"
+            )
+        if self.tenant_salt is not None and len(self.tenant_salt) > MAX_CACHE_SALT_CHARS:
+            raise ConfigError(
+                f"{_WHERE}: tenant_salt is {len(self.tenant_salt)} characters; allowed: at "
+                f"most {MAX_CACHE_SALT_CHARS}"
+            )
+        check_policy_names(PolicyOptions(nvme_eviction_policy=self.nvme_eviction_policy))
+
+
+def _bad(key: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(f"{_WHERE}: {key} = {value!r:.80}; allowed: {allowed}")
+
+
+def _optional_str(extra: Mapping[str, object], key: str) -> str | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _bad(key, value, "a non-empty string")
+    return value
+
+
+def _str(extra: Mapping[str, object], key: str, default: str) -> str:
+    value = _optional_str(extra, key)
+    return default if value is None else value
+
+
+def _bool(extra: Mapping[str, object], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise _bad(key, value, "true or false")
+    return value
+
+
+def _positive_number(extra: Mapping[str, object], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _bad(key, value, "a number > 0")
+    return float(value)
+
+
+def _count(extra: Mapping[str, object], key: str) -> int:
+    value = extra.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(key, value, "an integer >= 0")
+    return value

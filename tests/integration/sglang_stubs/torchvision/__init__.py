@@ -1,0 +1,3 @@
+"""Stand-in for torchvision."""
+
+__version__ = "0.0.0"
