@@ -52,10 +52,12 @@ class RedisServer:
         password: str | None = None,
         persist: bool = False,
         unix_socket: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.work_dir = work_dir
         self.password = password
         self.persist = persist
+        self.extra_args = extra_args
         self.socket_path = work_dir / "redis.sock" if unix_socket else None
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -127,6 +129,7 @@ class RedisServer:
             args += ["--requirepass", self.password]
         if self.socket_path is not None:
             args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        args += self.extra_args
         with open(self.work_dir / "redis.log", "ab") as log:
             self._process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

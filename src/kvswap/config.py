@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from kvswap.config_sources import read_toml, source_values
+from kvswap.data.remote_url import REMOTE_URL_SCHEMES
 from kvswap.errors import ConfigError
 from kvswap.redact import redact_url
 from kvswap.units import parse_size_bytes
@@ -153,10 +154,6 @@ class SwapSection(_Section):
                     "allowed: 0 <= low < high <= 1.0"
                 )
         return self
-
-
-#: URL schemes of the remote tier (Redis protocol: Redis 7, Valkey).
-REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
 
 
 class TiersSection(_Section):

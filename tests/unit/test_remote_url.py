@@ -36,6 +36,21 @@ def test_rediss_takes_a_ca_bundle() -> None:
     assert url.ssl_ca_certs == "/etc/ca.pem"
 
 
+def test_a_cluster_url_names_its_seed_nodes() -> None:
+    url = parse_remote_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7001,[::1]", NO_ENV)
+    assert url.is_cluster and (url.scheme, url.host, url.port, url.db) == (
+        "redis", "10.0.0.1", 7000, 0,
+    )  # fmt: skip
+    assert url.cluster_nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 6379))
+    tls = parse_remote_url("valkeys+cluster://kv:p%40ss@h:1,g:2/0?ssl_ca_certs=/ca.pem", NO_ENV)
+    assert (tls.uses_tls, tls.username, tls.password, tls.ssl_ca_certs) == (
+        True, "kv", "p@ss", "/ca.pem",
+    )  # fmt: skip
+    assert "p%40ss" not in tls.shown and "***" in tls.shown
+    assert parse_remote_url("valkey+cluster://h:1", {PASSWORD_ENV: "e"}).password == "e"
+    assert not parse_remote_url("redis://h:1/0", NO_ENV).is_cluster
+
+
 def test_the_environment_supplies_the_password_only_when_the_url_has_none() -> None:
     env = {PASSWORD_ENV: "from-env"}
     from_env = parse_remote_url("redis://h:1/0", env)
@@ -68,6 +83,11 @@ def test_the_environment_supplies_the_password_only_when_the_url_has_none() -> N
         ("redis://h/0#frag", "fragment"),
         ("redis://h /0", "space"),
         ("redis://[::1/0", "host part is malformed"),
+        ("redis+cluster://h:1,h:1", "seed node is given twice"),
+        ("redis+cluster://h:1,", "no host"),
+        ("redis+cluster://h:1,g:x", "port is not a number"),
+        ("redis+cluster://h:1/2", "a cluster has only db 0"),
+        ("redis+cluster://h:1?db=1", "unknown query parameter 'db'"),
         ("", "empty"),
     ],
 )

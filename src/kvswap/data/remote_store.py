@@ -48,6 +48,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvswap.control.remote import RemoteIndex
+from kvswap.data import remote_cluster
+from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace
 from kvswap.data.remote_format import check_namespace, key_name
 from kvswap.data.remote_url import PASSWORD_ENV, RemoteUrl
 from kvswap.errors import KvSwapError
@@ -69,8 +71,13 @@ FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 30.0
 
 # The store is unreachable, timed out or not speaking the protocol: an outage.
-_OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, InvalidResponse, OSError)
+_OUTAGE_ERRORS = (
+    RedisConnectionError, RedisTimeoutError, InvalidResponse, OSError,
+    *remote_cluster.OUTAGE_ERRORS,
+)  # fmt: skip
 T = TypeVar("T")
+#: What a command runs on: one server's client, or a cluster's.
+Connection = redis.Redis | redis.RedisCluster
 
 
 class _State(enum.Enum):
@@ -143,7 +150,15 @@ class RemoteStoreClient(RemoteIndex):
         self._num_outages = 0
         self._logged_refusals: set[str] = set()
         self.server_version: str | None = None
-        self._redis = _make_redis(url, self.timeout_s, socket_read_bytes)
+        # One server: its client now (it connects on first use). A cluster: built by
+        # the first call that reaches a seed node (remote_cluster.py).
+        self._redis: redis.Redis | None = None
+        self._cluster: LazyCluster | None = None
+        if url.is_cluster:
+            check_cluster_namespace(namespace)
+            self._cluster = LazyCluster(url, self.timeout_s, socket_read_bytes)
+        else:
+            self._redis = _make_redis(url, self.timeout_s, socket_read_bytes)
 
     # --- state ------------------------------------------------------------------
 
@@ -186,8 +201,11 @@ class RemoteStoreClient(RemoteIndex):
         """Close every pooled connection; the client answers misses afterwards."""
         with self._lock:
             self._state = _State.OFF
-        self._redis.close()
-        self._redis.connection_pool.disconnect()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis.connection_pool.disconnect()
+        if self._cluster is not None:
+            self._cluster.close()
 
     # --- commands ---------------------------------------------------------------
 
@@ -200,7 +218,7 @@ class RemoteStoreClient(RemoteIndex):
         if not names:
             return 0
 
-        def op(client: redis.Redis) -> list[Any]:
+        def op(client: Connection) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.exists(name)
@@ -217,7 +235,7 @@ class RemoteStoreClient(RemoteIndex):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each key's stored value, or None (absent, the store down, a refused GET)."""
 
-        def op(client: redis.Redis) -> list[Any]:
+        def op(client: Connection) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(self.key_name(key))
@@ -234,7 +252,7 @@ class RemoteStoreClient(RemoteIndex):
         rewritten), expiring after `ttl_s` when > 0."""
         expire_ms = max(1, round(ttl_s * 1000)) if ttl_s > 0 else None
 
-        def op(client: redis.Redis) -> list[Any]:
+        def op(client: Connection) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key, value in items:
                 pipe.set(self.key_name(key), value, nx=True, px=expire_ms)  # type: ignore[arg-type]
@@ -259,12 +277,12 @@ class RemoteStoreClient(RemoteIndex):
 
     # --- the state machine --------------------------------------------------------
 
-    def _call(self, what: str, op: Callable[[redis.Redis], T], miss: T) -> T:
+    def _call(self, what: str, op: Callable[[Connection], T], miss: T) -> T:
         go = self._begin()
         if go is _Go.SKIP:
             return miss
         try:
-            result = op(self._redis)
+            result = op(self._connection())
         except _OUTAGE_ERRORS as exc:
             self._failed(exc, go)
             return miss
@@ -347,8 +365,9 @@ class RemoteStoreClient(RemoteIndex):
         """(problem, retryable): None when the store is a Redis / Valkey server."""
         where = f"remote store at {self.url.shown}"
         try:
-            self._redis.ping()
-            info = self._redis.info("server")
+            connection = self._connection()
+            connection.ping()
+            info = connection.info("server")
         except AuthenticationError:
             if self.url.password is None:
                 return f"{where} needs a password (in the URL or {PASSWORD_ENV})", False
@@ -367,6 +386,14 @@ class RemoteStoreClient(RemoteIndex):
                 self.server_version = f"{field.partition('_')[0]} {info[field]}"
                 return None, False
         return f"{where} speaks the protocol but is not a Redis or Valkey server", False
+
+    def _connection(self) -> Connection:
+        """The client commands run on (a cluster's is built here, raising an outage
+        error while no seed node answers)."""
+        if self._cluster is not None:
+            return self._cluster.get()
+        assert self._redis is not None  # one or the other, from __init__
+        return self._redis
 
     def _text(self, exc: BaseException) -> str:
         """An exception as one line, this URL's password masked."""

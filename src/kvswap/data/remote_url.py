@@ -6,6 +6,12 @@ Accepted forms (the Redis protocol: Redis 7, Valkey):
     rediss://[user][:password]@host[:port][/db]    TLS; ?ssl_ca_certs=/path/ca.pem for a
                                                    private CA (else the system's)
     unix://[[user][:password]@]/path/to.sock[?db=N][&password=...]   a local socket
+    redis+cluster://[user][:password]@host[:port][,host[:port]...][/0]
+                                                   a Redis Cluster: seed nodes, the rest
+                                                   found from them (db 0, the only one
+                                                   a cluster has); rediss+cluster:// for
+                                                   TLS; valkey+cluster://, valkeys+cluster://
+                                                   the same for a Valkey cluster
 
 User and password are percent-decoded (`p%40ss` is `p@ss`; a raw '/' or '@'
 in a password must be written %2F / %40). The password comes from the URL or,
@@ -42,14 +48,25 @@ MAX_DB = 2**31 - 1
 
 Scheme = Literal["redis", "rediss", "unix"]
 _ALLOWED = (
-    "redis://[user][:password]@host[:port][/db], rediss://... (TLS), unix:///path/to.sock[?db=N]"
+    "redis://[user][:password]@host[:port][/db], rediss://... (TLS), unix:///path/to.sock[?db=N], "
+    "redis+cluster://host:port[,host:port...] (or rediss+, valkey+, valkeys+cluster://)"
 )
+#: A cluster's scheme -> the scheme of its nodes (Valkey speaks the same protocol).
+CLUSTER_SCHEMES = {
+    "redis+cluster": "redis",
+    "rediss+cluster": "rediss",
+    "valkey+cluster": "redis",
+    "valkeys+cluster": "rediss",
+}
+#: Every scheme `remote_url` accepts (the config's first check names them).
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 # Query parameters each scheme understands.
 _QUERY_KEYS: dict[str, frozenset[str]] = {
     "redis": frozenset(),
     "rediss": frozenset({"ssl_ca_certs"}),
     "unix": frozenset({"db", "password"}),
 }
+_QUERY_KEYS.update({name: _QUERY_KEYS[node] for name, node in CLUSTER_SCHEMES.items()})
 
 
 @dataclass(frozen=True)
@@ -67,10 +84,17 @@ class RemoteUrl:
     password: str | None = field(default=None, repr=False)
     password_from_env: bool = False
     ssl_ca_certs: str | None = None
+    # A Redis Cluster's seed nodes (host, port), the first also as host / port; empty
+    # for a single server.
+    cluster_nodes: tuple[tuple[str, int], ...] = ()
 
     @property
     def uses_tls(self) -> bool:
         return self.scheme == "rediss"
+
+    @property
+    def is_cluster(self) -> bool:
+        return bool(self.cluster_nodes)
 
     def scrub(self, text: str) -> str:
         """`text` with this URL's password (raw or percent-encoded) masked."""
@@ -115,6 +139,8 @@ def _parse(url: str, shown: str, environ: Mapping[str, str]) -> RemoteUrl:
     if parts.fragment:
         raise _UrlProblem("a '#fragment' means nothing here")
     query = _query(parts.query, scheme)
+    if scheme in CLUSTER_SCHEMES:
+        return _cluster(parts, shown, CLUSTER_SCHEMES[scheme], query, environ)
     password = unquote(parts.password) if parts.password else query.get("password") or None
     from_env = False
     if password is None and environ.get(PASSWORD_ENV):
@@ -137,6 +163,41 @@ def _parse(url: str, shown: str, environ: Mapping[str, str]) -> RemoteUrl:
         db=_db(db_text, "the path") if db_text else 0,
         username=username, password=password, password_from_env=from_env,
         ssl_ca_certs=query.get("ssl_ca_certs"),
+    )  # fmt: skip
+
+
+def _cluster(
+    parts: SplitResult,
+    shown: str,
+    node_scheme: str,
+    query: dict[str, str],
+    environ: Mapping[str, str],
+) -> RemoteUrl:
+    """A cluster URL: credentials once, then comma-separated seed nodes."""
+    credentials, at, hosts = parts.netloc.rpartition("@")
+    user, colon, raw_password = credentials.partition(":")
+    password = unquote(raw_password) if colon and raw_password else None
+    from_env = False
+    if password is None and environ.get(PASSWORD_ENV):
+        password, from_env = environ[PASSWORD_ENV], True
+    nodes = []
+    for seed in hosts.split(","):
+        try:
+            node = urlsplit(f"//{seed}")
+        except ValueError:
+            raise _UrlProblem("a seed node's host part is malformed") from None
+        nodes.append(_host_and_port(node))
+    if len(set(nodes)) != len(nodes):
+        raise _UrlProblem("a seed node is given twice")
+    db_text = parts.path.removeprefix("/")
+    if db_text not in ("", "0"):
+        raise _UrlProblem(f"db {db_text!r}: a cluster has only db 0")
+    host, port = nodes[0]
+    return RemoteUrl(
+        scheme="rediss" if node_scheme == "rediss" else "redis", shown=shown, host=host,
+        port=port, username=unquote(user) if at and user else None, password=password,
+        password_from_env=from_env, ssl_ca_certs=query.get("ssl_ca_certs"),
+        cluster_nodes=tuple(nodes),
     )  # fmt: skip
 
 
