@@ -10,6 +10,9 @@ names before it reports a ratio.
              remote/CPU, prefix hits per tier, outputs identical
   second     a shared-prompt workload served by a fresh engine after another filled the
              store, vs a fresh engine without the tier: tokens/s and TTFT P50 ratios
+  cluster    a private 3-master Redis Cluster (remote_cluster.py): the bandwidth
+             section's ratios against plain redis-py's RedisCluster, and each
+             master's share of a namespace's block keys
 
 Without `--url` it starts a private redis-server on a free loopback port in a
 temporary directory (tests/redis_server.py) and stops it at the end, whatever
@@ -53,12 +56,13 @@ from kvswap.errors import KvSwapError
 from kvswap.signals import Terminated, report_stop, stop_signals_raise
 from kvswap.units import parse_size_bytes
 from remote_bandwidth import section_bandwidth
+from remote_cluster import section_cluster
 from remote_sections import section_second, section_ttft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.redis_server import RedisServer, redis_server_missing
 
-SECTION_NAMES = ("bandwidth", "ttft", "second")
+SECTION_NAMES = ("bandwidth", "ttft", "second", "cluster")
 #: The sections that run the engine (a warm-up run first, once).
 ENGINE_SECTIONS = ("ttft", "second")
 
@@ -124,6 +128,7 @@ def sections(args: argparse.Namespace, bench: Bench) -> dict[str, Callable[[str]
         "bandwidth": functools.partial(section_bandwidth, **bandwidth_options),
         "ttft": functools.partial(section_ttft, bench),
         "second": functools.partial(section_second, bench),
+        "cluster": functools.partial(section_cluster, **bandwidth_options),
     }
     return {name: every[name] for name in SECTION_NAMES if name in args.names}
 

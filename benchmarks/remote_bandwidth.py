@@ -3,8 +3,9 @@
 Moves `num_blocks` blocks of `block_bytes` from a HostPool to the store and
 back through RemoteCopyEngine (`chunk_blocks` per chunk, every value with its
 header and CRC-32 checked on the way back), and the same bytes with plain
-redis-py (`Redis.from_url(url)`, one SET / GET per block, its default
-settings); the ratios are engine / plain each way (goal: >= 0.8 each way).
+redis-py (`Redis.from_url(url)`, or `RedisCluster` for a cluster URL, one SET /
+GET per block, its default settings); the ratios are engine / plain each way
+(goal: >= 0.8 each way).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import redis
 import torch
+from redis.cluster import ClusterNode
 
 from engine_support import Goal, Result, require
 from kvswap.control.transfer import Direction, Priority, TransferChunk
@@ -70,9 +72,21 @@ def _engine_pass(
     return seconds[0], seconds[1]
 
 
+def plain_client(url: str) -> Any:
+    """redis-py as a user opens the store: `Redis.from_url`, or `RedisCluster` over a
+    cluster URL's seed nodes."""
+    parsed = parse_remote_url(url)
+    if not parsed.is_cluster:
+        return redis.Redis.from_url(url)
+    nodes = [ClusterNode(host, port) for host, port in parsed.cluster_nodes]
+    return redis.RedisCluster(
+        startup_nodes=nodes, username=parsed.username, password=parsed.password
+    )
+
+
 def _plain_pass(url: str, host: HostPool, names: list[bytes]) -> tuple[float, float]:
     """The same bytes with redis-py as a user would call it: SET then GET per block."""
-    client = redis.Redis.from_url(url)
+    client = plain_client(url)
     values = [host.byte_view(slot).numpy().tobytes() for slot in range(len(names))]
     start_s = time.perf_counter()
     for name, value in zip(names, values, strict=True):
@@ -118,7 +132,7 @@ def measure_bandwidth(
         engine = RemoteCopyEngine(
             client, host, max_inflight_write_chunks=num_blocks, **engine_options
         )
-        plain = redis.Redis.from_url(url)
+        plain = plain_client(url)
         plain.flushdb()
         intact = True
         try:
