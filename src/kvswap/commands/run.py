@@ -54,7 +54,7 @@ def register(commands: Any) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or live panel")
-    add_monitoring_arguments(parser)
+    add_monitoring_arguments(parser, linger=True)
     add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
     parser.set_defaults(handler=run)
 
@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
                 workload, monitoring.progress, monitoring.observers, sampling=sampling
             )
             summary = monitoring.finish(result.to_json())
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+            print(json.dumps(summary, indent=2) if args.json else render(summary), flush=True)
+            monitoring.linger()  # the summary is out: a stop now loses nothing
     if monitoring.report_error is not None:
         raise monitoring.report_error  # after the summary: the result is never lost
     return 0
