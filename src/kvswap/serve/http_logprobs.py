@@ -8,7 +8,8 @@
                   "top_logprobs": [{" the": -0.31, " a": -1.6, ...}, ...],
                   "text_offset": [0, 4, ...]}
                  top_logprobs: the k most likely and the sampled token ("up to
-                 logprobs + 1" entries, as the API says); text_offset: where each
+                 logprobs + 1" entries, as the API says; ids whose texts are equal
+                 share one key, the sampled token's value kept); text_offset: where each
                  token's text starts, counted over the tokens' texts as vLLM counts
 
 A token's text is its id decoded alone, special tokens included (vLLM's
@@ -67,7 +68,9 @@ class LogprobsWriter:
             offsets.append(self._text_offset)
             self._text_offset += len(text)
             top = {self.token_text(token): value for token, value in item.top}
-            top.setdefault(text, item.logprob)
+            # Set last: where two ids decode to the same text (bytes of one character,
+            # both U+FFFD), the entry under the sampled token's text is the sampled one.
+            top[text] = item.logprob
             tops.append(top)
         return {
             "tokens": tokens,

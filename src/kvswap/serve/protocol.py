@@ -277,7 +277,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | tuple[int, ...]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -310,7 +310,7 @@ class CompletionRequest(_Sampling):
 
     @field_validator("echo", mode="after")
     @classmethod
-    def _echo(cls, value: bool) -> bool:
+    def _echo(cls, value: bool | None) -> bool | None:
         if value:
             raise _unsupported("the prompt is not repeated in the answer here; leave it false")
         return value
