@@ -148,7 +148,7 @@ REFUSED: list[tuple[str, dict[str, object], str, str]] = [
      "invalid_value"),
     (COMPLETIONS, {"echo": True}, "echo: the prompt is not repeated", "unsupported_parameter"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools: 1 tools: this server does not call tools", "unsupported_parameter"),
+     "tools: 1 given; this server does not call tools", "unsupported_parameter"),
     (CHAT, {"tools": {}}, "tools: ", "invalid_value"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice: 'auto' asks for a tool call",
      "unsupported_parameter"),

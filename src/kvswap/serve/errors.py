@@ -1,6 +1,6 @@
 """OpenAI error objects: every refusal of the HTTP app, one line each.
 
-    HTTP 400  {"error": {"message": "tools: 1 tools: this server does not call tools ...",
+    HTTP 400  {"error": {"message": "tools: 1 given; this server does not call tools ...",
                          "type": "invalid_request_error", "param": "tools",
                          "code": "unsupported_parameter"}}
 

@@ -404,7 +404,7 @@ class ChatCompletionRequest(_Sampling):
     def _tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
             raise _unsupported(
-                f"{len(value)} tools: this server does not call tools; send none, or []"
+                f"{len(value)} given; this server does not call tools; send none, or []"
             )
         return value
 
