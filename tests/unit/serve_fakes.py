@@ -5,8 +5,9 @@ thread (here one "engine" thread that steps every open request each `step_s`),
 delivered with `call_soon_threadsafe` on the loop that submitted. Each request
 "generates" `reply_ids` in order (the reply of every request, unless one is given
 for a prompt), then ends with LENGTH at `max_new_tokens`, STOP at a stop token,
-STOP on `stop_early`, ABORT on `cancel` or `close`. Everything it was asked is
-recorded for the tests to check.
+STOP on `stop_early`, ABORT on `cancel` or `close`. A request whose options ask for
+logprobs gets `fake_logprobs` of each token. Everything it was asked is recorded for
+the tests to check.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp
 
+from kvswap.sampling import TokenLogprobs
 from kvswap.serve.app import AppSettings, build_app
 from kvswap.serve.http_server import ApiServer, bind_listener
 from kvswap.serve.service import (
@@ -47,6 +49,13 @@ DEADLINE_S = 30.0
 CHILD_DEADLINE_S = 120.0
 
 
+def fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:
+    """What the fake reports for a token: -0.25 for it; its top list is the token, then
+    the ids after it, each 1.0 less likely."""
+    top = tuple((token_id + rank, -0.25 - rank) for rank in range(num_top))
+    return TokenLogprobs(token_id, -0.25, top)
+
+
 class FakeHandle(RequestHandle):
     def __init__(self, request_id: int, request: GenerationRequest, reply: Sequence[int]):
         self.request_id = request_id
@@ -54,6 +63,7 @@ class FakeHandle(RequestHandle):
         self.reply = list(reply)
         self.sent = 0
         self.end: FinishReason | None = None  # what ends it at the next step
+        self.extra_tokens = 0  # sent even so (tokens_after_stop)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent | Finished] = asyncio.Queue()
 
@@ -77,6 +87,8 @@ class FakeService(EngineService):
     max_open_requests: int = 8
     cached_tokens: int = 0
     step_s: float = STEP_S
+    #: Tokens still sent after `stop_early`, as an engine samples until it hears of it.
+    tokens_after_stop: int = 0
     submitted: list[GenerationRequest] = field(default_factory=list)
     stopped_early: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
@@ -121,6 +133,8 @@ class FakeService(EngineService):
             fake = self._open.get(handle.request_id)
             if fake is not None and fake.end is None:
                 fake.end = reason
+                if reason is FinishReason.STOP:
+                    fake.extra_tokens = self.tokens_after_stop
 
     def metrics_text(self) -> tuple[bytes, str]:
         return b"# TYPE kvswap_fake_requests_total counter\nkvswap_fake_requests_total 1\n", (
@@ -160,6 +174,9 @@ class FakeService(EngineService):
         """One token, or the end; True once Finished was pushed."""
         request = handle.request
         reason = handle.end
+        if reason is FinishReason.STOP and handle.extra_tokens:
+            handle.extra_tokens -= 1
+            reason = None
         last = handle.reply[(handle.sent - 1) % len(handle.reply)] if handle.sent else None
         if reason is None and last in request.stop_token_ids:
             reason = FinishReason.STOP
@@ -170,7 +187,12 @@ class FakeService(EngineService):
             error = "the server is stopping" if reason is FinishReason.ABORT else None
             handle.push(Finished(reason, len(request.prompt_ids), cached, handle.sent, error))
             return True
-        handle.push(TokenEvent(handle.reply[handle.sent % len(handle.reply)]))
+        token_id = handle.reply[handle.sent % len(handle.reply)]
+        options = request.options
+        logprobs = None
+        if options is not None and options.num_logprobs is not None:
+            logprobs = fake_logprobs(token_id, options.num_logprobs)
+        handle.push(TokenEvent(token_id, logprobs))
         handle.sent += 1
         return False
 
