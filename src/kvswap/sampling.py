@@ -346,6 +346,12 @@ def choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else _mix(seed, index, 1)
 
 
+def workload_request_seed(seed: int, request_id: int) -> int:
+    """The seed of request `request_id` of a workload run with one seed (`kvswap run
+    --temperature T --seed S`): each request draws its own tokens, reproducibly."""
+    return _mix(seed, request_id, 2)
+
+
 def floored_logprob(value: float) -> float:
     """A log-probability as the API writes it: -inf (and NaN) as MIN_LOGPROB."""
     return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB

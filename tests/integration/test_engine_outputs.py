@@ -5,6 +5,7 @@ output; the fast mode's token equality on peaky models is in test_fast_path_outp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvswap.model.generate import generate_reference
 from kvswap.model.loader import load_model
 from kvswap.model.sampler import adjust_logits, sample_token
 from kvswap.obs.observer import StepObserver, StepSample
-from kvswap.sampling import LogitsContext, LogitsOptions, SamplingParams
+from kvswap.sampling import LogitsContext, LogitsOptions, SamplingParams, workload_request_seed
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
@@ -312,4 +313,12 @@ def test_a_run_wide_sampling_is_every_request_carrying_it() -> None:
     with roomy_engine() as engine:
         engine.run(workload, sampling=HOT)
         run_wide = {seq_id: list(run.output_ids) for seq_id, run in engine.scheduler.runs.items()}
-    assert run_wide == sampled_outputs([(0, PROMPT_A, HOT), (1, PROMPT_B, HOT)])[0]
+    # Each request carries the run's sampling with its own seed, derived from the run's
+    # seed and its id: a seeded run is reproducible, and equal prompts still draw apart.
+    own = [replace(HOT, seed=workload_request_seed(HOT.seed, i)) for i in (0, 1)]
+    assert run_wide == sampled_outputs([(0, PROMPT_A, own[0]), (1, PROMPT_B, own[1])])[0]
+    twins = Workload((Request(0, 0.0, PROMPT_A, 8), Request(1, 0.0, PROMPT_A, 8)), "twins", 256)
+    with roomy_engine() as engine:
+        engine.run(twins, sampling=HOT)
+        outputs = [list(run.output_ids) for run in engine.scheduler.runs.values()]
+    assert outputs[0] != outputs[1]
