@@ -5,6 +5,10 @@ policy is measured against (`gpu_eviction_policy = "lru"`). Only the hard rule
 holds: a busy, lost or running copy is skipped, and keeps its place in the
 recency order until it may leave.
 
+A touch refreshes a sequence's blocks tail first, so the chain's head ends up
+the most recently used, as vLLM's LRU refreshes a request's keys tail to head:
+a chain then leaves from its end and what stays is still a usable prefix.
+
 The recency order is a `RecencyHeap` (policy_recency.py), O(log n) per call.
 """
 
@@ -36,7 +40,7 @@ class LruPolicy(EvictionPolicy):
             self._recency.set_candidate(key, candidate=facts.may_leave)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
+        for key in reversed(list(keys)):
             facts = self._facts.get(key)
             if facts is not None:
                 self._recency.use(key, candidate=facts.may_leave)
