@@ -110,7 +110,7 @@ class SwapSection(_Section):
     protected_sink_blocks: int = Field(default=8, ge=0, le=MAX_NUM_BLOCKS)
     min_residency_steps: int = Field(default=64, ge=0, le=2**40)
     # Which policy evicts from each tier: "kvswap" (ranked LRU with sinks, minimum
-    # residency and cost ranks), "lru", or "package.module:ClassName" (an
+    # residency and cost ranks), "lru", "arc", or "package.module:ClassName" (an
     # EvictionPolicy subclass). Resolved, imports included, by kvswap.drive.settings.
     # Nothing evicts from NVMe yet: its name is checked, not used.
     gpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)

@@ -38,6 +38,12 @@ What the store's calls mean here:
     update of a key not held (a victim that stayed, or one the swapper took itself and
                ranks again): back into the list its ghost names, no adaptation.
 
+Where it differs from vLLM's: vLLM applies a request's reuse and refreshes its
+keys when the request finishes (`on_request_finished`); here a reuse counts
+when the reference is taken and a refresh when the blocks become resident
+(`touch`). A request sharing a block another still holds is not seen as a
+reuse here (the facts say referenced already); vLLM counts it.
+
 Capacity. vLLM's policy is built with the tier's size c (`cache_capacity`); a
 kvswap policy is built with (tier, options) only. A tier evicts only when it is
 full (the GPU: past its watermark), so by the first eviction the most copies
