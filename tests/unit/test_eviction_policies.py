@@ -184,6 +184,17 @@ def test_lru_evicts_in_recency_order_ignoring_sinks_windows_and_cost() -> None:
     assert drain(policy) == ["young", "free_clean", "paused_dirty", "sink"]
 
 
+def test_lru_touch_leaves_a_chain_s_head_most_recent_so_the_chain_leaves_from_its_end() -> None:
+    policy = build_policy(Tier.CPU, PolicyOptions(cpu_eviction_policy="lru"))
+    for key in ("tail", "middle", "head", "other"):  # offloaded tail first, as the swapper does
+        policy.insert(key, FREE_DIRTY)
+    # A sequence takes the chain again: the store touches its blocks head first.
+    policy.touch(["head", "middle", "tail"])
+    # Were the head the oldest of the three, evicting it would strand the rest: a prefix
+    # is found only from its head. As vLLM's LRU does, the tail goes first.
+    assert drain(policy) == ["other", "tail", "middle", "head"]
+
+
 def test_lru_skips_what_may_not_leave_and_keeps_its_place() -> None:
     policy = build_policy(Tier.GPU, PolicyOptions(gpu_eviction_policy="lru"))
     policy.insert("a", RUNNING)
@@ -273,7 +284,7 @@ def test_a_bad_policy_name_is_one_config_error_naming_field_value_and_allowed(
         check_policy_names(PolicyOptions(cpu_eviction_policy=value))
     message = str(caught.value)
     assert message.startswith(f"cpu_eviction_policy = {value!r}: ")
-    assert says in message and "allowed: 'kvswap' or 'lru', or an import path" in message
+    assert says in message and "allowed: 'kvswap', 'lru' or 'arc', or an import path" in message
     assert "\n" not in message
 
 

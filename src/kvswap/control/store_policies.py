@@ -63,6 +63,7 @@ def gpu_facts(block: Block, copy: Copy, brought_back: bool = False) -> BlockFact
     return _new_facts(BlockFacts, (
         block.ref_count > 0, block.num_running_refs > 0, block.num_protected_refs > 0,
         not copy.ready or copy.num_readers > 0, clean, False, block.lost, brought_back,
+        block.key,
     ))  # fmt: skip
 
 
@@ -79,7 +80,7 @@ def cpu_facts(block: Block, copy: Copy) -> BlockFacts:
         above = gpu is not None and gpu.ready and not gpu.stale
     return _new_facts(BlockFacts, (
         block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False,
+        clean, above, block.lost, False, block.key,
     ))  # fmt: skip
 
 
@@ -97,7 +98,7 @@ def nvme_facts(block: Block, copy: Copy) -> BlockFacts:
         above = up is not None and up.ready and not up.stale
     return _new_facts(BlockFacts, (
         block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False,
+        clean, above, block.lost, False, block.key,
     ))  # fmt: skip
 
 
