@@ -18,11 +18,13 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import IO
 
 from starlette.types import ASGIApp
 
@@ -254,12 +256,20 @@ def serving(
 # -- `python -m kvswap serve` as a child process -----------------------------------------
 
 
+#: Each child's stderr, in a file: a pipe nobody reads during a test fills up with the
+#: server's log (an access line per request) and blocks the server on its next line.
+_STDERR_FILES: dict[int, IO[bytes]] = {}
+
+
 def kvswap_process(*argv: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the ready line reaches the pipe at once
-    return subprocess.Popen(
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - finish_process closes it
+    process = subprocess.Popen(
         [sys.executable, "-m", "kvswap", *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE, stderr=stderr, env=env,
     )  # fmt: skip
+    _STDERR_FILES[process.pid] = stderr
+    return process
 
 
 def wait_for_line(process: subprocess.Popen[bytes], prefix: str) -> str:
@@ -286,8 +296,20 @@ def wait_for_line(process: subprocess.Popen[bytes], prefix: str) -> str:
 def finish_process(process: subprocess.Popen[bytes]) -> tuple[int, str]:
     """(exit code, stderr) once the child ends (killed past CHILD_DEADLINE_S)."""
     try:
-        _, err = process.communicate(timeout=CHILD_DEADLINE_S)
+        process.communicate(timeout=CHILD_DEADLINE_S)
     except subprocess.TimeoutExpired:
         process.kill()
-        _, err = process.communicate()
-    return process.returncode, err.decode(errors="replace")
+        process.communicate()
+    return process.returncode, child_stderr(process)
+
+
+def child_stderr(process: subprocess.Popen[bytes]) -> str:
+    """Everything a `kvswap_process` child wrote to stderr (once it has ended); "" when
+    it was read already."""
+    stderr = _STDERR_FILES.pop(process.pid, None)
+    if stderr is None:
+        return ""
+    stderr.seek(0)
+    err = stderr.read()
+    stderr.close()
+    return err.decode(errors="replace")
