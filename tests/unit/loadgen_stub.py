@@ -42,6 +42,7 @@ class StubOptions:
     chunk_delay_s: float = 0.0
     with_usage: bool = True
     fail_every: int | None = None  # request n fails with HTTP 500 when n % fail_every == 0
+    max_prompt_tokens: int | None = None  # longer prompts: HTTP 413
     openai: bool = True  # False: no /v1 routes at all (a plain web server)
     api_key: str | None = None
     ignore_stream: bool = False  # answer one JSON object, as a server without streaming
@@ -142,18 +143,23 @@ class StubServer:
             words = _prompt_words(body)
             cached = max((_shared_prefix(words, p) for p in self.state.prompts), default=0)
             self.state.prompts.append(words)
-        every = self.options.fail_every
+        options = self.options
+        prompt_tokens = len(words)
+        every = options.fail_every
         if every is not None and served.number % every == 0:
             message = f"stub failure for request {served.number}"
             return JSONResponse({"error": {"message": message}}, status_code=500)
+        if options.max_prompt_tokens is not None and prompt_tokens > options.max_prompt_tokens:
+            message = f"{prompt_tokens} prompt tokens; this stub takes {options.max_prompt_tokens}"
+            return JSONResponse({"error": {"message": message}}, status_code=413)
         chat = request.url.path.endswith("/chat/completions")
         max_tokens = int(body["max_tokens"])
         if self.options.ignore_stream:
             return JSONResponse({"id": "stub", "choices": [{"index": 0, "text": "x"}]})
         usage = {
-            "prompt_tokens": len(words),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": max_tokens,
-            "total_tokens": len(words) + max_tokens,
+            "total_tokens": prompt_tokens + max_tokens,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         return StreamingResponse(

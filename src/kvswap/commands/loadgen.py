@@ -3,9 +3,10 @@ server (kvswap serve, vLLM, SGLang) and report latency, throughput and goodput.
 
 Order of work: flags and output paths are checked, the workload is built (a bad
 trace is one line), then one asyncio loop asks GET /v1/models (unreachable or
-not OpenAI-compatible: one line) and replays the workload. The summary is
-printed even when the run was stopped (Ctrl-C, SIGTERM) or a report write
-failed; the stop or the failure is raised after it.
+not OpenAI-compatible: one line) and replays the workload. The summary and the
+load-test findings (`obs/loadgen_findings.py`) are printed even when the run was
+stopped (Ctrl-C, SIGTERM) or a report write failed; the stop or the failure is
+raised after it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,9 @@ from kvswap.commands.outputs import attempt_write, check_output_dir
 from kvswap.commands.run import add_workload_arguments, check_workload_arguments
 from kvswap.commands.run import workload_from_args as build_workload
 from kvswap.errors import KvSwapError
+from kvswap.obs.diagnosis import Finding
 from kvswap.obs.html import LOADGEN_SUMMARY_ROWS
+from kvswap.obs.loadgen_findings import CHECKED, judge
 from kvswap.obs.progress import ProgressBar
 from kvswap.obs.report import LOADGEN_COMMAND, RunReport, write_report
 from kvswap.redact import redact_url
@@ -42,6 +45,9 @@ from kvswap.workload.request import Workload
 API_KEY_VARIABLE = "OPENAI_API_KEY"
 DEFAULT_TIMEOUT_S = 600.0
 MAX_SHOWN_ERRORS = 5
+#: report.json keeps this many per-request records (~260 bytes each as written: ~5 MiB,
+#: a third of the 16 MiB a report is read back with); the page says when more ran.
+MAX_REPORTED_REQUESTS = 20_000
 
 
 def register(commands: Any) -> None:
@@ -118,10 +124,12 @@ def run(args: argparse.Namespace) -> int:
         outcome.records, duration_s=outcome.duration_s, slo=slo, stopped_by=outcome.stopped_by
     )
     summary: dict[str, object] = {**facts, **measured}
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    findings = judge(summary, max_concurrency=args.max_concurrency)
+    print(json.dumps(summary, indent=2) if args.json else render(summary, findings))
     failure = None
     if args.report is not None:
-        report = _report(args, summary, facts, outcome, len(workload))
+        run_facts = {**facts, "requests": len(outcome.records)}
+        report = _report(args, summary, run_facts, outcome, len(workload), findings)
         failure = attempt_write(lambda: write_report(report, args.report), "--report", args.report)
         if failure is None and not args.quiet:
             print(f"report: {Path(args.report) / 'index.html'}", file=sys.stderr)
@@ -189,32 +197,42 @@ def _refuse_if_all_failed(measured: Mapping[str, object]) -> None:
         )
 
 
-def render(summary: Mapping[str, object]) -> str:
+def render(summary: Mapping[str, object], findings: Sequence[Finding]) -> str:
+    """The summary table, the findings (or what was checked), then refused requests."""
     width = max(len(label) for label, _ in LOADGEN_SUMMARY_ROWS)
     lines = [f"{label:<{width}}  {cell(summary)}" for label, cell in LOADGEN_SUMMARY_ROWS]
+    lines += [f"finding: {f.one_line()}" for f in findings] or [CHECKED]
     errors = summary.get("errors")
-    for error in (errors if isinstance(errors, list) else [])[:MAX_SHOWN_ERRORS]:
+    listed = errors if isinstance(errors, list) else []
+    for error in listed[:MAX_SHOWN_ERRORS]:  # an answer's status starts its message
         lines.append(f"failed request {error['request_id']}: {error['message']}")
+    failed = summary.get("requests_failed")
+    if isinstance(failed, int) and failed > MAX_SHOWN_ERRORS:
+        lines.append(
+            f"... {failed - MAX_SHOWN_ERRORS} more failed requests (--json lists "
+            f"{len(listed)}; --report DIR keeps a record of every request)"
+        )
     return "\n".join(lines)
 
 
 def _report(
     args: argparse.Namespace,
     summary: dict[str, object],
-    facts: dict[str, object],
+    run_facts: dict[str, object],
     outcome: ReplayOutcome,
     num_workload_requests: int,
+    findings: Sequence[Finding],
 ) -> RunReport:
     """The run as a report: the load generator's settings stand in for an engine config."""
     settings = {
-        "url": facts["url"], "model": facts["model"], "endpoint": args.endpoint,
+        "url": run_facts["url"], "model": run_facts["model"], "endpoint": args.endpoint,
         "max_requests": args.max_requests, "duration_s": args.duration_s,
         "max_concurrency": args.max_concurrency, "timeout_s": args.timeout_s,
         "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
         "api_key_given": bool(args.api_key or os.environ.get(API_KEY_VARIABLE)),
     }  # fmt: skip
     workload: dict[str, object] = {
-        "name": facts["workload"], "requests": num_workload_requests,
+        "name": run_facts["workload"], "requests": num_workload_requests,
         "time_scale": args.time_scale, "length_scale": args.length_scale,
     }  # fmt: skip
     if args.trace is None:
@@ -224,10 +242,11 @@ def _report(
             workload[name] = value if math.isfinite(value) else str(value)
     return RunReport(
         label=Path(args.report).resolve().name,
-        run={**facts, "requests": len(outcome.records)},
+        run=run_facts,
         config={"loadgen": settings, "workload": workload},
         summary=summary,
         series=loadgen_series(outcome.records, outcome.duration_s),
-        findings=(),
+        findings=tuple(findings),
         watermarks=None,
+        requests=tuple(r.to_json() for r in outcome.records[:MAX_REPORTED_REQUESTS]),
     )

@@ -28,6 +28,7 @@ Conversations (`PromptBook`):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from kvswap.workload.request import Workload
@@ -69,14 +70,36 @@ def words_text(ids: Sequence[int]) -> str:
 Message = dict[str, str]
 
 
+@dataclass(frozen=True)
+class PromptInput:
+    """A request's input fields and the prompt length the workload intends for it."""
+
+    fields: dict[str, object]  # {"messages": [...]} or {"prompt": "..."}
+    intended_prompt_tokens: int
+
+
+@dataclass
+class _Turn:
+    """A sent turn that a follow-up will extend."""
+
+    input: list[Message] | str
+    intended_prompt_tokens: int
+    reply: str | None = None
+    output_tokens: int = 0
+
+
 class PromptBook:
     """The input of every request of `workload`, built when the request is sent.
 
     `input_for(request_id)` gives {"messages": [...]} (chat) or {"prompt": "..."}
-    (completions). A later turn needs its previous turn's input and reply: the
-    replay calls `record_reply` once that turn completed. A turn's input is kept
-    only while a follow-up still needs it, so memory stays bounded by the
-    conversations in flight.
+    (completions) and the intended prompt length. A later turn needs its previous
+    turn's input and reply: the replay calls `record_reply` once that turn
+    completed. A turn's input is kept only while a follow-up still needs it, so
+    memory stays bounded by the conversations in flight.
+
+    The intended length is the workload's, as `kvswap run` would prefill it: a
+    first turn's prompt ids; a later turn's is the previous turn's intended length
+    + the previous reply's output tokens (the server's count) + its new user ids.
 
     `system_prompt_tokens` is the synthetic workload's system prompt length: the
     first that many ids of a first turn are sent as the system message (chat) so
@@ -87,43 +110,45 @@ class PromptBook:
         self.workload = workload
         self.endpoint = endpoint
         self.system_prompt_tokens = system_prompt_tokens
-        self._inputs: dict[int, list[Message] | str] = {}
-        self._replies: dict[int, str] = {}
+        self._turns: dict[int, _Turn] = {}
 
-    def input_for(self, request_id: int) -> dict[str, object]:
+    def input_for(self, request_id: int) -> PromptInput:
         request = self.workload[request_id]
         follow_up = request.follow_up
         current: list[Message] | str
         if follow_up is None:
             current = self._first_turn(request.prompt_ids)
+            intended = len(request.prompt_ids)
         else:
-            previous_id = follow_up.previous_request_id
-            previous = self._inputs.pop(previous_id)
-            reply = self._replies.pop(previous_id)
-            user_text = words_text(follow_up.new_user_ids)
-            if isinstance(previous, str):
-                current = f"{previous}{reply} {user_text}"
+            previous = self._turns.pop(follow_up.previous_request_id)
+            assert previous.reply is not None, "a follow-up is sent after its turn completed"
+            new_ids = follow_up.new_user_ids
+            intended = previous.intended_prompt_tokens + previous.output_tokens + len(new_ids)
+            if isinstance(previous.input, str):
+                current = f"{previous.input}{previous.reply} {words_text(new_ids)}"
             else:
                 current = [
-                    *previous,
-                    {"role": "assistant", "content": reply},
-                    {"role": "user", "content": user_text},
+                    *previous.input,
+                    {"role": "assistant", "content": previous.reply},
+                    {"role": "user", "content": words_text(new_ids)},
                 ]
         if self.workload.follow_ups_of(request_id):
-            self._inputs[request_id] = current
-        if isinstance(current, str):
-            return {"prompt": current}
-        return {"messages": current}
+            self._turns[request_id] = _Turn(current, intended)
+        fields: dict[str, object] = (
+            {"prompt": current} if isinstance(current, str) else {"messages": current}
+        )
+        return PromptInput(fields, intended)
 
-    def record_reply(self, request_id: int, reply_text: str) -> None:
-        """The assistant's reply to `request_id`, exactly as the server returned it."""
-        if request_id in self._inputs:
-            self._replies[request_id] = reply_text
+    def record_reply(self, request_id: int, reply_text: str, output_tokens: int) -> None:
+        """The assistant's reply to `request_id`, exactly as the server returned it,
+        and its output tokens."""
+        turn = self._turns.get(request_id)
+        if turn is not None:
+            turn.reply, turn.output_tokens = reply_text, output_tokens
 
     def forget(self, request_id: int) -> None:
         """`request_id` failed or was cancelled: its follow-ups will not be sent."""
-        self._inputs.pop(request_id, None)
-        self._replies.pop(request_id, None)
+        self._turns.pop(request_id, None)
 
     def _first_turn(self, prompt_ids: Sequence[int]) -> list[Message] | str:
         if self.endpoint == "completions":
