@@ -32,6 +32,7 @@ def summary(**overrides: object) -> dict[str, object]:
             "requests": 20,
             "sent_per_intended": {"min": 0.98, "p50": 1.01, "p95": 1.04, "max": 1.05},
         },
+        "calibration": {"tokens_per_word": 5.04},
         "errors_by_kind": {},
         "errors": [],
         "stopped_by": None,
@@ -168,18 +169,21 @@ def test_requests_cut_from_the_run_say_what_stopped_it(stopped_by: str | None, c
 
 
 def test_prompts_off_their_intended_length_are_a_finding() -> None:
-    too_long = summary(
+    uncalibrated = summary(
         prompt_length={"requests": 18,
                        "sent_per_intended": {"min": 5.06, "p50": 5.15, "p95": 9.75, "max": 9.75}},
+        calibration={"tokens_per_word": None},
     )  # fmt: skip
-    (found,) = judge(too_long)
+    (found,) = judge(uncalibrated)
     assert found.rule == "prompt_length_mismatch"
     assert found.symptom == "prompts longer than the workload intends"
     assert found.figure == (
         "sent prompts are 5.15x their intended length at the median (5.06x to 9.75x over "
         "18 requests)"
     )
-    assert "one word per intended token" in found.cause
+    assert "uncalibrated" in found.cause
+    calibrated = uncalibrated | {"calibration": {"tokens_per_word": 5.04}}
+    assert "the calibration did not carry over" in judge(calibrated)[0].cause
     within = summary(prompt_length={"requests": 9, "sent_per_intended": {"p50": 1.09}})
     assert rules(within) == []
 

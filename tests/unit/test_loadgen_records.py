@@ -51,7 +51,9 @@ def test_report_json_keeps_a_record_of_every_request(
 ) -> None:
     with StubServer() as server:
         summary, records = loadgen(capsys, server.url, *TRACE, "--report", str(tmp_path / "r"))
-        sent = [len(words) for words in server.state.prompts]
+        sent = [
+            len(words) for words in server.state.prompts[summary["calibration"]["probe_requests"] :]
+        ]
     assert "requests" not in summary  # the --json object stays small
     assert len(records) == 20 and all(set(r) == RECORD_FIELDS for r in records)
     rows = read_trace_rows(SAMPLE)
@@ -117,6 +119,10 @@ def test_a_run_of_413s_shows_them_and_never_calls_itself_healthy(
     assert "No load-test rule fired" not in out and "healthy" not in out
     report = load_report(out_dir)
     assert [f.rule for f in report.findings] == ["goodput_zero", "requests_failed_http_413"]
+    assert report.run["calibration"].startswith(
+        "prompt lengths uncalibrated (about 1 word per token): the calibration probe failed: "
+        "HTTP 413: "
+    )
     html = (out_dir / "index.html").read_text()
     assert "goodput 0: no request counted" in html and "healthy" not in html
     assert "<h2>Failed requests</h2>" in html and "<td>HTTP 413</td><td>413</td>" in html

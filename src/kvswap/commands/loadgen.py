@@ -3,10 +3,11 @@ server (kvswap serve, vLLM, SGLang) and report latency, throughput and goodput.
 
 Order of work: flags and output paths are checked, the workload is built (a bad
 trace is one line), then one asyncio loop asks GET /v1/models (unreachable or
-not OpenAI-compatible: one line) and replays the workload. The summary and the
-load-test findings (`obs/loadgen_findings.py`) are printed even when the run was
-stopped (Ctrl-C, SIGTERM) or a report write failed; the stop or the failure is
-raised after it.
+not OpenAI-compatible: one line), calibrates prompt text to the server's
+tokenizer (`calibrate.py`; one line says how, or why not) and replays the
+workload. The summary and the load-test findings (`obs/loadgen_findings.py`)
+are printed even when the run was stopped (Ctrl-C, SIGTERM) or a report write
+failed; the stop or the failure is raised after it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvswap.obs.loadgen_findings import CHECKED, judge
 from kvswap.obs.progress import ProgressBar
 from kvswap.obs.report import LOADGEN_COMMAND, RunReport, write_report
 from kvswap.redact import redact_url
+from kvswap.serve.loadgen.calibrate import Calibration, calibrate, uncalibrated
 from kvswap.serve.loadgen.client import OpenAIClient, api_base
 from kvswap.serve.loadgen.prompts import ENDPOINTS, VOCAB_SIZE, PromptBook
 from kvswap.serve.loadgen.replay import Replay, ReplayOutcome, ReplaySettings
@@ -57,8 +59,9 @@ def register(commands: Any) -> None:
         description="Send a workload to any OpenAI-compatible server (kvswap serve, vLLM, "
         "SGLang) at its arrival times, streamed, and report TTFT, TPOT, inter-token latency "
         "percentiles, throughput and goodput. Trace prompts are built from hash_ids (equal ids, "
-        "equal text: about one token per word, so lengths are approximate); multi-turn "
-        "sessions are chats that carry the server's own replies.",
+        "equal text), worded to the server's tokenizer: a few requests of max_tokens 1 "
+        "measure its tokens per word first; multi-turn sessions are chats that carry the "
+        "server's own replies.",
     )
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument(
@@ -83,6 +86,10 @@ def register(commands: Any) -> None:
                         help="goodput counts requests with TTFT <= MS")  # fmt: skip
     parser.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
                         help="goodput counts requests with TPOT <= MS")  # fmt: skip
+    parser.add_argument(
+        "--no-calibrate", dest="calibrate", action="store_false",
+        help="send one word per intended token instead of probing the server's tokenizer",
+    )  # fmt: skip
     add_workload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -116,19 +123,19 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args, VOCAB_SIZE)
     show = not (args.quiet or args.json)
     with ProgressBar("loadgen", Console(file=sys.stderr), enabled=show) as bar:
-        model, outcome = asyncio.run(_load_test(args, workload, bar, show))
+        model, calibration, outcome = asyncio.run(_load_test(args, workload, bar, show))
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     facts = {"command": LOADGEN_COMMAND, "url": redact_url(args.url), "model": model,
              "endpoint": args.endpoint, "workload": workload.name}  # fmt: skip
     measured = summarize(
         outcome.records, duration_s=outcome.duration_s, slo=slo, stopped_by=outcome.stopped_by
     )
-    summary: dict[str, object] = {**facts, **measured}
+    summary: dict[str, object] = {**facts, **measured, "calibration": calibration.to_json()}
     findings = judge(summary, max_concurrency=args.max_concurrency)
     print(json.dumps(summary, indent=2) if args.json else render(summary, findings))
     failure = None
     if args.report is not None:
-        run_facts = {**facts, "requests": len(outcome.records)}
+        run_facts = {**facts, "requests": len(outcome.records), "calibration": calibration.line}
         report = _report(args, summary, run_facts, outcome, len(workload), findings)
         failure = attempt_write(lambda: write_report(report, args.report), "--report", args.report)
         if failure is None and not args.quiet:
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _load_test(
     args: argparse.Namespace, workload: Workload, bar: ProgressBar, show: bool
-) -> tuple[str, ReplayOutcome]:
+) -> tuple[str, Calibration, ReplayOutcome]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
     async with OpenAIClient(
         args.url, api_key=api_key, timeout_s=args.timeout_s, max_connections=args.max_concurrency
@@ -164,16 +171,23 @@ async def _load_test(
             max_concurrency=args.max_concurrency,
             timeout_s=args.timeout_s,
         )
-        prompts = PromptBook(
-            workload, args.endpoint, args.system_prompt_tokens if args.trace is None else 0
-        )
+        system_tokens = args.system_prompt_tokens if args.trace is None else 0
+        if args.calibrate:
+            several = system_tokens > 0 or any(r.follow_up is not None for r in workload)
+            calibration = await calibrate(
+                client, model, args.endpoint, multi_message=several, timeout_s=args.timeout_s
+            )
+        else:
+            calibration = uncalibrated("--no-calibrate")
+        prompts = PromptBook(workload, args.endpoint, system_tokens, calibration.scale)
         replay = Replay(workload, prompts, client, settings, bar.update)
         if show:
             print(
                 f"loadgen: {workload.name}: {replay.num_planned} requests to "
                 f"{client.shown_url} (model {model}, {args.endpoint})"
             )
-        return model, await replay.run()
+            print(f"loadgen: {calibration.line}")
+        return model, calibration, await replay.run()
 
 
 def _pick_model(wanted: str | None, served: list[str], shown_url: str) -> str:
@@ -229,6 +243,7 @@ def _report(
         "max_requests": args.max_requests, "duration_s": args.duration_s,
         "max_concurrency": args.max_concurrency, "timeout_s": args.timeout_s,
         "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+        "calibrate": args.calibrate,
         "api_key_given": bool(args.api_key or os.environ.get(API_KEY_VARIABLE)),
     }  # fmt: skip
     workload: dict[str, object] = {

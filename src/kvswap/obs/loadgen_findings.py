@@ -76,7 +76,8 @@ _KINDS: dict[str, _Kind] = {
         "prompts too long for the server (HTTP 413)",
         "the server refused prompt + max_tokens as longer than its context",
         "serve a longer context (--max-model-len), or send shorter requests (--length-scale, "
-        "--prompt-tokens)",
+        "--prompt-tokens); with --no-calibrate a prompt may be several times its intended "
+        "length",
     ),
     http_kind(429): _Kind(
         "http_429",
@@ -319,16 +320,21 @@ def prompt_length_mismatch(
     low = number(summary, "prompt_length", "sent_per_intended", "min") or 0.0
     high = number(summary, "prompt_length", "sent_per_intended", "max") or 0.0
     requests = integer_or(summary, "prompt_length", "requests")
+    calibrated = number(summary, "calibration", "tokens_per_word") is not None
     return Finding(
         rule="prompt_length_mismatch",
         symptom=f"prompts {'longer' if median > 1 else 'shorter'} than the workload intends",
         metric="prompt_length.sent_per_intended (usage.prompt_tokens / intended)",
         figure=f"sent prompts are {median:.2f}x their intended length at the median "
         f"({low:.2f}x to {high:.2f}x over {requests} requests)",
-        cause="the load generator sends about one word per intended token, and a word is "
-        "not one token for this server's tokenizer",
-        advice="read latencies against the sent lengths; scale the workload (--length-scale, "
-        "--prompt-tokens) by the ratio for the lengths it means",
+        cause=(
+            "the calibration did not carry over: the template adds more per message than "
+            "probed, or replies re-encode to other lengths"
+            if calibrated
+            else "lengths were uncalibrated (--no-calibrate, or the server reports no "
+            "usage): a word is not one token for this tokenizer"
+        ),
+        advice="calibrate (drop --no-calibrate); read latencies against the sent lengths",
         values={"median": median, "min": low, "max": high},
     )
 

@@ -1,7 +1,8 @@
 """A load test's own sections of its report page, after the summary table.
 
 Prompt lengths     intended (the workload's) vs sent (the server's count):
-                   min / P50 / P95 / max of each and of their ratio per request
+                   min / P50 / P95 / max of each and of their ratio per request,
+                   and how the text was calibrated
 Failed requests    the listed failures: request, kind, HTTP status, message
 Per-request records what report.json keeps of each request (and whether it is
                    all of them)
@@ -10,6 +11,7 @@ Per-request records what report.json keeps of each request (and whether it is
 from __future__ import annotations
 
 from collections.abc import Mapping
+from html import escape
 
 from kvswap.obs.html import table
 from kvswap.obs.jsonvalues import integer_or, lookup, number_or
@@ -22,9 +24,11 @@ RECORD_FIELDS = (
 
 
 def _prompt_lengths(summary: Mapping[str, object]) -> str:
+    line = lookup(summary, "calibration", "line")
+    calibration = f"<p>{escape(line)}</p>" if isinstance(line, str) else ""
     lengths = lookup(summary, "prompt_length")
     if not isinstance(lengths, Mapping):
-        return (
+        return calibration + (
             "<p>No completed request has both lengths: the server reported no "
             "usage.prompt_tokens.</p>"
         )
@@ -40,7 +44,7 @@ def _prompt_lengths(summary: Mapping[str, object]) -> str:
     header = ("over the completed requests", "intended tokens", "sent tokens", "sent / intended")
     count = integer_or(lengths, "requests")
     return (
-        f"{table(header, rows)}<p class='muted'>{count} requests; each column "
+        f"{calibration}{table(header, rows)}<p class='muted'>{count} requests; each column "
         "is its own ranking (sent / intended is paired per request). Intended: the "
         "workload's length (a later turn: the turn before + its output + the new user "
         "tokens); sent: the server's usage.prompt_tokens.</p>"
