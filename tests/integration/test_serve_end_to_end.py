@@ -129,11 +129,14 @@ def test_a_chats_second_turn_restored_from_cpu_and_nvme_equals_an_unlimited_pool
 
 
 def test_loadgen_counts_what_the_servers_metrics_count() -> None:
+    # --no-calibrate: the server's counters then hold the replay alone, not the probes
+    # that calibrate text length (tests/integration/test_loadgen_tiny.py runs those).
     with server("--gpu-kv-capacity-blocks", "64", "--cpu-kv-capacity-blocks", "64") as url:
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", url, "--json",
              "--num-sessions", "3", "--turns", "2", "--prompt-tokens", "24",
-             "--output-tokens", "6", "--user-tokens", "8", "--system-prompt-tokens", "8"],
+             "--output-tokens", "6", "--user-tokens", "8", "--system-prompt-tokens", "8",
+             "--no-calibrate"],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
