@@ -89,3 +89,13 @@ def test_the_engine_and_its_server_thread_read_no_configuration_model() -> None:
     ):
         names = imported_modules(path)
         assert "kvswap.config" not in names and "argparse" not in names, path
+
+
+def test_the_secondary_tier_interface_runs_without_torch() -> None:
+    """A tier of one's own, and the adapter that makes it the engine's remote tier,
+    need numpy and the control plane's vocabulary, never torch."""
+    code = (
+        "import sys, kvswap.data.tiers.base, kvswap.data.tiers.copy_adapter;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -1,20 +1,25 @@
-"""The result side every threaded copy engine shares: one future per submitted chunk.
+"""The result side every threaded copy engine and tier shares: one future per submitted job.
 
-    submit(chunk) -> _track(chunk) -> a Future the engine's lane completes
-    poll()        -> the done futures' results, by end time (never blocks)
-    wait(id)      -> that chunk's result (not reported again)
-    wait_all()    -> every unreported result
+    submit(job)  -> _track(job)  -> a Future the engine's lane completes
+    poll()       -> the done futures' results, by end time (never blocks)
+    wait(id)     -> that job's result (not reported again)
+    wait_all()   -> every unreported result
+
+A job is a copy engine's `TransferChunk` (`FutureCopyEngine`) or a secondary
+tier's `TransferJob` (`kvswap.data.tiers.lanes.LaneTier`); `FutureResults` is
+the part they share, generic in the job and its result.
 
 A waiter wakes every `LIVENESS_CHECK_S` to check the lane it waits on is still
-alive: lanes that die fail their chunks themselves, so this is only the last
+alive: lanes that die fail their jobs themselves, so this is only the last
 resort should every lane be gone without doing so.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Generic, Protocol, TypeVar
 
 from kvswap.control.transfer import CopyEngine, TransferChunk, TransferResult
 from kvswap.data.block_copy import failed_result
@@ -23,64 +28,108 @@ from kvswap.data.block_copy import failed_result
 LIVENESS_CHECK_S = 0.5
 
 
-class FutureCopyEngine(CopyEngine):
-    """A `CopyEngine` whose lanes complete one future per chunk."""
+class _Finished(Protocol):
+    @property
+    def end_s(self) -> float: ...
+
+
+JobT = TypeVar("JobT")
+ResultT = TypeVar("ResultT", bound=_Finished)
+
+
+class FutureResults(ABC, Generic[JobT, ResultT]):
+    """Submitted jobs not yet reported, each with the future its lane completes.
+    Called from one control thread; lanes only complete futures."""
+
+    #: How an id is named in errors ("transfer 7 is not pending ...").
+    _id_word = "job"
 
     def __init__(self) -> None:
         # Submitted and not yet reported, in submit order.
-        self._pending: dict[int, tuple[TransferChunk, Future[TransferResult]]] = {}
+        self._pending: dict[int, tuple[JobT, Future[ResultT]]] = {}
 
     @property
     def num_pending(self) -> int:
-        """Chunks submitted whose results have not been reported yet."""
+        """Jobs submitted whose results have not been reported yet."""
         return len(self._pending)
 
-    def _track(self, chunk: TransferChunk) -> Future[TransferResult]:
-        """The future `chunk`'s lane completes (the id is checked unused by the caller)."""
-        future: Future[TransferResult] = Future()
-        self._pending[chunk.transfer_id] = (chunk, future)
+    def _track(self, job: JobT) -> Future[ResultT]:
+        """The future `job`'s lane completes (the id is checked unused by the caller)."""
+        future: Future[ResultT] = Future()
+        self._pending[self._id_of(job)] = (job, future)
         return future
 
-    def _is_pending(self, transfer_id: int) -> bool:
-        return transfer_id in self._pending
+    def _is_pending(self, job_id: int) -> bool:
+        return job_id in self._pending
 
-    def poll(self) -> list[TransferResult]:
-        """Results finished since the last poll/wait, in order of end time; never blocks."""
-        done = [tid for tid, (_chunk, future) in self._pending.items() if future.done()]
-        results = [self._pending.pop(tid)[1].result() for tid in done]
+    def _done_results(self) -> list[ResultT]:
+        """Results finished since the last call, in order of end time; never blocks."""
+        done = [job_id for job_id, (_job, future) in self._pending.items() if future.done()]
+        results = [self._pending.pop(job_id)[1].result() for job_id in done]
         return sorted(results, key=lambda result: result.end_s)
 
-    def wait(self, transfer_id: int) -> TransferResult:
-        """Block until chunk `transfer_id` finishes; its result is not polled again."""
-        entry = self._pending.pop(transfer_id, None)
+    def _wait_result(self, job_id: int) -> ResultT:
+        """Block until job `job_id` finishes; its result is not reported again."""
+        entry = self._pending.pop(job_id, None)
         if entry is None:
             raise ValueError(
-                f"transfer {transfer_id} is not pending: never submitted or already reported"
+                f"{self._id_word} {job_id} is not pending: never submitted or already reported"
             )
         return self._await(*entry)
 
-    def wait_all(self) -> list[TransferResult]:
-        """Block until every submitted chunk finishes; return the unreported results."""
+    def _wait_all_results(self) -> list[ResultT]:
+        """Block until every submitted job finishes; the unreported results."""
         entries = list(self._pending.values())
         self._pending.clear()
-        results = [self._await(chunk, future) for chunk, future in entries]
+        results = [self._await(job, future) for job, future in entries]
         return sorted(results, key=lambda result: result.end_s)
 
-    def _await(self, chunk: TransferChunk, future: Future[TransferResult]) -> TransferResult:
+    def _await(self, job: JobT, future: Future[ResultT]) -> ResultT:
         while True:
             try:
                 return future.result(timeout=LIVENESS_CHECK_S)
             except FutureTimeoutError:
-                if not self._lane_alive(chunk) and not future.done():
-                    return failed_result(chunk, self._now_s(), self._dead_lane_reason)
+                if not self._lane_alive(job) and not future.done():
+                    return self._dead_lane_result(job)
 
-    # -- what each engine says about its lanes -----------------------------------------
-
-    _dead_lane_reason = "copy worker exited"
+    # -- what each user says about its jobs and lanes -----------------------------------
 
     @abstractmethod
-    def _lane_alive(self, chunk: TransferChunk) -> bool:
-        """Is some lane that can run `chunk` still alive?"""
+    def _id_of(self, job: JobT) -> int:
+        """The job's id (unique among pending jobs)."""
+
+    @abstractmethod
+    def _lane_alive(self, job: JobT) -> bool:
+        """Is some lane that can run `job` still alive?"""
+
+    @abstractmethod
+    def _dead_lane_result(self, job: JobT) -> ResultT:
+        """A failed result for `job`, whose lanes all exited without reporting it."""
+
+
+class FutureCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
+    """A `CopyEngine` whose lanes complete one future per chunk."""
+
+    _id_word = "transfer"
+    _dead_lane_reason = "copy worker exited"
+
+    def poll(self) -> list[TransferResult]:
+        """Results finished since the last poll/wait, in order of end time; never blocks."""
+        return self._done_results()
+
+    def wait(self, transfer_id: int) -> TransferResult:
+        """Block until chunk `transfer_id` finishes; its result is not polled again."""
+        return self._wait_result(transfer_id)
+
+    def wait_all(self) -> list[TransferResult]:
+        """Block until every submitted chunk finishes; return the unreported results."""
+        return self._wait_all_results()
+
+    def _id_of(self, job: TransferChunk) -> int:
+        return job.transfer_id
+
+    def _dead_lane_result(self, job: TransferChunk) -> TransferResult:
+        return failed_result(job, self._now_s(), self._dead_lane_reason)
 
     @abstractmethod
     def _now_s(self) -> float:

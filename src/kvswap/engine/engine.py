@@ -29,14 +29,16 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.remote_copy import RemoteCopyEngine, open_remote_tier
+from kvswap.data.layout import KVLayout
+from kvswap.data.remote_copy import TierFactory, host_slot_bytes, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
+from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
 from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
-from kvswap.engine.settings import EngineSettings, RemoteStoreSettings
+from kvswap.engine.settings import EngineSettings
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.loader import load_model
@@ -70,7 +72,7 @@ class Engine(Backend):
         self.disk_pool: DiskPool | None = None
         self.device_pool: DevicePool | None = None
         self.copy_engine: CopyEngine | None = None
-        self.remote: RemoteCopyEngine | None = None
+        self.remote: TierCopyEngine | None = None
         try:
             self._allocate()
         except BaseException as exc:
@@ -106,8 +108,8 @@ class Engine(Backend):
         )  # fmt: skip
         self.copy_engine = local
         copy_engine: CopyEngine = local
-        if settings.remote_store is not None:
-            self.remote = self._open_remote(settings.remote_store)
+        if settings.control.remote is not None:
+            self.remote = self._open_remote()
             copy_engine = self.copy_engine = TieredCopyEngine(local, self.remote)
         self.control = build_control_plane(
             settings.control, copy_engine, time.perf_counter, remote_index=self.remote
@@ -115,14 +117,22 @@ class Engine(Backend):
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self.runner = ModelRunner(model, device_pool.kv)
 
-    def _open_remote(self, store: RemoteStoreSettings) -> RemoteCopyEngine:
-        """The shared store (tiers.remote_*): one line and exit 2 if it is unusable and
-        `remote_required`; else a warning and the tier off until the store answers."""
+    def _open_remote(self) -> TierCopyEngine:
+        """The key-addressed tier: a tier of one's own (`options.secondary_tier`) over
+        the pinned pool; else the shared store (tiers.remote_*): one line and exit 2 if
+        it is unusable and `remote_required`, else a warning and the tier off until the
+        store answers."""
+        own = self.settings.options.secondary_tier
         if self.host_pool is None:
             raise KvSwapError(
                 "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
-                "(or _bytes) > 0, or leave remote_url unset"
+                f"(or _bytes) > 0, or leave {'remote_url' if own is None else 'secondary_tier'} "
+                "unset"
             )
+        if own is not None:
+            return _own_tier(own, self.host_pool, self.layout)
+        store = self.settings.remote_store
+        assert store is not None  # the control plane's remote tier is this store
         return open_remote_tier(
             store.url, self.host_pool, namespace=store.namespace,
             timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
@@ -132,7 +142,7 @@ class Engine(Backend):
     def remote_counters(self) -> Mapping[str, int]:
         """The remote data plane's counters (corrupt, skipped writes, outages, ...);
         empty without a remote tier. For exporters, read at every step."""
-        return self.remote.stats().counters() if self.remote is not None else {}
+        return self.remote.tier.counters() if self.remote is not None else {}
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -246,6 +256,20 @@ class Engine(Backend):
         traceback: TracebackType | None,
     ) -> None:
         _note_released(exc, self.close())
+
+
+def _own_tier(factory: TierFactory, host_pool: HostPool, layout: KVLayout) -> TierCopyEngine:
+    """A tier of one's own over the pinned pool, refused in one line if it is not."""
+    tier = factory(host_slot_bytes(host_pool), layout)
+    shape = (tier.num_host_slots, tier.block_bytes)
+    if shape != (host_pool.num_slots, layout.block_bytes):
+        tier.close()
+        raise KvSwapError(
+            f"secondary_tier: the tier has {shape[0]} host slots of {shape[1]} bytes; the "
+            f"pinned pool has {host_pool.num_slots} of {layout.block_bytes}: build it over "
+            "the host slots it is given"
+        )
+    return TierCopyEngine(tier)
 
 
 def _note_released(exc: BaseException | None, released: list[str]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvswap.config import KvSwapConfig, TierCapacities
 from kvswap.data.layout import KVLayout
@@ -25,6 +26,9 @@ from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.loader import PRESET_SEED, resolve_model
 from kvswap.model.weights_identity import block_fingerprint, weights_identity
 
+if TYPE_CHECKING:
+    from kvswap.data.remote_copy import TierFactory
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -32,11 +36,15 @@ class EngineOptions:
     checkpoint directory, `kvswap.model.choice`), its dtype (None: the checkpoint's),
     and the threads for the model on a CPU device (None: every core; the copy
     workers sleep while idle, and the command line makes idle OpenMP threads sleep
-    too, `kvswap.model.openmp_env`, so a copy finds a free core)."""
+    too, `kvswap.model.openmp_env`, so a copy finds a free core). `secondary_tier`: the
+    key-addressed tier, a factory called once the pinned pool exists
+    (`kvswap.data.tiers.base`); it replaces the Redis store of `remote_url` and needs
+    no URL (the `remote_*` write settings still apply). None: that store, if any."""
 
     model: str = "small"
     dtype: str | None = None
     cpu_threads: int | None = None
+    secondary_tier: TierFactory | None = None
 
 
 @dataclass(frozen=True)
@@ -87,13 +95,14 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
             arch.description, weights, batch_invariant=engine.batch_invariant
         ),
         max_sequence_tokens=arch.max_position_tokens,
+        shared_store=options.secondary_tier is not None,
     )  # fmt: skip
     nvme = None
     if capacities.num_nvme_blocks:
         assert tiers.nvme_dir is not None  # validated with the capacities
         nvme = NvmeSlabSettings(Path(tiers.nvme_dir), tiers.nvme_persist)
     remote_store = None
-    if control.remote is not None:
+    if control.remote is not None and options.secondary_tier is None:
         assert tiers.remote_url is not None  # the engine's remote tier is the configured one
         remote_store = RemoteStoreSettings(
             url=tiers.remote_url, namespace=control.remote.namespace,

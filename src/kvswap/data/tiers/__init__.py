@@ -1,0 +1,8 @@
+"""Secondary tiers: KV blocks by key below the pinned host pool (`base.SecondaryTier`).
+
+- `base.py`: the interface, `SecondaryTier`, `TransferJob`, `JobResult` (torch-free)
+- `copy_adapter.py`: any tier as the control plane's remote tier (CopyEngine + RemoteIndex)
+- `lanes.py`: `LaneTier`, the job bookkeeping of tiers whose copies run on threads
+- `redis_tier.py`: the shared store on the Redis protocol
+- `nvme_tier.py`: the NVMe slab by key, evicting its least valuable blocks for room
+"""
