@@ -43,6 +43,19 @@ SHARED_HOST_DIR = Path("/dev/shm")
 class KvswapOffloadingSpec(CPUOffloadingSpec):
     """vLLM's offloading spec: kvswap's ranking, copy engine and secondary tiers."""
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's metrics for what this spec builds: with secondary tiers, its tiering
+        manager's too (vLLM refuses to record a metric its spec did not declare)."""
+        if adapter_settings(extra_config).has_secondary_tiers:
+            from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+            definitions: dict[str, Any] = TieringOffloadingSpec.build_metric_definitions(
+                extra_config
+            )
+            return definitions
+        return dict(super().build_metric_definitions(extra_config))
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)  # vLLM's sizing: num_chunks, cpu_page_size_per_worker
         self._manager: Any = None  # built on first use, as vLLM's spec does
