@@ -230,7 +230,7 @@ def test_kvswap_and_the_adapter_package_import_without_vllm() -> None:
     code = (
         "import sys, kvswap.integrations.vllm as a, kvswap.integrations.vllm.settings, "
         "kvswap.integrations.vllm.pages, kvswap.integrations.vllm.transfers, "
-        "kvswap.integrations.vllm.keys, kvswap.cli;"
+        "kvswap.integrations.vllm.keys;"
         "assert 'vllm' not in sys.modules, 'vllm imported';"
         "print(sorted(a.__all__))"
     )
