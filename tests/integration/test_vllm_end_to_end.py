@@ -14,7 +14,8 @@ compute; with A's device blocks gone, kvswap brought them back:
                    the Redis store serves A
     restore        a second process, an empty host tier, the same store: A's first
                    run is served from it; with the store's values damaged, A is
-                   computed again, with the same tokens
+                   computed again, with the same tokens; then, with a slab and no
+                   store, damaged NVMe values cost the same recomputation
 """
 
 from __future__ import annotations
@@ -51,8 +52,20 @@ def first(
 
 
 @pytest.fixture(scope="module")
-def restore(store: RedisServer, tiny_llama_dir: Path, first: dict[str, Any]) -> dict[str, Any]:
-    return run_script(VLLM_VENV, SCRIPT, "restore", str(tiny_llama_dir), store.url)["restore"]
+def second(
+    store: RedisServer,
+    tiny_llama_dir: Path,
+    first: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    nvme_dir = tmp_path_factory.mktemp("vllm-nvme-2")
+    return run_script(VLLM_VENV, SCRIPT, "restore", str(tiny_llama_dir), store.url, str(nvme_dir))
+
+
+@pytest.fixture(scope="module")
+def restore(second: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = second["restore"]
+    return result
 
 
 def test_a_prompt_pushed_out_of_the_device_pool_is_loaded_back_from_the_host_tier(
@@ -109,3 +122,12 @@ def test_a_corrupt_store_value_costs_a_recomputation_not_the_output(
     assert restore["values_damaged"] >= 3
     assert restore["after_damage"]["corrupt_blocks"] >= 3  # refused and deleted
     assert restore["recomputed"] == {"tokens": first["baseline"]["tokens"], "cached": 0}
+
+
+def test_a_corrupt_nvme_value_costs_a_recomputation_not_the_output(
+    first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    nvme_only, reference = second["nvme_only"], first["baseline"]["tokens"]
+    assert nvme_only["again"] == {"tokens": reference, "cached": 96}  # from the slab
+    assert nvme_only["nvme"]["corrupt_blocks"] == 3
+    assert nvme_only["recomputed"] == {"tokens": reference, "cached": 0}

