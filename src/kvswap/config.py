@@ -397,6 +397,18 @@ def load_config(
         layers.append(("environment", env_values))
     if overrides:
         layers.append(("command line", {k: v for k, v in overrides.items() if v is not None}))
+    return _validated(layers)
+
+
+def config_from_values(values: Mapping[str, object], source: str) -> KvSwapConfig:
+    """Defaults <- `values` (field names, old spellings included), validated as
+    `load_config` validates; an error names `source` ("kv_connector_extra_config"
+    for vLLM's adapter), not a file or a flag. No environment is read."""
+    return _validated([(source, dict(values))])
+
+
+def _validated(layers: list[tuple[str, dict[str, Any]]]) -> KvSwapConfig:
+    """`layers` (lowest first) merged field by field, then validated once."""
     origin_names: dict[str, str] = {}
     merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     origin: dict[str, str] = {}

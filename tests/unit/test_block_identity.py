@@ -215,3 +215,21 @@ def test_bad_namespace_salt_and_request_values_are_one_line_errors() -> None:
         Request(request_id=0, arrival_s=0.0, prompt_ids=(1,), max_new_tokens=1, cache_salt=5)  # type: ignore[arg-type]
     salted = Request(request_id=0, arrival_s=0.0, prompt_ids=(1,), max_new_tokens=1, cache_salt="t")
     assert salted.cache_salt == "t"
+
+
+def test_a_foreign_id_gets_a_key_of_its_namespace_only() -> None:
+    """vLLM's OffloadKey under kvswap's namespace: equal ids share a key only within
+    one namespace, and never equal a key of our own chain."""
+    root = KeyNamespace("model-a", 32).root_key()
+    other_root = KeyNamespace("model-b", 32).root_key()
+    vllm_key = bytes(range(36))
+    key = identity.foreign_key(root, vllm_key)
+    assert len(key) == identity.KEY_BYTES
+    assert key == identity.foreign_key(root, vllm_key)
+    assert key != identity.foreign_key(other_root, vllm_key)
+    assert key != identity.foreign_key(root, vllm_key[:-1] + b"\xff")
+    assert key != chain_key(root, list(vllm_key))
+    with pytest.raises(ValueError, match="root key is 3 bytes"):
+        identity.foreign_key(b"abc", vllm_key)
+    with pytest.raises(ValueError, match="a foreign id is 1 to"):
+        identity.foreign_key(root, b"")

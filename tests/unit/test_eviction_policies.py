@@ -296,3 +296,8 @@ def test_the_config_names_each_tier_s_policy_and_a_bad_name_stops_at_the_edge() 
     bad = load_config(None, overrides={"nvme_eviction_policy": "mru"})
     with pytest.raises(ConfigError, match=r"^nvme_eviction_policy = 'mru': unknown policy; "):
         policy_options(bad)
+
+
+def test_a_caller_may_name_the_setting_its_users_know_the_policy_by() -> None:
+    with pytest.raises(ConfigError, match=r"^eviction_policy = 'mru': unknown policy; "):
+        build_policy(Tier.GPU, PolicyOptions(gpu_eviction_policy="mru"), field="eviction_policy")

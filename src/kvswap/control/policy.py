@@ -67,9 +67,11 @@ def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
     return found
 
 
-def build_policy(tier: Tier, options: PolicyOptions) -> EvictionPolicy:
-    """`tier`'s policy as `options` names it (`options.gpu_eviction_policy`, ...)."""
-    field = policy_field(tier)
+def build_policy(tier: Tier, options: PolicyOptions, *, field: str | None = None) -> EvictionPolicy:
+    """`tier`'s policy as `options` names it (`options.gpu_eviction_policy`, ...).
+    `field`: the setting an error names, when the caller's users know the policy by
+    another name (vLLM's adapter: "eviction_policy"); default `policy_field(tier)`."""
+    field = policy_field(tier) if field is None else field
     cls = policy_class(field, options.policy_name(tier), tier)
     if cls in _BUILTIN_CLASSES:
         return cls(tier, options)
