@@ -32,7 +32,7 @@ from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import (
     REMOTE_DIRECTIONS,

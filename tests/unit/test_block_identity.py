@@ -16,7 +16,8 @@ import pytest
 from kvswap.control import identity
 from kvswap.control.identity import KeyNamespace, chain_key, key_hex
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.store import BlockStore, StoreLayout
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request
 

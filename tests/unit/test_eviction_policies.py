@@ -21,7 +21,8 @@ from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy,
 from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
-from kvswap.control.store import BlockStore, StoreLayout
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.transfer import Tier
 from kvswap.drive.settings import policy_options
 from kvswap.errors import ConfigError

@@ -19,7 +19,7 @@ from kvswap.control.settings import (
     RemoteWritePolicy,
     SwapSettings,
 )
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.errors import KvSwapError
 
 
