@@ -65,7 +65,7 @@ def test_an_engine_runs_report_shows_the_model_it_ran_not_the_sizing_defaults(
 
 
 def test_requests_refused_at_admission_are_a_finding_with_a_sizing_hint() -> None:
-    from kvswap.obs.diagnosis import requests_refused
+    from kvswap.obs.diagnosis_requests import requests_refused
     from kvswap.obs.timeseries import TimeSeriesRecorder
 
     series = TimeSeriesRecorder().series()

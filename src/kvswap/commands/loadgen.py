@@ -29,7 +29,7 @@ from kvswap.commands.outputs import attempt_write, check_output_dir
 from kvswap.commands.run import add_workload_arguments, check_workload_arguments
 from kvswap.commands.run import workload_from_args as build_workload
 from kvswap.errors import KvSwapError
-from kvswap.obs.diagnosis import Finding
+from kvswap.obs.finding import Finding
 from kvswap.obs.html import LOADGEN_SUMMARY_ROWS
 from kvswap.obs.loadgen_findings import CHECKED, judge
 from kvswap.obs.progress import ProgressBar

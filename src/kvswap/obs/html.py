@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
-from kvswap.obs.diagnosis import Finding
+from kvswap.obs.finding import Finding
 from kvswap.obs.jsonvalues import integer_or, lookup, number_or
 from kvswap.obs.loadgen_findings import CHECKED
 from kvswap.obs.plots import PLOT_TITLES

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvswap.obs.diagnosis import Finding
+from kvswap.obs.finding import Finding
 from kvswap.obs.jsonvalues import integer_or, lookup, number
 
 #: Failure kinds besides "HTTP <status>" (`errors_by_kind` keys).

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvswap.errors import KvSwapError
-from kvswap.obs.diagnosis import Finding, diagnose_change
+from kvswap.obs.diagnosis import diagnose_change
+from kvswap.obs.finding import Finding
 from kvswap.obs.html import (
     LOADGEN_NO_FINDING,
     LOADGEN_SUMMARY_ROWS,
