@@ -237,6 +237,7 @@ def render(summary: dict[str, Any]) -> str:
     lines += [f"diagnosis: {f['symptom']} ({f['figure']}); {f['advice']}" for f in findings]
     if not findings:
         lines.append(
-            "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool)"
+            "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool, "
+            "remote fetches, refused requests)"
         )
     return "\n".join(lines)
