@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvswap.config import KvSwapConfig, TierCapacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import TierCapacities
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions, check_policy_names
 from kvswap.control.scheduler import Preemption, SchedulerSettings
