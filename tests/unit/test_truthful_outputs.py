@@ -119,3 +119,11 @@ def test_run_keeps_metrics_up_after_the_run_so_a_scrape_sees_the_final_values() 
     summary = json.loads(out)
     generated = re.search(r"^kvswap_generation_tokens_total (\S+)$", scraped, re.MULTILINE)
     assert generated is not None and float(generated.group(1)) == summary["tokens_generated"]
+
+
+def test_a_negative_metrics_linger_is_one_line_before_any_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for value in ("-1", "nan", "inf"):
+        code, _, err = cli(capsys, "run", "--metrics-linger-s", value)
+        assert code == 2 and "--metrics-linger-s" in one_error_line(err)

@@ -14,7 +14,11 @@ from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.model.choice import ENGINE_DTYPES, ConfiguredModel, ModelChoice, choose_engine_model
-from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
+from kvswap.obs.wiring import (
+    add_monitoring_arguments,
+    build_monitoring,
+    check_monitoring_arguments,
+)
 from kvswap.sampling import sampling_or_greedy
 from kvswap.units import format_bytes
 from kvswap.workload.mooncake import load_mooncake_trace
@@ -157,6 +161,7 @@ def engine_model(
 def run(args: argparse.Namespace) -> int:
     check_output_dir(args.report, "--report")
     check_workload_arguments(args)
+    check_monitoring_arguments(args)
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args.model, args.dtype, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)

@@ -20,6 +20,7 @@ the command's own.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -73,6 +74,13 @@ def add_monitoring_arguments(
             "--report", metavar="DIR", default=None,
             help="write report.json, PNG plots and index.html into DIR",
         )  # fmt: skip
+
+
+def check_monitoring_arguments(args: argparse.Namespace) -> None:
+    """The monitoring flags no reader checks, before any work starts."""
+    linger_s = getattr(args, "metrics_linger_s", 0.0)
+    if not math.isfinite(linger_s) or linger_s < 0:
+        raise KvSwapError(f"--metrics-linger-s {linger_s}: allowed: a number of seconds >= 0")
 
 
 class Monitoring:
