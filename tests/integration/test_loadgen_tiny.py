@@ -10,7 +10,6 @@ per-request records in report.json show.
 from __future__ import annotations
 
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.unit.serve_fakes import finish_process, kvswap_process, wait_for_line
+from tests.unit.serve_fakes import kvswap_server
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = ("--trace", str(REPO / "tests" / "data" / "mooncake_sample.jsonl"),
@@ -29,17 +28,8 @@ TRACE = ("--trace", str(REPO / "tests" / "data" / "mooncake_sample.jsonl"),
 @contextmanager
 def tiny_server() -> Iterator[str]:
     """A running `kvswap serve --model tiny` on a free loopback port; SIGTERM at the end."""
-    process = kvswap_process("serve", "--model", "tiny", "--device", "cpu", "--port", "0")
-    try:
-        line = wait_for_line(process, "kvswap serve: listening on ")
-        yield line.split("listening on ")[1].split()[0]
-        process.send_signal(signal.SIGTERM)
-        code, err = finish_process(process)
-        assert code == 0, err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    with kvswap_server("--model", "tiny", "--device", "cpu", "--port", "0") as url:
+        yield url
 
 
 def loadgen(url: str, report: Path, *flags: str) -> tuple[dict[str, Any], dict[str, Any]]:

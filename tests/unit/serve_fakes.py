@@ -16,6 +16,7 @@ import asyncio
 import io
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -313,3 +314,20 @@ def child_stderr(process: subprocess.Popen[bytes]) -> str:
     err = stderr.read()
     stderr.close()
     return err.decode(errors="replace")
+
+
+@contextmanager
+def kvswap_server(*argv: str) -> Iterator[str]:
+    """`kvswap serve ARGV` as a child, running; yields its URL. At the end SIGTERM, and
+    it must exit 0 (else its stderr is the failure); a kill if it is still alive."""
+    process = kvswap_process("serve", *argv)
+    try:
+        line = wait_for_line(process, "kvswap serve: listening on ")
+        yield line.split("listening on ")[1].split()[0]
+        process.send_signal(signal.SIGTERM)
+        code, err = finish_process(process)
+        assert code == 0, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
