@@ -38,7 +38,7 @@ from typing import IO, TextIO
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
-from tests.unit.serve_fakes import CHILD_DEADLINE_S, kvswap_process, wait_for_line
+from tests.unit.serve_fakes import CHILD_DEADLINE_S, child_stderr, kvswap_process, wait_for_line
 
 GOAL_RSS_RATIO = 1.1
 #: Bounds on waiting for the server; not performance figures.
@@ -83,8 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Server:
-    """`kvswap serve` as a child; its stdout and stderr drained in threads (a full pipe
-    would stall it), SIGTERM at the end and a kill past CHILD_DEADLINE_S."""
+    """`kvswap serve` as a child; its stdout drained in a thread (a full pipe would stall
+    it), its stderr in a file (read at the end), SIGTERM at the end and a kill past
+    CHILD_DEADLINE_S."""
 
     def __init__(self, model: str, device: str, max_waiting_requests: int):
         self.process = kvswap_process(
@@ -96,7 +97,7 @@ class Server:
         self.stderr: list[str] = []
         self._drains = [
             threading.Thread(target=self._drain, args=(pipe, sink), daemon=True)
-            for pipe, sink in ((self.process.stdout, []), (self.process.stderr, self.stderr))
+            for pipe, sink in ((self.process.stdout, []),)
         ]
         for drain in self._drains:
             drain.start()
@@ -123,6 +124,7 @@ class Server:
                 self.process.wait()
         for drain in self._drains:
             drain.join(10)
+        self.stderr = [child_stderr(self.process)]
         return self.process.returncode
 
 

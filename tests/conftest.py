@@ -1,4 +1,5 @@
-"""Fixtures shared by every test directory: a throwaway redis-server on loopback.
+"""Fixtures shared by every test directory: a throwaway redis-server on loopback, and
+a tiny random Llama for the tests that drive the real vLLM (`tests/vllm_support.py`).
 
 OpenMP's idle threads sleep rather than spin in the test process too (as the
 command line arranges for itself, before torch loads; a setting of the user's
@@ -11,5 +12,6 @@ prefer_passive_openmp_wait()
 cap_onednn_caches()  # as the command line does: bounded oneDNN primitive caches
 
 from tests.redis_server import redis_server, redis_server_factory  # noqa: E402
+from tests.vllm_support import tiny_llama_dir  # noqa: E402
 
-__all__ = ["redis_server", "redis_server_factory"]
+__all__ = ["redis_server", "redis_server_factory", "tiny_llama_dir"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -33,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvswap.config_capacities import TierCapacities, tier_blocks, validate_capacities
 from kvswap.config_sources import read_toml, source_values
 from kvswap.data.remote_url import REMOTE_URL_SCHEMES
 from kvswap.errors import ConfigError
@@ -124,11 +124,11 @@ class SwapSection(_Section):
     min_residency_steps: int = Field(default=64, ge=0, le=2**40)
     """decode steps a block brought back stays on the GPU before it may leave again"""
     gpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave the GPU first: kvswap, lru, or package.module:ClassName"""
+    """which copies leave the GPU first: kvswap, lru, arc, or package.module:ClassName"""
     cpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave the pinned CPU tier first: kvswap, lru, or package.module:ClassName"""
+    """which copies leave the pinned CPU tier first: kvswap, lru, arc, or module:Class"""
     nvme_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave NVMe first: kvswap, lru, or package.module:ClassName"""
+    """which copies leave NVMe first: kvswap, lru, arc, or package.module:ClassName"""
     swap_out_chunk_blocks: int = Field(default=8, ge=1, le=MAX_NUM_BLOCKS)
     """blocks per swap-out (and demotion) chunk on the LOW queue"""
     swap_in_chunk_blocks: int = Field(default=4, ge=1, le=MAX_NUM_BLOCKS)
@@ -250,69 +250,18 @@ class KvSwapConfig(_Section):
         if block_bytes <= 0:
             raise ConfigError(f"block size must be > 0 bytes, got {block_bytes}")
         cache = self.cache
-        gpu = _blocks("gpu", cache.gpu_kv_capacity_blocks, cache.gpu_kv_capacity_bytes, block_bytes)
-        cpu = _blocks("cpu", cache.cpu_kv_capacity_blocks, cache.cpu_kv_capacity_bytes, block_bytes)
-        nvme = _blocks(
+        gpu = tier_blocks(
+            "gpu", cache.gpu_kv_capacity_blocks, cache.gpu_kv_capacity_bytes, block_bytes
+        )
+        cpu = tier_blocks(
+            "cpu", cache.cpu_kv_capacity_blocks, cache.cpu_kv_capacity_bytes, block_bytes
+        )
+        nvme = tier_blocks(
             "nvme", cache.nvme_kv_capacity_blocks, cache.nvme_kv_capacity_bytes, block_bytes
         )
         capacities = TierCapacities(gpu or 0, cpu or 0, nvme or 0, gpu is not None)
         validate_capacities(self, capacities, slab_needed=slab_needed)
         return capacities
-
-
-@dataclass(frozen=True)
-class TierCapacities:
-    """Blocks per tier; `gpu_is_configured` is False when the GPU tier was left unset."""
-
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    num_nvme_blocks: int
-    gpu_is_configured: bool
-
-
-def validate_capacities(
-    config: KvSwapConfig, capacities: TierCapacities, *, slab_needed: bool = True
-) -> None:
-    """Rules that need block counts: chunk vs tier sizes, protected blocks vs GPU tier,
-    and (when `slab_needed`) an NVMe tier needs the directory of its slab."""
-    swap = config.swap
-    # Protected blocks as many as the GPU tier leave no block for anything else: every
-    # request would be rejected, so at least one block must stay unprotected.
-    if capacities.num_gpu_blocks and swap.protected_sink_blocks >= capacities.num_gpu_blocks:
-        raise ConfigError(
-            f"protected_sink_blocks = {swap.protected_sink_blocks}: the GPU tier holds only "
-            f"{capacities.num_gpu_blocks} blocks and one must stay unprotected; "
-            f"allowed: 0..{capacities.num_gpu_blocks - 1}"
-        )
-    if capacities.num_gpu_blocks and swap.swap_out_chunk_blocks > capacities.num_gpu_blocks:
-        raise ConfigError(
-            f"swap_out_chunk_blocks = {swap.swap_out_chunk_blocks}: larger than the GPU tier it "
-            f"moves from ({capacities.num_gpu_blocks} blocks); allowed: "
-            f"1..{capacities.num_gpu_blocks}"
-        )
-    if capacities.num_cpu_blocks and swap.swap_in_chunk_blocks > capacities.num_cpu_blocks:
-        raise ConfigError(
-            f"swap_in_chunk_blocks = {swap.swap_in_chunk_blocks}: larger than the CPU tier it "
-            f"moves from ({capacities.num_cpu_blocks} blocks); allowed: "
-            f"1..{capacities.num_cpu_blocks}"
-        )
-    if slab_needed and capacities.num_nvme_blocks and config.tiers.nvme_dir is None:
-        raise ConfigError(
-            f"nvme_kv_capacity_blocks = {capacities.num_nvme_blocks} needs nvme_dir, the directory "
-            "that holds the NVMe slab; set nvme_dir or make the NVMe tier 0"
-        )
-
-
-def _blocks(
-    tier: str, num_blocks: int | None, size: SizeValue | None, block_bytes: int
-) -> int | None:
-    if num_blocks is not None and size is not None:
-        raise ConfigError(
-            f"{tier}_kv_capacity_blocks and {tier}_kv_capacity_bytes are both set; give one"
-        )
-    if size is not None:
-        return int(size) // block_bytes
-    return num_blocks
 
 
 def _size_or_value_error(value: SizeValue) -> int:
@@ -394,6 +343,18 @@ def load_config(
         layers.append(("environment", env_values))
     if overrides:
         layers.append(("command line", {k: v for k, v in overrides.items() if v is not None}))
+    return _validated(layers)
+
+
+def config_from_values(values: Mapping[str, object], source: str) -> KvSwapConfig:
+    """Defaults <- `values` (field names, old spellings included), validated as
+    `load_config` validates; an error names `source` ("kv_connector_extra_config"
+    for vLLM's adapter), not a file or a flag. No environment is read."""
+    return _validated([(source, dict(values))])
+
+
+def _validated(layers: list[tuple[str, dict[str, Any]]]) -> KvSwapConfig:
+    """`layers` (lowest first) merged field by field, then validated once."""
     origin_names: dict[str, str] = {}
     merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     origin: dict[str, str] = {}

@@ -5,16 +5,21 @@ output; the fast mode's token equality on peaky models is in test_fast_path_outp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvswap.config import load_config
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
+from kvswap.model.generate import generate_reference
+from kvswap.model.loader import load_model
+from kvswap.model.sampler import adjust_logits, sample_token
 from kvswap.obs.observer import StepObserver, StepSample
-from kvswap.sampling import SamplingParams
+from kvswap.sampling import LogitsContext, LogitsOptions, SamplingParams, workload_request_seed
 from kvswap.workload.request import FollowUp, Request, Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
@@ -239,6 +244,9 @@ def roomy_engine() -> Engine:
 
 def sampled_outputs(
     requests: list[tuple[int, tuple[int, ...], SamplingParams | None]],
+    *,
+    options: LogitsOptions | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
 ) -> tuple[dict[int, list[int]], int]:
     """Serve `requests` (seq id, prompt, sampling), all arriving at once, stepping the
     scheduler and the engine by hand: each one's 8 output tokens, and the most requests
@@ -246,7 +254,10 @@ def sampled_outputs(
     with roomy_engine() as engine:
         scheduler = engine.scheduler
         for seq_id, prompt, sampling in requests:
-            assert scheduler.add_request(seq_id, prompt, 8, 0.0, sampling=sampling).accepted
+            assert scheduler.add_request(
+                seq_id, prompt, 8, 0.0, sampling=sampling, options=options,
+                stop_token_ids=stop_token_ids,
+            ).accepted  # fmt: skip
         most_sampling = 0
         while scheduler.has_work():
             plan = scheduler.schedule(0.0)
@@ -263,6 +274,38 @@ def test_two_requests_in_one_batch_sample_as_each_would_alone() -> None:
     assert sampled_outputs([(1, PROMPT_B, HOT)])[0] == {1: together[1]}
     greedy, _ = sampled_outputs([(0, PROMPT_A, None), (1, PROMPT_B, None)])
     assert greedy[0] != together[0] and greedy[1] != together[1]  # their params were used
+    # The sequence id a request gets (the server assigns it) and its order change nothing.
+    renamed, _ = sampled_outputs([(7, PROMPT_B, HOT), (3, PROMPT_A, COLD)])
+    assert renamed == {3: together[0], 7: together[1]}
+
+
+def test_options_see_each_requests_own_history() -> None:
+    """logit_bias forces token 9; min_tokens holds it back (a stop token) for 3 tokens."""
+    forced = LogitsOptions(logit_bias=((9, 100.0),), min_tokens=3)
+    outputs, _ = sampled_outputs(
+        [(0, PROMPT_A, None), (1, PROMPT_B, HOT)], options=forced, stop_token_ids=frozenset({9})
+    )
+    for output in outputs.values():
+        assert len(output) == 4 and 9 not in output[:3] and output[3] == 9
+
+
+def test_penalties_read_the_history_a_reference_loop_would() -> None:
+    """Greedy with every penalty and a bias, served by the engine, equals a loop that
+    prefills prompt + output afresh for each token and adjusts its logits by hand."""
+    options = LogitsOptions(
+        presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
+        logit_bias=((64, 4.0), (83, -4.0)),
+    )  # fmt: skip
+    served, _ = sampled_outputs([(0, PROMPT_A, None), (1, PROMPT_B, HOT)], options=options)
+    plain, _ = sampled_outputs([(0, PROMPT_A, None)])
+    assert served[0] != plain[0]  # the options changed the output
+    model = load_model("tiny", None, torch.device("cpu"), batch_invariant=True)[0]
+    expected: list[int] = []
+    for _ in range(8):
+        logits = generate_reference(model, [*PROMPT_A, *expected], 1).logits[0]
+        context = LogitsContext(options, PROMPT_A, tuple(expected))
+        expected.append(sample_token(adjust_logits(logits, context), None, None))
+    assert served[0] == expected
 
 
 def test_a_run_wide_sampling_is_every_request_carrying_it() -> None:
@@ -270,4 +313,12 @@ def test_a_run_wide_sampling_is_every_request_carrying_it() -> None:
     with roomy_engine() as engine:
         engine.run(workload, sampling=HOT)
         run_wide = {seq_id: list(run.output_ids) for seq_id, run in engine.scheduler.runs.items()}
-    assert run_wide == sampled_outputs([(0, PROMPT_A, HOT), (1, PROMPT_B, HOT)])[0]
+    # Each request carries the run's sampling with its own seed, derived from the run's
+    # seed and its id: a seeded run is reproducible, and equal prompts still draw apart.
+    own = [replace(HOT, seed=workload_request_seed(HOT.seed, i)) for i in (0, 1)]
+    assert run_wide == sampled_outputs([(0, PROMPT_A, own[0]), (1, PROMPT_B, own[1])])[0]
+    twins = Workload((Request(0, 0.0, PROMPT_A, 8), Request(1, 0.0, PROMPT_A, 8)), "twins", 256)
+    with roomy_engine() as engine:
+        engine.run(twins, sampling=HOT)
+        outputs = [list(run.output_ids) for run in engine.scheduler.runs.values()]
+    assert outputs[0] != outputs[1]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import httpx
 import openai
 
 from kvswap.serve.tokenizer import builtin_codec
-from tests.unit.serve_fakes import finish_process, kvswap_process, wait_for_line
+from tests.unit.serve_fakes import kvswap_server
 
 TINY = ("--model", "tiny", "--device", "cpu", "--port", "0", "--block-tokens", "8",
         "--batch-invariant", "--protected-sink-blocks", "1")  # fmt: skip
@@ -31,17 +30,8 @@ PROMPT_IDS = (5, 17, 99, 3, 42, 8, 77, 120, 64, 31, 200, 11)
 @contextmanager
 def server(*flags: str) -> Iterator[str]:
     """A running `kvswap serve` on the tiny model; yields its URL; SIGTERM at the end."""
-    process = kvswap_process("serve", *TINY, *flags)
-    try:
-        line = wait_for_line(process, "kvswap serve: listening on ")
-        yield line.split("listening on ")[1].split()[0]
-        process.send_signal(signal.SIGTERM)
-        code, err = finish_process(process)
-        assert code == 0, err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    with kvswap_server(*TINY, *flags) as url:
+        yield url
 
 
 def api(url: str) -> openai.OpenAI:
@@ -129,11 +119,14 @@ def test_a_chats_second_turn_restored_from_cpu_and_nvme_equals_an_unlimited_pool
 
 
 def test_loadgen_counts_what_the_servers_metrics_count() -> None:
+    # --no-calibrate: the server's counters then hold the replay alone, not the probes
+    # that calibrate text length (tests/integration/test_loadgen_tiny.py runs those).
     with server("--gpu-kv-capacity-blocks", "64", "--cpu-kv-capacity-blocks", "64") as url:
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", url, "--json",
              "--num-sessions", "3", "--turns", "2", "--prompt-tokens", "24",
-             "--output-tokens", "6", "--user-tokens", "8", "--system-prompt-tokens", "8"],
+             "--output-tokens", "6", "--user-tokens", "8", "--system-prompt-tokens", "8",
+             "--no-calibrate"],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr

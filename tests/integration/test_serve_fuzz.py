@@ -44,20 +44,33 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "top_p": st.one_of(st.floats(1e-300, 1.0, exclude_min=True), st.sampled_from([1e-50, 1e-46])),
     "seed": st.integers(0, 2**63 - 1),
     "stop": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1), max_size=4)),
-    "n": st.just(1),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": TEXT,
     "cache_salt": st.text(min_size=1, max_size=8),
     "ignore_eos": st.booleans(),
+    "n": st.integers(1, 3),
+    "top_k": st.integers(-1, 300),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.01, 100.0),
+    "logit_bias": st.dictionaries(
+        st.integers(0, 255).map(str), st.floats(-100.0, 100.0), max_size=3
+    ),
+    "min_tokens": st.integers(0, 1),
+    "response_format": st.just({"type": "text"}),
 }
 TOKEN_IDS = st.lists(st.integers(0, 255), min_size=1, max_size=40)
 #: max_tokens always: without it a request generates to the end of the context (slow
 #: here); a mutation may still drop it (None).
 MAX_TOKENS = st.integers(1, 8)
 COMPLETION_ONLY = {"prompt": st.one_of(TEXT, TOKEN_IDS), "max_tokens": MAX_TOKENS}
+COMPLETION_OPTIONAL = {"logprobs": st.integers(0, 20), "echo": st.just(False)}
 CHAT_ONLY = {"messages": st.lists(MESSAGE, min_size=1, max_size=4), "max_tokens": MAX_TOKENS}
-CHAT_OPTIONAL = {"max_completion_tokens": MAX_TOKENS, "top_logprobs": st.just(0)}
+CHAT_OPTIONAL = {
+    "max_completion_tokens": MAX_TOKENS, "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20), "tools": st.just([]), "tool_choice": st.just("none"),
+}  # fmt: skip
 #: ... and values it must refuse (or that are edges of a range).
 ODD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.one_of(st.integers(-3, 400), st.integers(-(2**70), 2**70)),
@@ -69,12 +82,26 @@ ODD_VALUES: dict[str, st.SearchStrategy[Any]] = {
         st.fixed_dictionaries({}, optional={"role": st.one_of(TEXT, ODD), "content": ODD}),
         max_size=4,
     ),
-    "n": st.integers(-1, 3),
-    "logprobs": st.integers(-1, 5),
+    # Out of range only: a valid n of up to 128 choices with up to 400 tokens each is
+    # minutes of CPU work on this machine (test_serve_fields covers n = 128).
+    "n": st.sampled_from([-1, 0, 129, 200, 2**70]),
+    "logprobs": st.integers(-1, 25),
+    "top_logprobs": st.integers(-1, 25),
     "presence_penalty": EDGE_NUMBERS,
+    "frequency_penalty": EDGE_NUMBERS,
+    "repetition_penalty": EDGE_NUMBERS,
+    "top_k": st.one_of(st.integers(-3, 2**70), EDGE_NUMBERS),
+    "min_tokens": st.integers(-3, 400),
+    "logit_bias": st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-1, 300).map(str)),
+                                  st.one_of(EDGE_NUMBERS, st.floats(), ODD), max_size=3),
     "tools": st.lists(ODD, max_size=2),
-}
-FIELDS = sorted({*VALID, *ODD_VALUES, *COMPLETION_ONLY, *CHAT_ONLY, *CHAT_OPTIONAL})
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), ODD),
+    "response_format": st.one_of(st.fixed_dictionaries({"type": TEXT}), ODD),
+    "echo": ODD,
+}  # fmt: skip
+FIELDS = sorted(
+    {*VALID, *ODD_VALUES, *COMPLETION_ONLY, *COMPLETION_OPTIONAL, *CHAT_ONLY, *CHAT_OPTIONAL}
+)
 
 
 @st.composite
@@ -83,7 +110,8 @@ def requests(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     two fields replaced by a wrong type, an edge of their range or an unknown field."""
     chat = draw(st.booleans())
     required = CHAT_ONLY if chat else COMPLETION_ONLY
-    body = draw(st.fixed_dictionaries(required, optional=VALID | (CHAT_OPTIONAL if chat else {})))
+    optional = VALID | (CHAT_OPTIONAL if chat else COMPLETION_OPTIONAL)
+    body = draw(st.fixed_dictionaries(required, optional=optional))
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=2, unique=True)):
         body[name] = draw(st.one_of(ODD_VALUES.get(name, ODD), ODD))
     return ("/v1/chat/completions" if chat else "/v1/completions"), body

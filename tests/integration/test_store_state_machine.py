@@ -32,7 +32,7 @@ from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import (
     REMOTE_DIRECTIONS,
@@ -52,6 +52,7 @@ BLOCK_TOKENS = 4
 BLOCK_BYTES = 4096
 LAYOUT = KVLayout.from_block_bytes(BLOCK_BYTES)
 PREFIXES = [(1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9), (1, 2, 3, 4, 6)]
+POLICY_NAMES = ["kvswap", "lru", "arc"]  # (GPU, CPU) pairs are drawn from these
 
 
 def block_bytes(block: Block) -> torch.Tensor:
@@ -184,7 +185,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         protected=st.integers(0, 1),
         residency=st.integers(0, 3),
         remote=st.sampled_from([None, *RemoteWritePolicy]),
-        policies=st.tuples(st.sampled_from(["kvswap", "lru"]), st.sampled_from(["kvswap", "lru"])),
+        policies=st.tuples(st.sampled_from(POLICY_NAMES), st.sampled_from(POLICY_NAMES)),
     )
     def setup(
         self,

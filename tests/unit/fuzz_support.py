@@ -438,4 +438,5 @@ def mutated_json(draw: st.DrawFn, base: Any) -> bytes:
 
 #: `kvswap run` on the tiny model with a 4-block NVMe tier in the sandbox.
 RUN_BASE = ("run", "--model", "tiny", "--quiet", "--nvme-dir", "@NVME@",
-            "--nvme-kv-capacity-blocks", "4", *TINY_WORKLOAD)  # fmt: skip
+            "--nvme-kv-capacity-blocks", "4", "--metrics-linger-s", "0",
+            *TINY_WORKLOAD)  # fmt: skip

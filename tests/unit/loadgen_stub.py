@@ -5,12 +5,19 @@ It streams deterministic replies: request n (in arrival order) answers
 `max_tokens` words "r{n}w{i}", one SSE chunk each, then a usage chunk whose
 cached_tokens is the longest word prefix shared with an earlier prompt. It
 records every body it received and counts what it served to the end.
+
+Its "tokenizer" counts `tokens_per_word` tokens per word (its own reply words
+one each, as they were generated), plus `request_overhead_tokens` per request and
+`message_overhead_tokens` per message after the first (a chat template's
+wrappers), so calibration has something to find; the default is one token per
+word and no overhead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -24,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 MODEL = "stub-model"
+REPLY_WORD = re.compile(r"r\d+w\d+")
 
 
 @dataclass
@@ -42,6 +50,10 @@ class StubOptions:
     chunk_delay_s: float = 0.0
     with_usage: bool = True
     fail_every: int | None = None  # request n fails with HTTP 500 when n % fail_every == 0
+    tokens_per_word: int = 1
+    request_overhead_tokens: int = 0
+    message_overhead_tokens: int = 0
+    max_prompt_tokens: int | None = None  # longer prompts: HTTP 413
     openai: bool = True  # False: no /v1 routes at all (a plain web server)
     api_key: str | None = None
     ignore_stream: bool = False  # answer one JSON object, as a server without streaming
@@ -62,6 +74,12 @@ class StubState:
     @property
     def tokens_served(self) -> int:
         return sum(len(s.reply.split()) for s in self.completed)
+
+    def replayed(self, num_probes: int) -> list[Served]:
+        """The requests of the replay served to the end: the load generator sends
+        its `num_probes` calibration probes before any of them."""
+        with self.lock:
+            return [s for s in self.served[num_probes:] if s.completed]
 
 
 def _prompt_words(body: dict[str, object]) -> list[str]:
@@ -142,19 +160,30 @@ class StubServer:
             words = _prompt_words(body)
             cached = max((_shared_prefix(words, p) for p in self.state.prompts), default=0)
             self.state.prompts.append(words)
-        every = self.options.fail_every
+        options = self.options
+        messages = body.get("messages")
+        num_messages = len(messages) if isinstance(messages, list) else 1
+        prompt_tokens = (
+            sum(1 if REPLY_WORD.fullmatch(w) else options.tokens_per_word for w in words)
+            + options.request_overhead_tokens
+            + options.message_overhead_tokens * (num_messages - 1)
+        )
+        every = options.fail_every
         if every is not None and served.number % every == 0:
             message = f"stub failure for request {served.number}"
             return JSONResponse({"error": {"message": message}}, status_code=500)
+        if options.max_prompt_tokens is not None and prompt_tokens > options.max_prompt_tokens:
+            message = f"{prompt_tokens} prompt tokens; this stub takes {options.max_prompt_tokens}"
+            return JSONResponse({"error": {"message": message}}, status_code=413)
         chat = request.url.path.endswith("/chat/completions")
         max_tokens = int(body["max_tokens"])
         if self.options.ignore_stream:
             return JSONResponse({"id": "stub", "choices": [{"index": 0, "text": "x"}]})
         usage = {
-            "prompt_tokens": len(words),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": max_tokens,
-            "total_tokens": len(words) + max_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "total_tokens": prompt_tokens + max_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached * options.tokens_per_word},
         }
         return StreamingResponse(
             self._chunks(served, chat, max_tokens, usage), media_type="text/event-stream"

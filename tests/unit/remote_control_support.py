@@ -18,7 +18,7 @@ from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.scheduler import Scheduler, SchedulerSettings
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, TransferChunk, TransferResult
 from tests.manual_engine import ManualCopyEngine

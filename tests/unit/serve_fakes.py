@@ -5,8 +5,9 @@ thread (here one "engine" thread that steps every open request each `step_s`),
 delivered with `call_soon_threadsafe` on the loop that submitted. Each request
 "generates" `reply_ids` in order (the reply of every request, unless one is given
 for a prompt), then ends with LENGTH at `max_new_tokens`, STOP at a stop token,
-STOP on `stop_early`, ABORT on `cancel` or `close`. Everything it was asked is
-recorded for the tests to check.
+STOP on `stop_early`, ABORT on `cancel` or `close`. A request whose options ask for
+logprobs gets `fake_logprobs` of each token. Everything it was asked is recorded for
+the tests to check.
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ import asyncio
 import io
 import os
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import IO
 
 from starlette.types import ASGIApp
 
+from kvswap.sampling import TokenLogprobs
 from kvswap.serve.app import AppSettings, build_app
 from kvswap.serve.http_server import ApiServer, bind_listener
 from kvswap.serve.service import (
@@ -47,6 +52,13 @@ DEADLINE_S = 30.0
 CHILD_DEADLINE_S = 120.0
 
 
+def fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:
+    """What the fake reports for a token: -0.25 for it; its top list is the token, then
+    the ids after it, each 1.0 less likely."""
+    top = tuple((token_id + rank, -0.25 - rank) for rank in range(num_top))
+    return TokenLogprobs(token_id, -0.25, top)
+
+
 class FakeHandle(RequestHandle):
     def __init__(self, request_id: int, request: GenerationRequest, reply: Sequence[int]):
         self.request_id = request_id
@@ -54,6 +66,7 @@ class FakeHandle(RequestHandle):
         self.reply = list(reply)
         self.sent = 0
         self.end: FinishReason | None = None  # what ends it at the next step
+        self.extra_tokens = 0  # sent even so (tokens_after_stop)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent | Finished] = asyncio.Queue()
 
@@ -77,6 +90,8 @@ class FakeService(EngineService):
     max_open_requests: int = 8
     cached_tokens: int = 0
     step_s: float = STEP_S
+    #: Tokens still sent after `stop_early`, as an engine samples until it hears of it.
+    tokens_after_stop: int = 0
     submitted: list[GenerationRequest] = field(default_factory=list)
     stopped_early: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
@@ -121,6 +136,8 @@ class FakeService(EngineService):
             fake = self._open.get(handle.request_id)
             if fake is not None and fake.end is None:
                 fake.end = reason
+                if reason is FinishReason.STOP:
+                    fake.extra_tokens = self.tokens_after_stop
 
     def metrics_text(self) -> tuple[bytes, str]:
         return b"# TYPE kvswap_fake_requests_total counter\nkvswap_fake_requests_total 1\n", (
@@ -160,6 +177,9 @@ class FakeService(EngineService):
         """One token, or the end; True once Finished was pushed."""
         request = handle.request
         reason = handle.end
+        if reason is FinishReason.STOP and handle.extra_tokens:
+            handle.extra_tokens -= 1
+            reason = None
         last = handle.reply[(handle.sent - 1) % len(handle.reply)] if handle.sent else None
         if reason is None and last in request.stop_token_ids:
             reason = FinishReason.STOP
@@ -170,7 +190,12 @@ class FakeService(EngineService):
             error = "the server is stopping" if reason is FinishReason.ABORT else None
             handle.push(Finished(reason, len(request.prompt_ids), cached, handle.sent, error))
             return True
-        handle.push(TokenEvent(handle.reply[handle.sent % len(handle.reply)]))
+        token_id = handle.reply[handle.sent % len(handle.reply)]
+        options = request.options
+        logprobs = None
+        if options is not None and options.num_logprobs is not None:
+            logprobs = fake_logprobs(token_id, options.num_logprobs)
+        handle.push(TokenEvent(token_id, logprobs))
         handle.sent += 1
         return False
 
@@ -232,12 +257,20 @@ def serving(
 # -- `python -m kvswap serve` as a child process -----------------------------------------
 
 
+#: Each child's stderr, in a file: a pipe nobody reads during a test fills up with the
+#: server's log (an access line per request) and blocks the server on its next line.
+_STDERR_FILES: dict[int, IO[bytes]] = {}
+
+
 def kvswap_process(*argv: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the ready line reaches the pipe at once
-    return subprocess.Popen(
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - finish_process closes it
+    process = subprocess.Popen(
         [sys.executable, "-m", "kvswap", *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE, stderr=stderr, env=env,
     )  # fmt: skip
+    _STDERR_FILES[process.pid] = stderr
+    return process
 
 
 def wait_for_line(process: subprocess.Popen[bytes], prefix: str) -> str:
@@ -264,8 +297,37 @@ def wait_for_line(process: subprocess.Popen[bytes], prefix: str) -> str:
 def finish_process(process: subprocess.Popen[bytes]) -> tuple[int, str]:
     """(exit code, stderr) once the child ends (killed past CHILD_DEADLINE_S)."""
     try:
-        _, err = process.communicate(timeout=CHILD_DEADLINE_S)
+        process.communicate(timeout=CHILD_DEADLINE_S)
     except subprocess.TimeoutExpired:
         process.kill()
-        _, err = process.communicate()
-    return process.returncode, err.decode(errors="replace")
+        process.communicate()
+    return process.returncode, child_stderr(process)
+
+
+def child_stderr(process: subprocess.Popen[bytes]) -> str:
+    """Everything a `kvswap_process` child wrote to stderr (once it has ended); "" when
+    it was read already."""
+    stderr = _STDERR_FILES.pop(process.pid, None)
+    if stderr is None:
+        return ""
+    stderr.seek(0)
+    err = stderr.read()
+    stderr.close()
+    return err.decode(errors="replace")
+
+
+@contextmanager
+def kvswap_server(*argv: str) -> Iterator[str]:
+    """`kvswap serve ARGV` as a child, running; yields its URL. At the end SIGTERM, and
+    it must exit 0 (else its stderr is the failure); a kill if it is still alive."""
+    process = kvswap_process("serve", *argv)
+    try:
+        line = wait_for_line(process, "kvswap serve: listening on ")
+        yield line.split("listening on ")[1].split()[0]
+        process.send_signal(signal.SIGTERM)
+        code, err = finish_process(process)
+        assert code == 0, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

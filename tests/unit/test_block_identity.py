@@ -16,7 +16,8 @@ import pytest
 from kvswap.control import identity
 from kvswap.control.identity import KeyNamespace, chain_key, key_hex
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.store import BlockStore, StoreLayout
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request
 
@@ -143,24 +144,10 @@ def test_keys_follow_the_documented_byte_format() -> None:
     ).digest()
     assert chain_key(root, [9, 2**40]) == block
     assert key_hex(block) == block.hex() and len(key_hex(block)) == 64
-    external = hashlib.sha256(
-        b"kvswap/external\x00\x01" + root + struct.pack("<I", 6) + b"k:abcd"
+    foreign = hashlib.sha256(
+        b"kvswap/foreign\x00\x01" + root + struct.pack("<I", 6) + b"k:abcd"
     ).digest()
-    assert identity.external_key(root, b"k:abcd") == external
-
-
-def test_external_names_are_scoped_by_namespace_and_never_collide_with_block_keys() -> None:
-    """Another engine's page hash names a block inside a kvswap namespace: the same hash
-    under another model, salt or name is another key, and no block key equals one."""
-    root = KeyNamespace("m", 4).root_key()
-    key = identity.external_key(root, b"ff00")
-    assert len(key) == identity.KEY_BYTES
-    assert key != identity.external_key(KeyNamespace("n", 4).root_key(), b"ff00")
-    assert key != identity.external_key(KeyNamespace("m", 4).root_key("tenant"), b"ff00")
-    assert key != identity.external_key(root, b"ff01")
-    assert key != chain_key(root, [])  # same parent, other domain tag
-    with pytest.raises(ValueError, match="root key is 3 bytes"):
-        identity.external_key(b"abc", b"ff00")
+    assert identity.foreign_key(root, b"k:abcd") == foreign
 
 
 def test_a_cache_salt_scopes_prefix_sharing() -> None:
@@ -233,3 +220,22 @@ def test_bad_namespace_salt_and_request_values_are_one_line_errors() -> None:
         Request(request_id=0, arrival_s=0.0, prompt_ids=(1,), max_new_tokens=1, cache_salt=5)  # type: ignore[arg-type]
     salted = Request(request_id=0, arrival_s=0.0, prompt_ids=(1,), max_new_tokens=1, cache_salt="t")
     assert salted.cache_salt == "t"
+
+
+def test_a_foreign_id_gets_a_key_of_its_namespace_only() -> None:
+    """vLLM's OffloadKey under kvswap's namespace: equal ids share a key only within
+    one namespace, and never equal a key of our own chain."""
+    root = KeyNamespace("model-a", 32).root_key()
+    other_root = KeyNamespace("model-b", 32).root_key()
+    vllm_key = bytes(range(36))
+    key = identity.foreign_key(root, vllm_key)
+    assert len(key) == identity.KEY_BYTES
+    assert key == identity.foreign_key(root, vllm_key)
+    assert key != identity.foreign_key(other_root, vllm_key)
+    assert key != identity.foreign_key(KeyNamespace("model-a", 32).root_key("tenant"), vllm_key)
+    assert key != identity.foreign_key(root, vllm_key[:-1] + b"\xff")
+    assert key != chain_key(root, list(vllm_key))
+    with pytest.raises(ValueError, match="root key is 3 bytes"):
+        identity.foreign_key(b"abc", vllm_key)
+    with pytest.raises(ValueError, match="a foreign id is 1 to"):
+        identity.foreign_key(root, b"")

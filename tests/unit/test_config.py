@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.config import load_config
+from kvswap.config import config_from_values, load_config
 from kvswap.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +172,11 @@ def test_help_shows_the_new_flag_and_the_old_one_it_replaces() -> None:
     assert "replaces the seed's --evict-protected-blocks" in text
     args = parser.parse_args(["--evict-protected-blocks", "4"])
     assert config_from_args(args).swap.protected_sink_blocks == 4
+
+
+def test_values_from_another_engine_s_dict_are_checked_as_a_file_s_and_name_it() -> None:
+    config = config_from_values({"protected_sink_blocks": 4}, "kv_connector_extra_config")
+    assert config.swap.protected_sink_blocks == 4 and config.swap.min_residency_steps == 64
+    with pytest.raises(ConfigError) as info:
+        config_from_values({"min_residency_steps": -1}, "kv_connector_extra_config")
+    assert str(info.value).startswith("min_residency_steps = -1 (from kv_connector_extra_config): ")

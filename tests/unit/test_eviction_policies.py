@@ -21,7 +21,8 @@ from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy,
 from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
-from kvswap.control.store import BlockStore, StoreLayout
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.transfer import Tier
 from kvswap.drive.settings import policy_options
 from kvswap.errors import ConfigError
@@ -184,6 +185,17 @@ def test_lru_evicts_in_recency_order_ignoring_sinks_windows_and_cost() -> None:
     assert drain(policy) == ["young", "free_clean", "paused_dirty", "sink"]
 
 
+def test_lru_touch_leaves_a_chain_s_head_most_recent_so_the_chain_leaves_from_its_end() -> None:
+    policy = build_policy(Tier.CPU, PolicyOptions(cpu_eviction_policy="lru"))
+    for key in ("tail", "middle", "head", "other"):  # offloaded tail first, as the swapper does
+        policy.insert(key, FREE_DIRTY)
+    # A sequence takes the chain again: the store touches its blocks head first.
+    policy.touch(["head", "middle", "tail"])
+    # Were the head the oldest of the three, evicting it would strand the rest: a prefix
+    # is found only from its head. As vLLM's LRU does, the tail goes first.
+    assert drain(policy) == ["other", "tail", "middle", "head"]
+
+
 def test_lru_skips_what_may_not_leave_and_keeps_its_place() -> None:
     policy = build_policy(Tier.GPU, PolicyOptions(gpu_eviction_policy="lru"))
     policy.insert("a", RUNNING)
@@ -273,7 +285,7 @@ def test_a_bad_policy_name_is_one_config_error_naming_field_value_and_allowed(
         check_policy_names(PolicyOptions(cpu_eviction_policy=value))
     message = str(caught.value)
     assert message.startswith(f"cpu_eviction_policy = {value!r}: ")
-    assert says in message and "allowed: 'kvswap' or 'lru', or an import path" in message
+    assert says in message and "allowed: 'kvswap', 'lru' or 'arc', or an import path" in message
     assert "\n" not in message
 
 
@@ -285,3 +297,8 @@ def test_the_config_names_each_tier_s_policy_and_a_bad_name_stops_at_the_edge() 
     bad = load_config(None, overrides={"nvme_eviction_policy": "mru"})
     with pytest.raises(ConfigError, match=r"^nvme_eviction_policy = 'mru': unknown policy; "):
         policy_options(bad)
+
+
+def test_a_caller_may_name_the_setting_its_users_know_the_policy_by() -> None:
+    with pytest.raises(ConfigError, match=r"^eviction_policy = 'mru': unknown policy; "):
+        build_policy(Tier.GPU, PolicyOptions(gpu_eviction_policy="mru"), field="eviction_policy")

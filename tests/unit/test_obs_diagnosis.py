@@ -19,18 +19,18 @@ from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.obs.diagnosis import (
     TAIL_CAUSES,
     TAIL_MIXED,
-    Finding,
     diagnose,
     diagnose_change,
     latency_trend,
     link_saturated,
     pinned_pool_full,
-    remote_fetches_failing,
     swap_in_stalls,
     swap_wait_high,
     tail_attribution,
     too_much_swap_out,
 )
+from kvswap.obs.diagnosis_requests import remote_fetches_failing
+from kvswap.obs.finding import Finding
 from kvswap.obs.observer import StepSample
 from kvswap.obs.tail import PREFILL, SWAP_WAIT
 from kvswap.obs.timeseries import TimeSeries, TimeSeriesRecorder

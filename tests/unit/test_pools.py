@@ -388,3 +388,31 @@ def test_the_pinned_fill_goes_piece_by_piece(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(pinned_module, "_touch_pages", lambda piece: pieces.append(piece.numel()))
     with PinnedBuffer(5 * BLOCK_BYTES):
         assert pieces == [2 * BLOCK_BYTES, 2 * BLOCK_BYTES, BLOCK_BYTES]
+
+
+def test_a_shared_buffer_is_one_file_for_two_parties_and_leaves_no_name(tmp_path: Path) -> None:
+    path = tmp_path / "pool.host"
+    first = PinnedBuffer(2 * BLOCK_BYTES, shared_path=path)
+    assert first.created_file and path.stat().st_size == 2 * BLOCK_BYTES
+    second = PinnedBuffer(2 * BLOCK_BYTES, shared_path=path)
+    assert not second.created_file
+    assert not path.exists()  # the second party mapped it: nobody else can open it
+    first.tensor[BLOCK_BYTES:] = 7  # one set of pages: what one writes, the other reads
+    assert int(second.tensor[BLOCK_BYTES:].sum()) == 7 * BLOCK_BYTES
+    second.close()
+    first.close()
+
+
+def test_a_shared_buffer_nobody_joined_loses_its_name_at_close(tmp_path: Path) -> None:
+    path = tmp_path / "pool.host"
+    with HostPool(KVLayout.from_block_bytes(BLOCK_BYTES), 2, shared_path=path) as pool:
+        assert path.exists() and pool.configured_bytes == 2 * BLOCK_BYTES
+    assert not path.exists()
+
+
+def test_a_shared_buffer_of_another_size_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "pool.host"
+    with PinnedBuffer(2 * BLOCK_BYTES, shared_path=path):
+        with pytest.raises(KvSwapError, match="holds 16384 bytes, expected 8192") as info:
+            PinnedBuffer(BLOCK_BYTES, shared_path=path)
+        assert_one_line(info.value)

@@ -18,7 +18,7 @@ from kvswap.control.scheduler import (
     SchedulerSettings,
 )
 from kvswap.control.settings import SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.scheduler_support import run_step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.settings import SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import Direction, Tier
 from tests.manual_engine import ManualCopyEngine

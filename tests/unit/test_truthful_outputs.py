@@ -65,7 +65,7 @@ def test_an_engine_runs_report_shows_the_model_it_ran_not_the_sizing_defaults(
 
 
 def test_requests_refused_at_admission_are_a_finding_with_a_sizing_hint() -> None:
-    from kvswap.obs.diagnosis import requests_refused
+    from kvswap.obs.diagnosis_requests import requests_refused
     from kvswap.obs.timeseries import TimeSeriesRecorder
 
     series = TimeSeriesRecorder().series()
@@ -82,3 +82,48 @@ def test_requests_refused_at_admission_are_a_finding_with_a_sizing_hint() -> Non
     assert "it needs 52 blocks" in finding.advice
     # Aborted mid-run is not a sizing matter; nothing refused, nothing said.
     assert requests_refused({"rejections": summary["rejections"][2:]}, series) is None
+
+
+def test_run_keeps_metrics_up_after_the_run_so_a_scrape_sees_the_final_values() -> None:
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvswap", "run", "--model", "tiny", "--device", "cpu",
+         "--num-sessions", "1", "--turns", "1", "--prompt-tokens", "8", "--output-tokens", "3",
+         "--system-prompt-tokens", "4", "--metrics-port", "0", "--metrics-linger-s", "30",
+         "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        url = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if match := re.search(r"metrics: (http://\S+/metrics)", line):
+                url = match.group(1)
+            if "serving the final values for 30 s more" in line:
+                break
+        assert url is not None
+        scraped = httpx.get(url).text
+        process.send_signal(2)  # SIGINT ends the wait early
+        out, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads(out)
+    generated = re.search(r"^kvswap_generation_tokens_total (\S+)$", scraped, re.MULTILINE)
+    assert generated is not None and float(generated.group(1)) == summary["tokens_generated"]
+
+
+def test_a_negative_metrics_linger_is_one_line_before_any_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for value in ("-1", "nan", "inf"):
+        code, _, err = cli(capsys, "run", "--metrics-linger-s", value)
+        assert code == 2 and "--metrics-linger-s" in one_error_line(err)

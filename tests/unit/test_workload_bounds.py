@@ -22,7 +22,7 @@ from kvswap.config import load_config
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler, SchedulerSettings
 from kvswap.control.settings import SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.drive.settings import control_settings
 from kvswap.errors import ConfigError, KvSwapError

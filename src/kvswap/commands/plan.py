@@ -9,7 +9,8 @@ from typing import Any
 
 from kvswap.bench.report import link_gb_per_s, load_report
 from kvswap.commands.common import add_config_arguments, config_from_args
-from kvswap.config import KvSwapConfig, validate_capacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import validate_capacities
 from kvswap.errors import KvSwapError
 from kvswap.ledger import (
     DEFAULT_LINK_GB_PER_S,

@@ -14,7 +14,11 @@ from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.model.choice import ENGINE_DTYPES, ConfiguredModel, ModelChoice, choose_engine_model
-from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
+from kvswap.obs.wiring import (
+    add_monitoring_arguments,
+    build_monitoring,
+    check_monitoring_arguments,
+)
 from kvswap.sampling import sampling_or_greedy
 from kvswap.units import format_bytes
 from kvswap.workload.mooncake import load_mooncake_trace
@@ -54,7 +58,7 @@ def register(commands: Any) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sample (default greedy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or live panel")
-    add_monitoring_arguments(parser)
+    add_monitoring_arguments(parser, linger=True)
     add_config_arguments(parser, ("cache", "swap", "tiers", "engine"))
     parser.set_defaults(handler=run)
 
@@ -157,6 +161,7 @@ def engine_model(
 def run(args: argparse.Namespace) -> int:
     check_output_dir(args.report, "--report")
     check_workload_arguments(args)
+    check_monitoring_arguments(args)
     config = config_from_args(args, RUN_DEFAULTS)
     model, dtype = engine_model(args.model, args.dtype, config)
     sampling = sampling_or_greedy(args.temperature, args.seed)
@@ -177,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                 workload, monitoring.progress, monitoring.observers, sampling=sampling
             )
             summary = monitoring.finish(result.to_json())
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+            print(json.dumps(summary, indent=2) if args.json else render(summary), flush=True)
+            monitoring.linger()  # the summary is out: a stop now loses nothing
     if monitoring.report_error is not None:
         raise monitoring.report_error  # after the summary: the result is never lost
     return 0
@@ -236,6 +242,7 @@ def render(summary: dict[str, Any]) -> str:
     lines += [f"diagnosis: {f['symptom']} ({f['figure']}); {f['advice']}" for f in findings]
     if not findings:
         lines.append(
-            "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool)"
+            "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool, "
+            "remote fetches, refused requests)"
         )
     return "\n".join(lines)

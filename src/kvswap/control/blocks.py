@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 
 from kvswap.control.transfer import LOCAL_TIERS, TIER_SPECS, TIERS_BELOW, Tier
 
-_SPEED = {tier: position for position, tier in enumerate(TIER_SPECS)}  # 0: fastest
-
 
 @dataclass(slots=True)
 class Copy:
@@ -71,8 +69,9 @@ class Block:
         the fastest with one being written (its bytes are on the way); None when every
         copy went stale."""
         for ready_only in (True, False):
-            for tier, copy in sorted(self.copies.items(), key=lambda item: _SPEED[item[0]]):
-                if not copy.stale and (copy.ready or not ready_only):
+            for tier in TIER_SPECS:  # fastest first
+                copy = self.copies.get(tier)
+                if copy is not None and not copy.stale and (copy.ready or not ready_only):
                     return tier
         return None
 

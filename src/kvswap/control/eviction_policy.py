@@ -20,8 +20,9 @@ have a copy on that tier:
                            slower tier: `facts.brought_back`). The store skips it when
                            it knows this tier's facts did not change. A key the policy
                            does not hold (a victim whose copy stayed) is inserted again
-    touch(keys)            the blocks were read by a step (most recently used);
-                           keys the policy does not hold are ignored
+    touch(keys)            the blocks were read by a step (most recently used), in
+                           a sequence's order, head first; keys the policy does not
+                           hold are ignored
     evict(n, protected)    the swapper needs room on this tier: n keys, all or none
                            (None); returned keys are no longer held, and the store
                            calls `update` for one whose copy stays after all
@@ -35,8 +36,8 @@ Hard rule: never return a key whose facts are `busy`, `lost` or `running`
 running sequence's step reads its GPU copies). Everything else is policy.
 
 A policy class is built as `cls(tier, options)` (`PolicyOptions`), by name
-through `kvswap.control.policy.build_policy`: "kvswap", "lru", or an import
-path "package.module:ClassName".
+through `kvswap.control.policy.build_policy`: "kvswap", "lru", "arc", or an
+import path "package.module:ClassName".
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from kvswap.control.transfer import Tier
 BlockKey = Hashable
 
 #: The names `*_eviction_policy` accepts besides an import path "package.module:ClassName".
-BUILTIN_POLICY_NAMES = ("kvswap", "lru")
+BUILTIN_POLICY_NAMES = ("kvswap", "lru", "arc")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class BlockFacts(NamedTuple):
     ready_above: bool  # a ready copy on a faster tier (GPU for a CPU copy; CPU or GPU for NVMe)
     lost: bool  # every copy failed: its owners recompute it
     brought_back: bool = False  # this call reports the copy arriving from a slower tier
+    # The block's chain key (identity.py), None until it is full: the same for every
+    # block that holds the same prefix, so it names the content across a drop and a
+    # recompute, which a `BlockKey` (a block id, never reused) does not. ARC's ghost
+    # lists remember it.
+    content_key: bytes | None = None
 
     @property
     def may_leave(self) -> bool:

@@ -27,21 +27,21 @@ two's-complement signed):
                          u32 num_tokens
                          i64 x num_tokens                     token ids in order )
 
-    external_key = SHA-256( b"kvswap/external\\x00"            16 bytes, domain tag
-                            u8  KEY_FORMAT_VERSION           = 1
-                            parent_key                       32 bytes (a root key)
-                            u32 len(name) | name             another system's block name )
+    foreign_key = SHA-256( b"kvswap/foreign\\x00"               15 bytes, domain tag
+                           u8  KEY_FORMAT_VERSION            = 1
+                           root_key                          32 bytes
+                           u32 len(foreign_id) | foreign_id  the other engine's bytes )
 
-An external key names a block another engine identifies by its own hash (an
-SGLang page hash, a vLLM block hash) inside a kvswap namespace: the root key
-fixes the model, layout and salt, the name is that engine's. Its tokens are
-never seen, so it is shared exactly as far as the other engine's hash says.
+A foreign key names a block that another engine identifies itself: vLLM's
+`OffloadKey` (its block hash, a chain over the tokens like ours, and its KV
+cache group). The root key puts it under a namespace (model, layout), since
+such an id is only as specific as that engine made it.
 
 Every variable-length field is length-prefixed and the parent key has a fixed
 size, so no two different inputs serialize to the same bytes; the distinct
-domain tags keep a root key from ever equalling a block or external key.
-Token ids are any integers in [-2**63, 2**63 - 1] (in practice non-negative:
-vocabulary ids, or Mooncake hash ids standing in for tokens in the simulator).
+domain tags keep a root key from ever equalling a block key. Token ids are any
+integers in [-2**63, 2**63 - 1] (in practice non-negative: vocabulary ids, or
+Mooncake hash ids standing in for tokens in the simulator).
 
 Torch-free: the standard library and `kvswap.errors` only, like the rest of `control/`.
 """
@@ -65,7 +65,7 @@ MAX_CACHE_SALT_CHARS = 256
 
 _ROOT_TAG = b"kvswap/root\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
 _BLOCK_TAG = b"kvswap/block\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
-_EXTERNAL_TAG = b"kvswap/external\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
+_FOREIGN_TAG = b"kvswap/foreign\x00" + struct.pack("<B", KEY_FORMAT_VERSION)
 _U32_MAX = 2**32 - 1
 
 
@@ -146,13 +146,15 @@ def chain_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(_BLOCK_TAG + parent_key + tokens).digest()
 
 
-def external_key(root_key: bytes, name: bytes) -> bytes:
-    """Key of a block another system names `name` (its own hash), in `root_key`'s namespace."""
+def foreign_key(root_key: bytes, foreign_id: bytes) -> bytes:
+    """Key of a block another engine names `foreign_id`, under the namespace whose
+    root key is `root_key` (the module docstring's byte format)."""
     if len(root_key) != KEY_BYTES:
         raise ValueError(f"root key is {len(root_key)} bytes; keys are {KEY_BYTES}")
-    if len(name) > _U32_MAX:
-        raise KvSwapError(f"block name is {len(name)} bytes long; allowed: at most {_U32_MAX}")
-    return hashlib.sha256(_EXTERNAL_TAG + root_key + struct.pack("<I", len(name)) + name).digest()
+    if not 1 <= len(foreign_id) <= _U32_MAX:
+        raise ValueError(f"a foreign id is 1 to {_U32_MAX} bytes, got {len(foreign_id)}")
+    size = struct.pack("<I", len(foreign_id))
+    return hashlib.sha256(_FOREIGN_TAG + root_key + size + foreign_id).digest()
 
 
 def key_hex(key: bytes) -> str:

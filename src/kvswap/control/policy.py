@@ -4,6 +4,8 @@
     "kvswap"                    kvswap's ranked LRU (policy_kvswap.py): the GPU rank
                                 table on the GPU, the lower-tier one below it
     "lru"                       plain LRU (policy_lru.py)
+    "arc"                       ARC as vLLM runs it (policy_arc.py): recency and
+                                frequency lists, ghost lists, an adaptive target
     "package.module:ClassName"  a user's `EvictionPolicy` subclass, built as
                                 `ClassName(tier, options)`
 
@@ -21,6 +23,7 @@ from kvswap.control.eviction_policy import (
     PolicyOptions,
     policy_field,
 )
+from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.transfer import Tier
@@ -29,10 +32,11 @@ from kvswap.errors import ConfigError
 __all__ = ["PolicyOptions", "build_policy", "check_policy_names", "policy_class"]
 
 _ALLOWED = (
-    f"{' or '.join(repr(name) for name in BUILTIN_POLICY_NAMES)}, or an import path "
-    "'package.module:ClassName' of an EvictionPolicy subclass"
+    f"{', '.join(repr(name) for name in BUILTIN_POLICY_NAMES[:-1])} or "
+    f"{BUILTIN_POLICY_NAMES[-1]!r}, or an import path 'package.module:ClassName' of an "
+    "EvictionPolicy subclass"
 )
-_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy)
+_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy, ArcPolicy)
 
 
 def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
@@ -41,6 +45,8 @@ def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
         return KvSwapGpuPolicy if tier is Tier.GPU else KvSwapLowerTierPolicy
     if value == "lru":
         return LruPolicy
+    if value == "arc":
+        return ArcPolicy
     module_name, colon, class_name = value.partition(":")
     if not colon or not module_name or not class_name:
         raise ConfigError(f"{field} = {value!r}: unknown policy; allowed: {_ALLOWED}")
@@ -61,9 +67,11 @@ def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
     return found
 
 
-def build_policy(tier: Tier, options: PolicyOptions) -> EvictionPolicy:
-    """`tier`'s policy as `options` names it (`options.gpu_eviction_policy`, ...)."""
-    field = policy_field(tier)
+def build_policy(tier: Tier, options: PolicyOptions, *, field: str | None = None) -> EvictionPolicy:
+    """`tier`'s policy as `options` names it (`options.gpu_eviction_policy`, ...).
+    `field`: the setting an error names, when the caller's users know the policy by
+    another name (vLLM's adapter: "eviction_policy"); default `policy_field(tier)`."""
+    field = policy_field(tier) if field is None else field
     cls = policy_class(field, options.policy_name(tier), tier)
     if cls in _BUILTIN_CLASSES:
         return cls(tier, options)

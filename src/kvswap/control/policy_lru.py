@@ -5,19 +5,19 @@ policy is measured against (`gpu_eviction_policy = "lru"`). Only the hard rule
 holds: a busy, lost or running copy is skipped, and keeps its place in the
 recency order until it may leave.
 
-Candidates sit in a heap by last use, O(log n) per call. An entry stands for
-its key only while it carries the key's last-use stamp; entries left behind by
-a touch or a removal are skipped when they surface and the heap is rebuilt
-once they outnumber the keys.
+A touch refreshes a sequence's blocks tail first, so the chain's head ends up
+the most recently used, as vLLM's LRU refreshes a request's keys tail to head:
+a chain then leaves from its end and what stays is still a usable prefix.
+
+The recency order is a `RecencyHeap` (policy_recency.py), O(log n) per call.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Collection, Iterable
 
 from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.control.policy_recency import RecencyEntry, RecencyHeap
 from kvswap.control.transfer import Tier
 
 
@@ -25,35 +25,31 @@ class LruPolicy(EvictionPolicy):
     def __init__(self, tier: Tier, options: PolicyOptions) -> None:
         super().__init__(tier, options)
         self._facts: dict[BlockKey, BlockFacts] = {}
-        self._used: dict[BlockKey, int] = {}  # key -> stamp of its last insert or touch
-        self._queued: dict[BlockKey, int] = {}  # key -> stamp of its heap entry, if any
-        self._heap: list[tuple[int, BlockKey]] = []  # (stamp, key); unique stamps
-        self._stamps = itertools.count()
+        self._recency = RecencyHeap()
         self._num_candidates = 0
 
     def insert(self, key: BlockKey, facts: BlockFacts) -> None:
-        self._used[key] = next(self._stamps)
         self._set(key, facts)
+        self._recency.use(key, candidate=facts.may_leave)
 
     def update(self, key: BlockKey, facts: BlockFacts) -> None:
         if key not in self._facts:
             self.insert(key, facts)
         else:
             self._set(key, facts)
+            self._recency.set_candidate(key, candidate=facts.may_leave)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
+        for key in reversed(list(keys)):
             facts = self._facts.get(key)
             if facts is not None:
-                self._used[key] = next(self._stamps)
-                self._queue(key, facts)
+                self._recency.use(key, candidate=facts.may_leave)
 
     def remove(self, key: BlockKey) -> None:
         facts = self._facts.pop(key, None)
         if facts is not None:
             self._num_candidates -= facts.may_leave
-            del self._used[key]
-            self._queued.pop(key, None)
+            self._recency.discard(key)
 
     def evict(
         self,
@@ -62,25 +58,20 @@ class LruPolicy(EvictionPolicy):
         *,
         droppable_only: bool = False,
     ) -> list[BlockKey] | None:
-        picked: list[tuple[int, BlockKey]] = []
-        passed: list[tuple[int, BlockKey]] = []  # candidates not wanted now: they stay
-        while self._heap and len(picked) < n:
-            entry = heapq.heappop(self._heap)
-            stamp, key = entry
-            if self._queued.get(key) != stamp:
-                continue  # left behind by a touch or a removal
-            facts = self._facts[key]
-            if not facts.may_leave:
-                del self._queued[key]  # queued again when it may leave
-            elif key in protected or (droppable_only and not facts.droppable):
+        recency = self._recency
+        picked: list[RecencyEntry] = []
+        passed: list[RecencyEntry] = []  # candidates not wanted now: they stay
+        while len(picked) < n and (entry := recency.pop_oldest()) is not None:
+            key = entry[1]
+            if key in protected or (droppable_only and not self._facts[key].droppable):
                 passed.append(entry)
             else:
                 picked.append(entry)
         for entry in passed:
-            heapq.heappush(self._heap, entry)
+            recency.push_back(entry)
         if len(picked) < n:
             for entry in picked:
-                heapq.heappush(self._heap, entry)
+                recency.push_back(entry)
             return None
         for _, key in picked:
             self.remove(key)
@@ -91,19 +82,17 @@ class LruPolicy(EvictionPolicy):
 
     def clear(self) -> None:
         self._facts.clear()
-        self._used.clear()
-        self._queued.clear()
-        self._heap.clear()
+        self._recency.clear()
         self._num_candidates = 0
 
     def check_integrity(self, keys_with_copy: Collection[BlockKey]) -> None:
-        assert self._facts.keys() == self._used.keys(), "facts and stamps out of step"
-        assert self._num_candidates == sum(f.may_leave for f in self._facts.values())
+        assert len(self._recency) == len(self._facts), "facts and stamps out of step"
+        assert all(key in self._recency for key in self._facts), "facts and stamps out of step"
+        candidates = [key for key, facts in self._facts.items() if facts.may_leave]
+        assert self._num_candidates == len(candidates)
+        self._recency.check_integrity(candidates)
         for key in self._facts:
             assert key in keys_with_copy, f"{self.tier.value}: key {key} held without a copy"
-        for key, facts in self._facts.items():
-            if facts.may_leave:
-                assert self._queued.get(key) == self._used[key], f"candidate {key} not queued"
 
     # ------------------------------------------------------------------ internal
 
@@ -111,18 +100,3 @@ class LruPolicy(EvictionPolicy):
         old = self._facts.get(key)
         self._num_candidates += facts.may_leave - (old is not None and old.may_leave)
         self._facts[key] = facts
-        self._queue(key, facts)
-
-    def _queue(self, key: BlockKey, facts: BlockFacts) -> None:
-        """Give a key that may leave a heap entry with its last-use stamp."""
-        stamp = self._used[key]
-        if facts.may_leave and self._queued.get(key) != stamp:
-            self._queued[key] = stamp
-            heapq.heappush(self._heap, (stamp, key))
-            if len(self._heap) > 2 * len(self._facts) + 64:
-                self._rebuild()
-
-    def _rebuild(self) -> None:
-        self._queued = {k: self._used[k] for k, f in self._facts.items() if f.may_leave}
-        self._heap = [(stamp, key) for key, stamp in self._queued.items()]
-        heapq.heapify(self._heap)

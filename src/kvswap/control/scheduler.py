@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvswap.control.swapper import Swapper
-from kvswap.sampling import SamplingParams
+from kvswap.sampling import LogitsContext, LogitsOptions, SamplingParams
 from kvswap.units import ceil_div
 
 
@@ -96,6 +96,7 @@ class SequenceRun:
     arrival_s: float
     cache_salt: str | None = None  # tenants share prefix KV only under the same salt
     sampling: SamplingParams | None = None  # None: greedy
+    options: LogitsOptions | None = None  # penalties, bias, min_tokens, logprobs; None: none
     output_ids: list[int] = field(default_factory=list)
     admitted_s: float | None = None  # first time it was scheduled (queueing ends)
     first_token_s: float | None = None
@@ -139,13 +140,16 @@ class SequenceRun:
 class ScheduledSeq:
     """KV to compute for one sequence this step: `token_ids` at positions
     `start_position ...`; `samples` when the chunk reaches the sequence's end, with
-    the request's own `sampling` (None: greedy), which the backend samples with."""
+    the request's own `sampling` (None: greedy), which the backend samples with, and,
+    for a request with `LogitsOptions`, its `context` (the options with the history
+    they read: prompt, output so far, stop tokens)."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     start_position: int
     samples: bool
     sampling: SamplingParams | None = None
+    context: LogitsContext | None = None
 
 
 @dataclass(frozen=True)
@@ -182,14 +186,15 @@ class Scheduler:
         cache_salt: str | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
         sampling: SamplingParams | None = None,
+        options: LogitsOptions | None = None,
     ) -> Admission:
-        """Queue a request with its sampling (None: greedy); every step that samples it
-        carries that sampling to the backend. One that can never run (see `admission`)
-        is refused: recorded as finished (ABORT) with its refusal; the others keep
-        running."""
+        """Queue a request with its sampling (None: greedy) and logits options (None:
+        none); every step that samples it carries both to the backend. One that can
+        never run (see `admission`) is refused: recorded as finished (ABORT) with its
+        refusal; the others keep running."""
         run = SequenceRun(
             seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt, sampling,
-            stop_token_ids=stop_token_ids,
+            options, stop_token_ids=stop_token_ids,
         )  # fmt: skip
         self.runs[seq_id] = run
         admission = self.admission(len(prompt_ids), max_new_tokens)
@@ -431,7 +436,12 @@ class Scheduler:
                 continue
             budget -= len(chunk)
             samples = done + count == num_tokens
-            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, samples, run.sampling))
+            context = None
+            if samples and run.options is not None:
+                context = LogitsContext(
+                    run.options, run.prompt_ids, tuple(run.output_ids), run.stop_token_ids
+                )
+            seqs.append(ScheduledSeq(seq_id, tuple(chunk), done, samples, run.sampling, context))
             if budget <= 0:
                 break
         # A victim is always the newest running sequence, at or after the one being

@@ -31,55 +31,18 @@ reference blocks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvswap.control import identity
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.eviction_policy import EvictionPolicy, PolicyOptions
-from kvswap.control.identity import KeyNamespace
 from kvswap.control.prefix_index import PrefixIndex
+from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies
+from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
 from kvswap.control.transfer import SLOT_TIERS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
-
-
-@dataclass(frozen=True)
-class StoreLayout:
-    """Sizes the store is built with, and the namespace its block keys live in."""
-
-    block_tokens: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    num_nvme_blocks: int
-    protected_blocks: int
-    # None: a namespace of an unnamed model (enough while one store serves one model;
-    # a tier shared between processes needs the real model fingerprint).
-    namespace: KeyNamespace | None = None
-
-    def key_namespace(self) -> KeyNamespace:
-        """The namespace given, or the default one for this block size."""
-        if self.namespace is None:
-            return KeyNamespace(model_fingerprint="unnamed", block_tokens=self.block_tokens)
-        return self.namespace
-
-
-class TransferOutcome(NamedTuple):
-    """What one block's finished transfer did to its copies (`finish_transfer`)."""
-
-    ready: bool  # the destination copy is ready (its bytes arrived, nothing went stale)
-    arrived: bool  # ready, and the block still lives
-    lost_now: bool  # its last copy failed: the block became lost
-
-
-@dataclass
-class SequenceState:
-    block_ids: list[int]
-    num_tokens: int
-    root_key: bytes  # parent key of the first block: the namespace root, salted
-    running: bool = False
 
 
 class BlockStore:
@@ -510,38 +473,6 @@ class BlockStore:
 
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
-        references equal the tables that hold each block."""
-        for tier_slots in self.tiers.values():
-            tier_slots.check_integrity()
-        counted = {tier: 0 for tier in self.tiers}
-        num_remote = 0
-        for block in self.blocks.values():
-            assert block.ref_count > 0 or block.has_local_copy() or block.lost, (
-                f"block {block.block_id}: unreferenced and only in the remote store"
-            )
-            for tier, copy in block.copies.items():
-                if copy.slot is None:
-                    num_remote += 1
-                    continue
-                owner = self.tiers[tier].owner(copy.slot)
-                assert owner == block.block_id, (
-                    f"{tier.value} slot {copy.slot}: owner {owner}, copy of {block.block_id}"
-                )
-                counted[tier] += 1
-        assert num_remote == self.num_remote_copies, (
-            f"remote: {num_remote} copies but {self.num_remote_copies} counted"
-        )
-        for tier, tier_slots in self.tiers.items():
-            assert counted[tier] == tier_slots.num_used_slots, (
-                f"{tier.value}: {counted[tier]} copies but {tier_slots.num_used_slots} used slots"
-            )
-        refs: dict[int, int] = {}
-        for state in self.sequences.values():
-            for block_id in state.block_ids:
-                refs[block_id] = refs.get(block_id, 0) + 1
-        for block in self.blocks.values():
-            assert block.ref_count == refs.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_count {block.ref_count}, "
-                f"tables {refs.get(block.block_id, 0)}"
-            )
+        references equal the tables that hold each block (`store_integrity`)."""
+        check_store_integrity(self)
         self._policies.check_integrity()

@@ -22,8 +22,8 @@ GPU policy ignores an update whose facts did not change, so the skips are
 exact. Its CPU and NVMe policy (one rank table for the tiers below the GPU)
 counts every update as a use (its recency is the last change), so those tiers
 hear every change above except one: a copy placed on another tier while being
-written, which its callers follow at once with the mover's reservation of the
-source (a re-rank, busy: not a candidate).
+written, which its callers follow at once with the reservation of the source
+(`BlockStore.reserve_source`: a re-rank, busy, not a candidate).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def gpu_facts(block: Block, copy: Copy, brought_back: bool = False) -> BlockFact
     return _new_facts(BlockFacts, (
         block.ref_count > 0, block.num_running_refs > 0, block.num_protected_refs > 0,
         not copy.ready or copy.num_readers > 0, clean, False, block.lost, brought_back,
+        block.key,
     ))  # fmt: skip
 
 
@@ -79,7 +80,7 @@ def cpu_facts(block: Block, copy: Copy) -> BlockFacts:
         above = gpu is not None and gpu.ready and not gpu.stale
     return _new_facts(BlockFacts, (
         block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False,
+        clean, above, block.lost, False, block.key,
     ))  # fmt: skip
 
 
@@ -97,7 +98,7 @@ def nvme_facts(block: Block, copy: Copy) -> BlockFacts:
         above = up is not None and up.ready and not up.stale
     return _new_facts(BlockFacts, (
         block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False,
+        clean, above, block.lost, False, block.key,
     ))  # fmt: skip
 
 
@@ -142,7 +143,7 @@ class TierPolicies:
         """`copy` was placed on `tier`: that tier's policy inserts it. A copy placed
         ready (a new block's) may change what the copies on the other tiers are ranked
         by; one being written changes nothing they see (`clean` and `ready_above` count
-        ready copies) until it arrives, and the mover re-ranks the block then."""
+        ready copies) until it arrives (`BlockStore.finish_transfer` re-ranks it then)."""
         if tier is _GPU:
             self._gpu.insert(block.block_id, gpu_facts(block, copy))
         elif tier is _CPU:

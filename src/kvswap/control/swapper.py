@@ -36,7 +36,8 @@ from kvswap.control.mover import Mover, SubmitHook
 from kvswap.control.remote import RemoteIndex
 from kvswap.control.remote_tier import RemoteTier
 from kvswap.control.settings import RemoteSettings, SwapSettings
-from kvswap.control.store import BlockStore, StoreLayout
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swap_in import SwapIn, WaitResult
 from kvswap.control.transfer import CopyEngine, Direction, Priority, Tier
 

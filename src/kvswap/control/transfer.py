@@ -132,14 +132,6 @@ REMOTE_DIRECTIONS = frozenset(
 )  # fmt: skip
 
 
-def direction_between(src: Tier, dst: Tier) -> Direction:
-    """The direction from `src` to `dst` (adjacent tiers)."""
-    for direction, pair in _DIRECTION_TIERS.items():
-        if pair == (src, dst):
-            return direction
-    raise ValueError(f"no direction from {src.value} to {dst.value}: not adjacent tiers")
-
-
 class Priority(enum.IntEnum):
     """Queue a chunk runs on. HIGH (swap-in, prefetch) always goes first."""
 

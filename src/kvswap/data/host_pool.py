@@ -17,6 +17,8 @@ is what lets the NVMe slab read and write it with O_DIRECT.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvswap.data.layout import KVLayout
@@ -28,7 +30,16 @@ from kvswap.host_memory import require_host_bytes
 class HostPool:
     """`num_slots` KV blocks in one exact-size pinned host buffer."""
 
-    def __init__(self, layout: KVLayout, num_slots: int, *, populate: bool = True) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_slots: int,
+        *,
+        populate: bool = True,
+        shared_path: Path | None = None,
+    ) -> None:
+        """`shared_path`: the pool is that file's pages, shared with one other process
+        (`PinnedBuffer`'s module docstring)."""
         if isinstance(num_slots, bool) or num_slots < 1:
             raise KvSwapError(f"host pool: num_slots {num_slots!r} is invalid; expected >= 1")
         self.layout = layout
@@ -40,7 +51,9 @@ class HostPool:
             f"host pool: {num_slots} slots x {layout.block_bytes} bytes = "
             f"{self.configured_bytes} bytes asked for",
         )
-        self._buffer = PinnedBuffer(self.configured_bytes, populate=populate, what="host pool")
+        self._buffer = PinnedBuffer(
+            self.configured_bytes, populate=populate, what="host pool", shared_path=shared_path
+        )
         # _bytes: [num_slots, block_bytes] uint8; slots: [num_slots, *block_shape] typed.
         self._bytes = self._buffer.tensor.view(num_slots, layout.block_bytes)
         self.slots = self._buffer.tensor.view(layout.dtype).view(num_slots, *layout.block_shape)

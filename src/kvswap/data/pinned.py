@@ -5,6 +5,14 @@ every allocation up to a power of two: asking for 24 GiB + 2 MiB pins 32 GiB.
 Here the bytes come from one anonymous `mmap` of exactly `num_bytes`, wrapped
 with `torch.frombuffer`, and are page-locked with `cudaHostRegister` when CUDA
 is present. Without CUDA the buffer is plain (pageable) host memory and says so.
+
+A buffer can also be the pages of a file (`shared_path`, in /dev/shm), for two
+processes that share one pool: vLLM's scheduler, whose secondary tiers read and
+write the host slots, and its worker, whose copies fill them. Exactly two
+parties: the first creates the file (exclusively, at exactly `num_bytes`) and
+populates it; the second maps it and removes its name at once, so nothing else
+can open it and the pages go with the last mapping. The creator removes the name
+at close as well (the second may never come).
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +33,8 @@ _PAGE_BYTES = mmap.PAGESIZE
 # The pool is touched in pieces of this size so that a stop signal is handled
 # between two of them (one MAP_POPULATE of 24 GiB blocks signals for seconds).
 FILL_CHUNK_BYTES = 64 << 20
+# How long the second party of a shared buffer waits for the first to size the file.
+SHARED_SIZE_WAIT_S = 10.0
 
 
 def _populate(tensor: torch.Tensor) -> None:
@@ -43,16 +55,30 @@ class PinnedBuffer:
     the configured size from the first step (no page faults on the hot path).
     """
 
-    def __init__(self, num_bytes: int, *, populate: bool = True, what: str = "pinned pool"):
+    def __init__(
+        self,
+        num_bytes: int,
+        *,
+        populate: bool = True,
+        what: str = "pinned pool",
+        shared_path: Path | None = None,
+    ):
+        """`shared_path`: map that file instead of anonymous memory (module docstring);
+        `created_file` says whether this buffer made it (and populated it)."""
         if num_bytes <= 0:
             raise KvSwapError(f"{what}: size must be > 0 bytes, got {num_bytes}")
-        require_host_bytes(num_bytes, f"{what}: {num_bytes} bytes asked for")
         self.num_bytes = num_bytes
         self.is_pinned = False
+        self.shared_path = shared_path
+        self.created_file = False
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(
-                -1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            )
+            if shared_path is None:
+                require_host_bytes(num_bytes, f"{what}: {num_bytes} bytes asked for")
+                self._mmap: mmap.mmap | None = mmap.mmap(
+                    -1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                )
+            else:
+                self._mmap, self.created_file = _map_shared(shared_path, num_bytes, what)
         except OSError as exc:  # ENOMEM: ulimit -v, overcommit rules, a cgroup
             raise KvSwapError(
                 f"{what}: mapping {num_bytes} bytes failed ({os.strerror(exc.errno or 0)}); "
@@ -61,7 +87,7 @@ class PinnedBuffer:
         # tensor: [num_bytes] uint8, sharing memory with the mmap.
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=num_bytes)
         try:
-            if populate:
+            if populate and (shared_path is None or self.created_file):
                 _populate(self.tensor)
             if torch.cuda.is_available():
                 self._register(what)
@@ -95,7 +121,15 @@ class PinnedBuffer:
             self.is_pinned = False
         self._release_mmap()
 
+    def release_name(self) -> None:
+        """Remove a shared buffer's file name (its pages stay mapped); idempotent."""
+        if self.shared_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.shared_path.unlink()
+
     def _release_mmap(self) -> None:
+        if self.created_file:
+            self.release_name()
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
             # A view may still be exported; the mapping then goes with the last view.
@@ -108,6 +142,47 @@ class PinnedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _map_shared(path: Path, num_bytes: int, what: str) -> tuple[mmap.mmap, bool]:
+    """Map `path` shared, creating it at `num_bytes` if nobody has: (the map, created).
+    The second party removes the name once mapped (module docstring)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        created = True
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR)
+        created = False
+    try:
+        if created:
+            require_host_bytes(num_bytes, f"{what}: {num_bytes} bytes asked for")
+            os.ftruncate(fd, num_bytes)
+        else:
+            _wait_for_size(fd, num_bytes, path, what)
+        mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        if created:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    if not created:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return mapped, created
+
+
+def _wait_for_size(fd: int, num_bytes: int, path: Path, what: str) -> None:
+    """The creator sizes the file right after creating it: wait for that, briefly."""
+    deadline_s = time.monotonic() + SHARED_SIZE_WAIT_S
+    while (size := os.fstat(fd).st_size) == 0 and time.monotonic() < deadline_s:
+        time.sleep(0.005)
+    if size != num_bytes:
+        raise KvSwapError(
+            f"{what}: {path} holds {size} bytes, expected {num_bytes}; another process "
+            "made it for a pool of another size"
+        )
 
 
 def _mapping_rss_bytes(start_address: int, num_bytes: int) -> int | None:

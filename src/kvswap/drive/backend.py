@@ -6,7 +6,8 @@
     now_s()                  ->  seconds since start
     idle_until(t_s)          ->  nothing to run before t_s: sleep, or jump the clock
     execute(plan)            ->  compute the step: the sampled token per sampling seq,
-                                 and the seqs whose sampling failed (each aborts alone)
+                                 the logprobs of those that asked for them, and the
+                                 seqs whose sampling failed (each aborts alone)
     summary_extras(duration) ->  the backend's own summary keys (device, model, ...)
 
 The engine implements it with the model and a wall clock, the simulator with
@@ -21,15 +22,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvswap.control.scheduler import StepPlan
+from kvswap.sampling import TokenLogprobs
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step produced: seq id -> sampled token, and seq id -> why its sampling
-    failed (a NaN in its logits, say): that sequence is aborted, the step's others go on."""
+    """What one step produced: seq id -> sampled token; seq id -> why its sampling
+    failed (a NaN in its logits, say): that sequence is aborted, the step's others go on;
+    seq id -> the sampled token's logprobs, for each sequence whose options ask for them."""
 
     sampled: Mapping[int, int]
     failed: Mapping[int, str] = field(default_factory=dict)
+    logprobs: Mapping[int, TokenLogprobs] = field(default_factory=dict)
 
 
 class Backend(ABC):

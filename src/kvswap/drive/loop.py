@@ -26,12 +26,12 @@ run stops with a one-line error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.assembly import ControlPlane
-from kvswap.drive.backend import Backend
+from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.summary import RunSummary, StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.obs.observer import StepObserver, sample_step
@@ -60,8 +60,9 @@ class Arrivals(Protocol):
         """Nothing runs: wait (a bounded time) for the next arrival."""
 
 
-#: Told after every step: the plan, the sampled tokens, the requests that finished.
-StepListener = Callable[[StepPlan, Mapping[int, int], Sequence[int]], None]
+#: Told after every step: the plan, what the backend produced (sampled tokens, their
+#: logprobs), the requests that finished.
+StepListener = Callable[[StepPlan, StepOutput, Sequence[int]], None]
 
 
 class Driver:
@@ -139,7 +140,7 @@ class Driver:
             for observer in self._observers:
                 observer.on_step(sample)
         if self._listener is not None:
-            self._listener(plan, output.sampled, finished)
+            self._listener(plan, output, finished)
         for seq_id in finished:
             self.arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
         self._report_progress()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvswap.config import KvSwapConfig, TierCapacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import TierCapacities
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions, check_policy_names
 from kvswap.control.scheduler import Preemption, SchedulerSettings
@@ -19,7 +20,7 @@ from kvswap.control.settings import (
     RemoteWritePolicy,
     SwapSettings,
 )
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.errors import KvSwapError
 
 

@@ -47,13 +47,13 @@ def device_tier_blocks(
 ) -> int:
     """Blocks of the device tier at `utilization` of the device's memory."""
     total_bytes, what = device_memory_bytes(cuda)
-    weights = weight_bytes(arch)
-    room_bytes = int(utilization * total_bytes) - weights
+    weights_bytes = weight_bytes(arch)
+    room_bytes = int(utilization * total_bytes) - weights_bytes
     if room_bytes < block_bytes:
         raise KvSwapError(
             f"--gpu-memory-utilization {utilization}: {utilization:g} x "
             f"{format_bytes(total_bytes)} ({what}) leaves {format_bytes(max(0, room_bytes))} after "
-            f"{format_bytes(weights)} of weights, less than one {format_bytes(block_bytes)} "
+            f"{format_bytes(weights_bytes)} of weights, less than one {format_bytes(block_bytes)} "
             "block; allowed: a larger share, or --gpu-kv-capacity-bytes"
         )
     return room_bytes // block_bytes

@@ -8,17 +8,20 @@ import torch
 
 from kvswap.control.scheduler import StepPlan
 from kvswap.drive.backend import StepOutput
-from kvswap.model.generate import sample_token
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+from kvswap.model.sampler import adjust_logits, sample_token, token_logprobs
+from kvswap.sampling import TokenLogprobs, token_seed
 
 
 class ModelRunner:
     """Runs a `StepPlan` against the device pool tensor `kv`.
 
     Each sequence samples with its request's own sampling, carried by the plan
-    (`ScheduledSeq.sampling`): greedy, or seeded per (seed, sequence, position)
-    so a token is the same whatever step or batch it is sampled in.
+    (`ScheduledSeq.sampling`): greedy, or seeded per (request seed, position) only
+    (`kvswap.sampling.token_seed`), so a token is the same whatever step, batch or
+    sequence id it is sampled with. A request's `LogitsOptions` (`ScheduledSeq.context`)
+    adjust its logits first and may ask for the sampled token's logprobs.
     """
 
     def __init__(self, model: LlamaForCausal, kv: torch.Tensor):
@@ -27,7 +30,8 @@ class ModelRunner:
 
     def run(self, plan: StepPlan, tables: Mapping[int, Sequence[int]]) -> StepOutput:
         """Compute the plan's KV; returns the sampled token of each sampling sequence
-        (or, where sampling raised, why: that sequence alone is aborted)."""
+        (or, where sampling raised, why: that sequence alone is aborted), and the logprobs
+        of those that asked."""
         ids = [token for item in plan.seqs for token in item.token_ids]
         batch = AttentionBatch(
             query_lens=tuple(len(item.token_ids) for item in plan.seqs),
@@ -38,6 +42,7 @@ class ModelRunner:
         logits = self.model(input_ids, batch, self.kv).cpu()  # [num_seqs, vocab] float32
         sampled: dict[int, int] = {}
         failed: dict[int, str] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
         for row, item in enumerate(plan.seqs):
             if not item.samples:
                 continue
@@ -45,11 +50,20 @@ class ModelRunner:
             generator = None
             if sampling is not None:
                 position = item.start_position + len(item.token_ids)
-                seed = hash((sampling.seed, item.seq_id, position)) & 0x7FFF_FFFF_FFFF_FFFF
-                generator = torch.Generator().manual_seed(seed)
+                generator = torch.Generator().manual_seed(token_seed(sampling.seed, position))
+            row_logits = logits[row]
             try:
-                sampled[item.seq_id] = sample_token(logits[row], sampling, generator)
+                if item.context is not None:
+                    row_logits = adjust_logits(row_logits, item.context)
+                token = sample_token(row_logits, sampling, generator)
+                num_logprobs = item.context.options.num_logprobs if item.context else None
+                if num_logprobs is not None:
+                    logprobs[item.seq_id] = token_logprobs(
+                        row_logits, sampling, token, num_logprobs
+                    )
             except RuntimeError as error:  # torch: e.g. inf or NaN in the probabilities
                 # One sequence's bad logits must not end the step of every other one.
                 failed[item.seq_id] = f"sampling failed: {str(error).splitlines()[0]}"
-        return StepOutput(sampled, failed)
+                continue
+            sampled[item.seq_id] = token
+        return StepOutput(sampled, failed, logprobs)

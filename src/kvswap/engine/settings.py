@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvswap.config import KvSwapConfig, TierCapacities, validate_capacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import TierCapacities, validate_capacities
 from kvswap.data.layout import KVLayout
 from kvswap.drive.settings import ControlSettings, control_settings
 from kvswap.engine.device_tier import device_tier_blocks

@@ -21,6 +21,7 @@ from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch
+from kvswap.model.sampler import sample_token as sample_token  # re-exported: the draw
 from kvswap.sampling import SamplingParams
 from kvswap.units import ceil_div
 
@@ -53,30 +54,6 @@ def check_generation_length(
 class GenerationResult:
     token_ids: tuple[int, ...]  # generated tokens only, stop token included if hit
     logits: Tensor  # [len(token_ids), vocab] float32 on CPU: the logits each token came from
-
-
-def sample_token(
-    logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None
-) -> int:
-    """logits [vocab] float32 on CPU -> a token id (argmax, first index on ties, when greedy)."""
-    if sampling is None:
-        return int(torch.argmax(logits).item())
-    scaled = logits / sampling.temperature
-    if sampling.top_k is not None and sampling.top_k < scaled.shape[0]:
-        kth = torch.topk(scaled, sampling.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        # keep the smallest prefix whose mass reaches top_p (always the first token)
-        mass_before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
-        dropped = mass_before >= sampling.top_p
-        # A top_p that rounds to 0 in float32 would drop every token; the most likely
-        # one is always kept (its mass before is exactly 0, so nothing else changes).
-        dropped[0] = False
-        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def generate_reference(

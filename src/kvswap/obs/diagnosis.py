@@ -44,12 +44,13 @@ never disagrees with the table above it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvswap.ledger import DEFAULT_LINK_GB_PER_S
-from kvswap.obs.jsonvalues import float_map, int_map, integer_or, number, number_or
+from kvswap.obs.diagnosis_requests import remote_fetches_failing, requests_refused
+from kvswap.obs.finding import Finding, Thresholds
+from kvswap.obs.jsonvalues import int_map, number, number_or
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.tail import DECODE, PREFILL, SWAP_WAIT, TailAttribution
 from kvswap.obs.timeseries import SeriesPoint, TimeSeries
@@ -64,66 +65,6 @@ LINK_ADVICE = (
     "move less KV: more GPU KV capacity, fewer concurrent sequences (max_num_seqs), or a "
     "faster link; compare link throughput with kvswap bench"
 )
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    rising_ratio: float = 1.5
-    holding_ratio: float = 1.2
-    min_phase_tokens: int = 20
-    write_link_share: float = 0.60
-    swap_wait_share: float = 0.10
-    pinned_pool_usage: float = 0.90
-    sustained_share: float = 0.20
-    min_sustained_windows: int = 3
-    tail_ratio: float = 2.0
-    # A P99 read off fewer tokens than this flips between identical runs: at least 20
-    # tail tokens, i.e. a run of ~2,000 token latencies, before the tail rule speaks.
-    min_tail_tokens: int = 20
-    tail_cause_share: float = 0.5
-    remote_failure_share: float = 0.10
-    min_remote_blocks: int = 8
-
-
-@dataclass(frozen=True)
-class Finding:
-    rule: str  # stable id
-    symptom: str
-    metric: str  # the Prometheus metric (and summary key) behind it
-    figure: str  # the numbers, in words
-    cause: str
-    advice: str
-    values: dict[str, float] = field(default_factory=dict)
-
-    def one_line(self) -> str:
-        return f"{self.symptom} ({self.figure}): {self.cause}; {self.advice}"
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "rule": self.rule,
-            "symptom": self.symptom,
-            "metric": self.metric,
-            "figure": self.figure,
-            "cause": self.cause,
-            "advice": self.advice,
-            "values": dict(self.values),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> Finding:
-        def text(key: str) -> str:
-            value = data.get(key)
-            return value if isinstance(value, str) else ""
-
-        return cls(
-            rule=text("rule"),
-            symptom=text("symptom"),
-            metric=text("metric"),
-            figure=text("figure"),
-            cause=text("cause"),
-            advice=text("advice"),
-            values=float_map(data, "values"),
-        )
 
 
 @dataclass(frozen=True)
@@ -434,72 +375,6 @@ def tail_attribution(
         cause=cause,
         advice=advice,
         values=values,
-    )
-
-
-def remote_fetches_failing(
-    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
-) -> Finding | None:
-    found = integer_or(summary, "remote", "found_blocks")
-    failed = integer_or(summary, "remote", "fetch_failures")
-    if found < max(1, t.min_remote_blocks) or failed <= t.remote_failure_share * found:
-        return None
-    share = failed / found
-    corrupt = integer_or(summary, "remote", "corrupt")
-    outages = integer_or(summary, "remote", "outages")
-    return Finding(
-        rule="remote_fetches_failing",
-        symptom=f"over {100 * t.remote_failure_share:.0f}% of remote hits recomputed",
-        metric='kvswap_remote_misses_total{kind="fetch"} (remote.fetch_failures)',
-        figure=f"{failed} of {found} blocks found in the remote store failed to arrive "
-        f"({100 * share:.0f}%): {corrupt} corrupt values, {outages} outages",
-        cause="the store drops keys between lookup and fetch (TTL, maxmemory eviction), "
-        "returns values that fail their checks, or is unreachable: those blocks were "
-        "computed again",
-        advice="raise remote_ttl_s or the store's maxmemory, check remote_timeout_ms and "
-        'kvswap_remote_store_events_total{event="outage"}',
-        values={
-            "found_blocks": float(found),
-            "fetch_failures": float(failed),
-            "share": share,
-            "corrupt": float(corrupt),
-            "outages": float(outages),
-        },
-    )
-
-
-_NEEDS_BLOCKS = re.compile(r"needs (\d+) blocks")
-
-
-def requests_refused(
-    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
-) -> Finding | None:
-    rejections = summary.get("rejections")
-    reasons = [
-        str(r.get("reason", "")) for r in rejections if isinstance(r, Mapping)
-    ] if isinstance(rejections, list) else []  # fmt: skip
-    refused = [reason for reason in reasons if not reason.startswith("aborted")]
-    if not refused:
-        return None
-    total = integer_or(summary, "requests_completed") + len(reasons)
-    needs = [int(m.group(1)) for reason in refused if (m := _NEEDS_BLOCKS.search(reason))]
-    advice = (
-        f"size the GPU tier for the longest request: it needs {max(needs)} blocks beside the "
-        "protected sink blocks (gpu_kv_capacity_blocks), or cap request length "
-        "(max_tokens, --max-model-len, a trace's --length-scale)"
-        if needs
-        else "shorten the requests to the model's maximum position (--max-model-len, "
-        "max_tokens, a trace's --length-scale)"
-    )
-    return Finding(
-        rule="requests_refused",
-        symptom="requests refused before running",
-        metric="requests_rejected (rejections)",
-        figure=f"{len(refused)} of {total} requests could never run: {refused[0]}",
-        cause="the tiers or the model are sized for shorter requests than the workload sends",
-        advice=advice,
-        values={"refused": float(len(refused)), "requests": float(total)}
-        | ({"max_blocks_needed": float(max(needs))} if needs else {}),
     )
 
 

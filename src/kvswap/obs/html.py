@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
-from kvswap.obs.diagnosis import Finding
+from kvswap.obs.finding import Finding
 from kvswap.obs.jsonvalues import integer_or, lookup, number_or
+from kvswap.obs.loadgen_findings import CHECKED
 from kvswap.obs.plots import PLOT_TITLES
 from kvswap.units import format_bytes
 
@@ -115,6 +116,17 @@ def _cached_cell(s: Mapping[str, object]) -> str:
     return f"{_count_or_dash(s, 'cached_tokens')} ({100 * share:.1f} % of prompt tokens)"
 
 
+def _prompt_length_cell(s: Mapping[str, object]) -> str:
+    ratio = lookup(s, "prompt_length", "sent_per_intended")
+    if not isinstance(ratio, Mapping):
+        return "- (the server reported no usage.prompt_tokens)"
+    return (
+        f"{number_or(ratio, 'p50'):.2f}x at the median ({number_or(ratio, 'min'):.2f}x to "
+        f"{number_or(ratio, 'max'):.2f}x over {integer_or(s, 'prompt_length', 'requests')} "
+        "requests)"
+    )
+
+
 #: A load test of a server (`kvswap loadgen`): what the client measured.
 LOADGEN_SUMMARY_ROWS: tuple[Row, ...] = (
     ("requests", _requests_cell),
@@ -129,16 +141,15 @@ LOADGEN_SUMMARY_ROWS: tuple[Row, ...] = (
     ("send delay (ms)", _pct("send_delay_ms")),
     ("output tokens", lambda s: str(integer_or(s, "tokens_generated"))),
     ("prompt tokens", lambda s: _count_or_dash(s, "prompt_tokens")),
+    ("sent / intended prompt", _prompt_length_cell),
     ("cached prompt tokens", _cached_cell),
     ("errors", lambda s: _mapping_text(lookup(s, "errors_by_kind"))),
     ("stopped by", lambda s: str(lookup(s, "stopped_by") or "end of workload")),
 )
 
 NO_FINDING = "No rule fired: the four numbers look healthy."
-LOADGEN_NO_FINDING = (
-    "Measured at the client: the server's swap wait, link and pinned pool are not "
-    "visible over HTTP, so the engine-side rules do not apply."
-)
+#: A load test where no rule fired says what was checked (never "healthy").
+LOADGEN_NO_FINDING = CHECKED
 
 
 def _mapping_text(value: object) -> str:
@@ -168,7 +179,7 @@ def run_rows(run: Mapping[str, object], summary: Mapping[str, object]) -> list[t
     return rows
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], diff: Sequence[bool] = ()) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], diff: Sequence[bool] = ()) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
@@ -214,17 +225,20 @@ def run_page(
     plots: Mapping[str, str],
     rows: Sequence[Row] = SUMMARY_ROWS,
     no_finding: str = NO_FINDING,
+    sections: Sequence[tuple[str, str]] = (),
 ) -> str:
+    """`sections`: (title, HTML) shown after the summary (a load test's own tables)."""
     summary_rows = [(label, cell(summary)) for label, cell in rows]
     config_rows = sorted(flatten(config).items())
     raw = sorted((k, str(v)) for k, v in summary.items() if k not in ("rejections", "diagnosis"))
     body = (
-        f"{_table(('run', ''), run_rows(run, summary))}"
+        f"{table(('run', ''), run_rows(run, summary))}"
         f"<h2>Diagnosis</h2>{_findings(findings, no_finding)}"
         f"<h2>Plots</h2>{_plots(plots)}"
-        f"<h2>Summary</h2>{_table(('metric', 'value'), summary_rows)}"
-        f"<h2>Configuration</h2>{_table(('setting', 'value'), config_rows)}"
-        f"<details><summary>every summary key</summary>{_table(('key', 'value'), raw)}</details>"
+        f"<h2>Summary</h2>{table(('metric', 'value'), summary_rows)}"
+        + "".join(f"<h2>{escape(title)}</h2>{html}" for title, html in sections)
+        + f"<h2>Configuration</h2>{table(('setting', 'value'), config_rows)}"
+        f"<details><summary>every summary key</summary>{table(('key', 'value'), raw)}</details>"
         '<p class="muted">Data: <a href="report.json">report.json</a></p>'
     )
     return _page(title, body)
@@ -259,9 +273,9 @@ def comparison_page(
     )
     body = (
         f"<ul>{runs}</ul><h2>Plots (runs overlaid)</h2>{_plots(plots)}"
-        f"<h2>Summary</h2>{_table(header, summary_rows)}"
+        f"<h2>Summary</h2>{table(header, summary_rows)}"
         f"<h2>Diagnosis</h2>{diagnosis}"
         f"<h2>Configuration</h2><p class='muted'>Highlighted rows differ between runs.</p>"
-        f"{_table(header, config_rows, differs)}"
+        f"{table(header, config_rows, differs)}"
     )
     return _page(title, body)

@@ -34,7 +34,7 @@ from rich.progress_bar import ProgressBar as BarRenderable
 from rich.table import Table
 from rich.text import Text
 
-from kvswap.obs.diagnosis import Thresholds
+from kvswap.obs.finding import Thresholds
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.rates import TrailingRate, format_rate

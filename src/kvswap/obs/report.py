@@ -3,6 +3,7 @@ and one comparison page over several runs (`kvswap report A B`).
 
     DIR/report.json        {"version", "label", "run", "config", "summary",
                             "diagnosis", "watermarks", "link_gb_per_s", "time_series"}
+                           and, for a load test, "requests": one record per request
     DIR/*.png              an engine run: latency CDF, tier occupancy, link throughput,
                            swap-wait share; a load test: latency CDF, TTFT CDF, throughput
     DIR/index.html         the page (relative links only: copy DIR anywhere)
@@ -10,9 +11,11 @@ and one comparison page over several runs (`kvswap report A B`).
 Two kinds of run share the format. An engine run (`kvswap run`, `simulate`) has
 the engine's configuration, watermarks and diagnosis. A load test of a server
 (`kvswap loadgen`, `run.command == "loadgen"`) has the load generator's settings
-as `config`, `watermarks: null` and no diagnosis: its series holds only what the
-client saw (latencies, tokens, requests in flight). A comparison of load tests
-uses the load-test rows and plots; one mixing both kinds shows what both have.
+as `config`, `watermarks: null`, the load-test findings (`obs/loadgen_findings.py`)
+as its diagnosis and per-request records (`requests`); its series holds only what
+the client saw (latencies, tokens, requests in flight), and its page adds the
+sections of `obs/loadgen_page.py`. A comparison of load tests uses the load-test
+rows and plots; one mixing both kinds shows what both have.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvswap.errors import KvSwapError
-from kvswap.obs.diagnosis import Finding, diagnose_change
+from kvswap.obs.diagnosis import diagnose_change
+from kvswap.obs.finding import Finding
 from kvswap.obs.html import (
     LOADGEN_NO_FINDING,
     LOADGEN_SUMMARY_ROWS,
@@ -35,6 +39,7 @@ from kvswap.obs.html import (
     run_page,
 )
 from kvswap.obs.jsonvalues import as_mapping, lookup, number
+from kvswap.obs.loadgen_page import loadgen_sections
 from kvswap.obs.plots import LOADGEN_PLOT_FILES, PLOT_FILES, PlotRun, write_plots
 from kvswap.obs.timeseries import TimeSeries
 from kvswap.obs.watermarks import Watermarks
@@ -59,6 +64,8 @@ class RunReport:
     findings: tuple[Finding, ...]
     watermarks: Watermarks | None  # None: a load test of a server (no engine of ours)
     link_gb_per_s: float | None = None
+    # A load test's per-request records (`RequestRecord.to_json`); () for an engine run.
+    requests: tuple[Mapping[str, object], ...] = field(default=(), compare=False)
 
     @property
     def is_loadgen(self) -> bool:
@@ -68,7 +75,7 @@ class RunReport:
         return PlotRun(label or self.label, self.series, self.watermarks, self.link_gb_per_s)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "version": REPORT_VERSION,
             "label": self.label,
             "run": self.run,
@@ -79,6 +86,9 @@ class RunReport:
             "link_gb_per_s": self.link_gb_per_s,
             "time_series": self.series.to_json(),
         }
+        if self.is_loadgen:
+            data["requests"] = [dict(r) for r in self.requests]
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], where: str = REPORT_FILE) -> RunReport:
@@ -111,6 +121,9 @@ class RunReport:
                 else Watermarks.from_json(as_mapping(data.get("watermarks", {}), where))
             ),
             link_gb_per_s=number(data, "link_gb_per_s"),
+            requests=tuple(
+                as_mapping(r, f"{where}: requests") for r in _list(data.get("requests"))
+            ),
         )
 
 
@@ -118,6 +131,10 @@ def _invalid(where: str, field_name: str, value: object, allowed: str) -> KvSwap
     shown = repr(value)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     return KvSwapError(f"{where}: field {field_name} = {shown} is invalid; expected {allowed}")
+
+
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
 
 
 def _is_number(value: object) -> bool:
@@ -187,6 +204,12 @@ def _check_fields(data: Mapping[str, object], where: str) -> None:
             value = watermarks.get(key)
             if key in watermarks and not _in_range(value, 0.0, 1.0, low_inclusive=True):
                 raise _invalid(where, f"watermarks.{key}", value, "a fraction in [0, 1]")
+    requests = data.get("requests", [])
+    if not isinstance(requests, list):
+        raise _invalid(where, "requests", requests, "a list")
+    for index, record in enumerate(requests):
+        if not isinstance(record, Mapping):
+            raise _invalid(where, f"requests[{index}]", record, "an object")
     diagnosis = data.get("diagnosis", [])
     if not isinstance(diagnosis, list):
         raise _invalid(where, "diagnosis", diagnosis, "a list")
@@ -232,6 +255,7 @@ def _write_run_page(report: RunReport, out: Path) -> None:
     files, rows, no_finding = _layout([report])
     plots = write_plots([report.plot_run()], out, files)
     command = LOADGEN_COMMAND if report.is_loadgen else "run"
+    sections = loadgen_sections(report.summary, len(report.requests)) if report.is_loadgen else []
     page = run_page(
         f"kvswap {command} report: {report.label}",
         report.run,
@@ -241,6 +265,7 @@ def _write_run_page(report: RunReport, out: Path) -> None:
         plots,
         rows,
         no_finding,
+        sections,
     )
     (out / INDEX_FILE).write_text(page)
 

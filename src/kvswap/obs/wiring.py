@@ -20,7 +20,9 @@ the command's own.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -43,8 +45,15 @@ from kvswap.progress import RequestProgress
 from kvswap.signals import Terminated
 from kvswap.staged_dir import note_not_written
 
+#: How long `run --metrics-port` keeps serving after the run, so a scrape sees the end.
+DEFAULT_METRICS_LINGER_S = 5.0
 
-def add_monitoring_arguments(parser: argparse.ArgumentParser, *, report: bool = True) -> None:
+
+def add_monitoring_arguments(
+    parser: argparse.ArgumentParser, *, report: bool = True, linger: bool = False
+) -> None:
+    """--metrics-port/-host and --report; `linger`: --metrics-linger-s too (a run in real
+    time, whose last values a scraper would otherwise miss)."""
     group = parser.add_argument_group("monitoring")
     group.add_argument(
         "--metrics-port", type=int, metavar="PORT", default=None,
@@ -54,11 +63,24 @@ def add_monitoring_arguments(parser: argparse.ArgumentParser, *, report: bool = 
         "--metrics-host", metavar="HOST", default="127.0.0.1",
         help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 exposes it to the network)",
     )  # fmt: skip
+    if linger:
+        group.add_argument(
+            "--metrics-linger-s", type=float, default=DEFAULT_METRICS_LINGER_S, metavar="S",
+            help="with --metrics-port: keep serving the final values this long after the run "
+            "(default %(default)s; a stop signal ends it early)",
+        )  # fmt: skip
     if report:
         group.add_argument(
             "--report", metavar="DIR", default=None,
             help="write report.json, PNG plots and index.html into DIR",
         )  # fmt: skip
+
+
+def check_monitoring_arguments(args: argparse.Namespace) -> None:
+    """The monitoring flags no reader checks, before any work starts."""
+    linger_s = getattr(args, "metrics_linger_s", 0.0)
+    if not math.isfinite(linger_s) or linger_s < 0:
+        raise KvSwapError(f"--metrics-linger-s {linger_s}: allowed: a number of seconds >= 0")
 
 
 class Monitoring:
@@ -78,7 +100,9 @@ class Monitoring:
         link_gb_per_s: float | None,
         stream: TextIO | None,
         engine_model: Mapping[str, str] | None = None,
+        linger_s: float = 0.0,
     ):
+        self.linger_s = linger_s
         self.config = config
         # The configuration a report shows: an engine run's model is the one it ran
         # (source, dtype, device), not [model]'s sizing defaults, and it simulated nothing.
@@ -148,6 +172,14 @@ class Monitoring:
         if self.stream is not None:
             self.stream.write(text + "\n")
             self.stream.flush()
+
+    def linger(self) -> None:
+        """With --metrics-port: keep /metrics up `linger_s` more, once the run is over and
+        its summary printed, so a scraper sees the final values. A stop signal ends it
+        early, like any stop."""
+        if self.exporter is not None and self.linger_s > 0:
+            self._say(f"metrics: serving the final values for {self.linger_s:g} s more")
+            time.sleep(self.linger_s)
 
     def close(self) -> None:
         if self.panel is not None:
@@ -230,6 +262,7 @@ def build_monitoring(
         link_gb_per_s=link_gb_per_s,
         stream=None if quiet else out,
         engine_model=engine_model,
+        linger_s=float(getattr(args, "metrics_linger_s", 0.0)),
     )
 
 

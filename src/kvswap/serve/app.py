@@ -43,12 +43,13 @@ from kvswap.serve.errors import (
 from kvswap.serve.http_generation import (
     Generation,
     OutputText,
-    Sampling,
+    choice_requests,
     plan_generation,
-    submit,
+    submit_all,
 )
+from kvswap.serve.http_logprobs import LogprobsWriter
 from kvswap.serve.http_responses import CHAT_SHAPE, COMPLETION_SHAPE, ResponseShape, ResponseWriter
-from kvswap.serve.http_stream import collect, event_stream
+from kvswap.serve.http_stream import Choice, collect, event_stream
 from kvswap.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvswap.serve.service import EngineService
 from kvswap.serve.text_errors import TextRequestError
@@ -269,9 +270,7 @@ class _Api:
         prompt_ids: tuple[int, ...],
         shape: ResponseShape,
     ) -> Response:
-        sampling = Sampling(
-            body.requested_max_tokens, body.temperature, body.top_p, body.seed, body.cache_salt
-        )
+        sampling = body.sampling()
         stop_ids: frozenset[int] = frozenset()
         if self.codec is not None and not body.ignore_eos:
             stop_ids = self.codec.eos_token_ids
@@ -281,13 +280,24 @@ class _Api:
             prompt_ids, sampling, self.service, stop_token_ids=stop_ids,
             vocab_size=self.vocab_size, max_tokens_field=body.max_tokens_field,
         )  # fmt: skip
-        output = OutputText(self.codec, prompt_ids, body.stop)
-        generation = Generation(self.service, submit(self.service, planned), output)
+        outputs = [
+            OutputText(self.codec, prompt_ids, body.stop, min_tokens=sampling.min_tokens)
+            for _ in range(sampling.n)
+        ]  # built before submitting: a bad stop string must not leave requests queued
+        handles = submit_all(self.service, choice_requests(planned, sampling.n))
+        choices = [
+            Choice(
+                index, Generation(self.service, handle, output),
+                None if sampling.num_logprobs is None
+                else LogprobsWriter(self.codec, chat=shape.chat),
+            )
+            for index, (handle, output) in enumerate(zip(handles, outputs, strict=True))
+        ]  # fmt: skip
         writer = ResponseWriter(shape, self.service.model_id, include_usage=body.include_usage)
         with_ids = self.codec is None
         if body.streaming:
-            return event_stream(generation, writer, with_token_ids=with_ids)
-        return await collect(request, generation, writer, with_token_ids=with_ids)
+            return event_stream(choices, writer, with_token_ids=with_ids)
+        return await collect(request, choices, writer, with_token_ids=with_ids)
 
 
 def _body_too_large(limit: int) -> ApiError:

@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from kvswap.control.scheduler import FinishReason as SchedulerFinish
 from kvswap.control.scheduler import Scheduler, StepPlan
-from kvswap.drive.backend import Backend
+from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineSettings
@@ -175,14 +175,15 @@ class LiveArrivals:
         for days and keeps no history; `on_step` already told the client)."""
         self._scheduler.forget(request_id)
 
-    def on_step(self, plan: StepPlan, sampled: Mapping[int, int], done: Sequence[int]) -> None:
-        """The driver's step listener: stream each sampled token, end finished requests."""
-        for request_id, token_id in sampled.items():
+    def on_step(self, plan: StepPlan, output: StepOutput, done: Sequence[int]) -> None:
+        """The driver's step listener: stream each sampled token (with its logprobs when
+        asked for), end finished requests."""
+        for request_id, token_id in output.sampled.items():
             handle = self.handles.get(request_id)
             if handle is not None:
                 if handle.first_token_s is None:
                     handle.first_token_s = time.monotonic()
-                handle.push(TokenEvent(token_id))
+                handle.push(TokenEvent(token_id, output.logprobs.get(request_id)))
         for request_id in done:
             self._tell(request_id)
 
@@ -192,7 +193,7 @@ class LiveArrivals:
         admission = self._scheduler.add_request(
             handle.request_id, request.prompt_ids, request.max_new_tokens, now_s,
             cache_salt=request.cache_salt, stop_token_ids=request.stop_token_ids,
-            sampling=handle.sampling,
+            sampling=handle.sampling, options=request.options,
         )  # fmt: skip
         if admission.refusal is not None:
             self._tell(handle.request_id, error=admission.refusal.message)
@@ -243,7 +244,7 @@ def _sampling(request: GenerationRequest) -> SamplingParams | None:
     the sampling rule: refused here, before the request reaches the engine thread."""
     seed = request.seed if request.seed is not None else secrets.randbits(63)
     try:
-        return sampling_or_greedy(request.temperature, seed, request.top_p)
+        return sampling_or_greedy(request.temperature, seed, request.top_p, request.top_k)
     except KvSwapError as error:
         raise InvalidRequest(str(error)) from None
 
@@ -315,6 +316,12 @@ class EngineThreadService(EngineService):
             raise InvalidRequest(
                 f"the prompt's token ids must be in [0, {self.vocab_size}); "
                 f"got {min(request.prompt_ids)}..{max(request.prompt_ids)}"
+            )
+        biased = [token for token, _ in request.options.logit_bias] if request.options else []
+        if biased and biased[-1] >= self.vocab_size:  # sorted: the last is the largest
+            raise InvalidRequest(
+                f"logit_bias: token id {biased[-1]} is outside the vocabulary "
+                f"(0..{self.vocab_size - 1})"
             )
         sampling = _sampling(request)
         refusal = self._scheduler.admission(num_prompt, request.max_new_tokens).refusal

@@ -1,16 +1,16 @@
 """OpenAI error objects: every refusal of the HTTP app, one line each.
 
-    HTTP 400  {"error": {"message": "n: only 1 completion per request ...",
-                         "type": "invalid_request_error", "param": "n",
+    HTTP 400  {"error": {"message": "tools: 1 given; this server does not call tools ...",
+                         "type": "invalid_request_error", "param": "tools",
                          "code": "unsupported_parameter"}}
 
 The status follows one rule, written here once (as the OpenAI API and vLLM answer):
 
     400  the body cannot be read (not JSON, not an object), asks for what this server
-         does not do (an unknown field, `n` > 1, logprobs, a text prompt or a chat
-         without a tokenizer, a prompt plus `max_tokens` longer than the model), or a
-         known field holds a value of the wrong type or out of range (the sampling
-         fields' ranges: kvswap.sampling), or a required field is missing
+         does not do (an unknown field, tools, structured output, `echo`, a text prompt
+         or a chat without a tokenizer, a prompt plus `max_tokens` longer than the
+         model), or a known field holds a value of the wrong type or out of range (the
+         sampling fields' ranges: kvswap.sampling), or a required field is missing
     401  the API key is missing or wrong
     404  an unknown route or model
     405  a known route with the wrong method

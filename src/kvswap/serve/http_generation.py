@@ -1,20 +1,27 @@
 """One request from the HTTP side: its limits checked, submitted, its events turned to text.
 
-    prompt ids + request --plan_generation--> GenerationRequest --service.submit--> handle
-    handle.events() --Generation.pieces()--> Piece(text, token ids) ... then result()
+    prompt ids + RequestSampling --plan_generation--> GenerationRequest
+        --choice_requests--> one per choice (n) --submit_all--> handles
+    handle.events() --Generation.pieces()--> Piece(text, token ids, logprobs) ... result()
 
 A stop string ends the request through `service.stop_early` (its KV stays for
-prefix reuse); tokens that still arrive before its Finished are dropped. A client
-that leaves ends it through `service.cancel` (`abandon`), unless it had ended.
+prefix reuse); tokens that still arrive before its Finished are dropped, and its
+usage counts the tokens up to the one that completed the stop string (what the
+client got). A client that leaves ends it through `service.cancel` (`abandon`),
+unless it had ended.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from kvswap.errors import KvSwapError
+from kvswap.sampling import TokenLogprobs, choice_seed, logits_options_or_none
 from kvswap.serve.detokenize import IncrementalDecoder, StopMatcher
 from kvswap.serve.errors import ApiError, from_status_error
+from kvswap.serve.protocol import RequestSampling
 from kvswap.serve.service import (
     EngineService,
     Finished,
@@ -28,28 +35,18 @@ from kvswap.serve.text_errors import TextRequestError
 from kvswap.serve.tokenizer import TextCodec
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling fields of a request, as both endpoints give them."""
-
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    seed: int | None
-    cache_salt: str | None
-
-
 def plan_generation(
     prompt_ids: tuple[int, ...],
-    sampling: Sampling,
+    sampling: RequestSampling,
     service: EngineService,
     *,
     stop_token_ids: frozenset[int],
     vocab_size: int | None,
     max_tokens_field: str = "max_tokens",
 ) -> GenerationRequest:
-    """The request to submit, or an ApiError: an empty prompt or an id outside the
-    vocabulary (400), a prompt over the limit (413), no room left for output (400)."""
+    """The request to submit (its first choice), or an ApiError: an empty prompt or an id
+    outside the vocabulary (400), a prompt over the limit (413), no room left for output
+    or `min_tokens` past it (400)."""
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise ApiError(400, "prompt: empty; give at least one token", code="invalid_value",
@@ -61,13 +58,19 @@ def plan_generation(
                 400, f"prompt: token id {outside} is outside the vocabulary (0..{vocab_size - 1})",
                 code="invalid_value", param="prompt",
             )  # fmt: skip
+        biased = max(sampling.logit_bias, default=None)
+        if biased is not None and biased >= vocab_size:
+            raise ApiError(
+                400, f"logit_bias: token id {biased} is outside the vocabulary "
+                f"(0..{vocab_size - 1})", code="invalid_value", param="logit_bias",
+            )  # fmt: skip
     if num_prompt > service.max_prompt_tokens:
         raise ApiError(
             413, f"prompt: {num_prompt} tokens; allowed: at most {service.max_prompt_tokens}",
             code="context_length_exceeded", param="prompt",
         )  # fmt: skip
     room = service.max_model_tokens - num_prompt
-    max_new = sampling.max_tokens if sampling.max_tokens is not None else room
+    max_new = _max_new_tokens(sampling, room)
     if max_new < 1 or max_new > room:
         raise ApiError(
             400,
@@ -76,6 +79,22 @@ def plan_generation(
             code="context_length_exceeded",
             param=max_tokens_field if sampling.max_tokens is not None else "prompt",
         )
+    if sampling.min_tokens > max_new:
+        raise ApiError(
+            400, f"min_tokens = {sampling.min_tokens}: allowed: at most {max_tokens_field} "
+            f"({max_new} for this request)", code="invalid_value", param="min_tokens",
+        )  # fmt: skip
+    try:
+        options = logits_options_or_none(
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            logit_bias=sampling.logit_bias,
+            min_tokens=sampling.min_tokens,
+            num_logprobs=sampling.num_logprobs,
+        )
+    except KvSwapError as error:  # the body's checks are the same rule: a bug if reached
+        raise ApiError(400, str(error), code="invalid_value") from None
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_new_tokens=max_new,
@@ -84,7 +103,46 @@ def plan_generation(
         seed=sampling.seed,
         stop_token_ids=stop_token_ids,
         cache_salt=sampling.cache_salt,
+        top_k=sampling.top_k,
+        options=options,
     )
+
+
+def _max_new_tokens(sampling: RequestSampling, room: int) -> int:
+    """`max_tokens` as asked; absent, the endpoint's default within the room left (as vLLM
+    clamps it), or the whole room."""
+    if sampling.max_tokens is not None:
+        return sampling.max_tokens
+    if sampling.default_max_tokens is not None:
+        return min(sampling.default_max_tokens, room)
+    return room
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The `n` sequences of a request with `n` choices: the same request, each choice
+    drawn with its own seed (`choice_seed`; choice 0 keeps the request's). Without a
+    seed the service draws one per choice."""
+    if request.seed is None:
+        return [request] * n
+    return [
+        dataclasses.replace(request, seed=choice_seed(request.seed, index)) for index in range(n)
+    ]
+
+
+def submit_all(
+    service: EngineService, requests: Sequence[GenerationRequest]
+) -> list[RequestHandle]:
+    """Every choice submitted, or none: a refusal (a full queue, say) cancels the choices
+    already queued before it is raised."""
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles.append(submit(service, request))
+    except BaseException:
+        for handle in handles:
+            service.cancel(handle)
+        raise
+    return handles
 
 
 def submit(service: EngineService, request: GenerationRequest) -> RequestHandle:
@@ -96,12 +154,22 @@ def submit(service: EngineService, request: GenerationRequest) -> RequestHandle:
 
 class OutputText:
     """Sampled ids -> the text to send: decoded incrementally (special tokens, EOS
-    included, decode to nothing), cut before the first stop string. Without a codec
-    there is no text: every push gives ""."""
+    included, decode to nothing), cut before the first stop string. A stop string is
+    looked for only in text decoded from token `min_tokens` on (vLLM checks none before).
+    Without a codec there is no text: every push gives ""."""
 
-    def __init__(self, codec: TextCodec | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...]):
+    def __init__(
+        self,
+        codec: TextCodec | None,
+        prompt_ids: tuple[int, ...],
+        stop: tuple[str, ...],
+        *,
+        min_tokens: int = 0,
+    ):
         self.codec = codec
         self._decoder = IncrementalDecoder(codec, prompt_ids) if codec is not None else None
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         try:
             self._stop = StopMatcher(stop)
         except TextRequestError as error:
@@ -111,7 +179,11 @@ class OutputText:
         """(text that may be sent now, whether a stop string just matched)."""
         if self._decoder is None:
             return "", False
-        piece = self._stop.push(self._decoder.push(token_id))
+        self._num_tokens += 1
+        text = self._decoder.push(token_id)
+        if self._num_tokens < self._min_tokens:
+            return text, False
+        piece = self._stop.push(text)
         return piece.text, piece.stopped
 
     def finish(self) -> tuple[str, bool]:
@@ -127,15 +199,17 @@ class OutputText:
 
 @dataclass(frozen=True)
 class Piece:
-    """Text to send, and the ids it came from (only when there is no text to send them as)."""
+    """Text to send, the ids it came from (only when there is no text to send them as),
+    and the logprobs of the tokens sampled since the last piece (when asked for)."""
 
     text: str
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Generation:
-    """A submitted request as the endpoint sees it. Iterate `pieces()` once, then
-    `result()`; call `abandon()` when the response ends, however it ends."""
+    """A submitted request (one choice) as the endpoint sees it. Iterate `pieces()` once,
+    then `result()`; call `abandon()` when the response ends, however it ends."""
 
     def __init__(self, service: EngineService, handle: RequestHandle, output: OutputText):
         self._service = service
@@ -145,8 +219,10 @@ class Generation:
         self._finished: Finished | None = None
         self._cancelled = False
         self.token_ids: list[int] = []  # sampled ids up to the end (or the stop string)
+        self.logprobs: list[TokenLogprobs] = []  # theirs, when the request asked
 
     async def pieces(self) -> AsyncIterator[Piece]:
+        unsent: list[TokenLogprobs] = []  # logprobs of tokens whose text is held back
         async for event in self._handle.events():
             if isinstance(event, Finished):
                 self._finished = event
@@ -155,26 +231,33 @@ class Generation:
                 continue  # sampled before the engine saw stop_early
             assert isinstance(event, TokenEvent)
             self.token_ids.append(event.token_id)
+            if event.logprobs is not None:
+                self.logprobs.append(event.logprobs)
+                unsent.append(event.logprobs)
             text, matched = self._output.push(event.token_id)
             if matched:
                 self._stopped = True
                 self._service.stop_early(self._handle)
             ids = (event.token_id,) if self._output.codec is None else ()
             if text or ids:
-                yield Piece(text, ids)
+                yield Piece(text, ids, tuple(unsent))
+                unsent.clear()
+        tail = ""
         if not self._stopped and self._finished is not None:
             tail, self._stopped = self._output.finish()
-            if tail:
-                yield Piece(tail)
+        if tail or unsent:
+            yield Piece(tail, (), tuple(unsent))
 
     def result(self) -> tuple[str, Finished]:
         """(finish_reason, Finished) once `pieces()` is exhausted; an ApiError (503) when
-        the engine aborted the request (the server is stopping, or it was rejected)."""
+        the engine aborted the request (the server is stopping, or it was rejected).
+        After a stop string, `completion_tokens` counts the tokens up to the one that
+        completed it: those the client got, not those sampled before the engine heard."""
         finished = self._finished
         if finished is None:
             raise ApiError(503, "the request ended without a result", code="service_unavailable")
         if self._stopped:
-            return "stop", finished
+            return "stop", dataclasses.replace(finished, completion_tokens=len(self.token_ids))
         if finished.reason is FinishReason.ABORT:
             why = finished.error or "aborted by the server"
             raise ApiError(503, f"the request was aborted: {why}", code="request_aborted")

@@ -6,22 +6,29 @@
      "object": "text_completion" |          "object": "text_completion" |
                "chat.completion",                     "chat.completion.chunk",
      "created", "model",                    "created", "model",
-     "choices": [{"index": 0, "text" |      "choices": [{"index": 0, "text" | "delta",
+     "choices": [{"index": i, "text" |      "choices": [{"index": i, "text" | "delta",
                   "message", "logprobs",                 "logprobs", "finish_reason"}],
-                  "finish_reason"}],        "usage": null   (only with include_usage)}
+                  "finish_reason"}, ...],   "usage": null   (only with include_usage)}
      "usage": {...}}                       then, with include_usage, one chunk with
                                            "choices": [] and the usage
 
-`usage` is `prompt_tokens`, `completion_tokens`, `total_tokens` and
-`prompt_tokens_details.cached_tokens` (prompt tokens whose KV was reused, any
-tier), as vLLM reports it. A server without a tokenizer cannot write text: its
-choices carry the sampled ids in `token_ids` (vLLM's name) and an empty text.
+With `n` choices the answer has n choices, indexed 0..n-1; streamed, each chunk
+carries one choice's piece under its index (chat: each choice's first chunk has the
+assistant role), and each choice closes with its own finish_reason chunk.
+
+`usage` is `prompt_tokens` (the prompt, once), `completion_tokens` (summed over
+the choices), `total_tokens` and `prompt_tokens_details.cached_tokens` (prompt
+tokens whose KV was reused, any tier: the fewest any choice reused), as vLLM
+reports it. A server without a tokenizer cannot write text: its choices carry the
+sampled ids in `token_ids` (vLLM's name) and an empty text. `logprobs` is null
+unless asked for (its shapes: kvswap.serve.http_logprobs).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvswap.serve.service import Finished
@@ -29,13 +36,26 @@ from kvswap.serve.service import Finished
 JsonObject = dict[str, object]
 
 
-def usage_json(finished: Finished) -> JsonObject:
+def usage_json(finished: Sequence[Finished]) -> JsonObject:
+    """The usage of a request whose choices ended as `finished` (one Finished each)."""
+    prompt_tokens = finished[0].prompt_tokens
+    completion_tokens = sum(item.completion_tokens for item in finished)
     return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": min(item.cached_tokens for item in finished)},
     }
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One choice of a whole answer."""
+
+    text: str
+    finish_reason: str
+    token_ids: tuple[int, ...] | None = None  # only without a tokenizer
+    logprobs: JsonObject | None = None  # only when asked for
 
 
 @dataclass(frozen=True)
@@ -47,24 +67,28 @@ class ResponseShape:
     chunk_object_name: str
     chat: bool
 
-    def choice(
-        self, text: str, finish_reason: str, token_ids: tuple[int, ...] | None
-    ) -> JsonObject:
-        body: JsonObject = {"index": 0}
+    def choice(self, index: int, result: ChoiceResult) -> JsonObject:
+        body: JsonObject = {"index": index}
         if self.chat:
-            body["message"] = {"role": "assistant", "content": text}
+            body["message"] = {"role": "assistant", "content": result.text}
         else:
-            body["text"] = text
-        body.update({"logprobs": None, "finish_reason": finish_reason})
-        if token_ids is not None:
-            body["token_ids"] = list(token_ids)
+            body["text"] = result.text
+        body.update({"logprobs": result.logprobs, "finish_reason": result.finish_reason})
+        if result.token_ids is not None:
+            body["token_ids"] = list(result.token_ids)
         return body
 
     def chunk_choice(
-        self, text: str | None, finish_reason: str | None, *, first: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        *,
+        first: bool = False,
+        logprobs: JsonObject | None = None,
     ) -> JsonObject:
         """A streamed choice: `text` None sends no content (the closing chunk)."""
-        body: JsonObject = {"index": 0}
+        body: JsonObject = {"index": index}
         if self.chat:
             delta: JsonObject = {"role": "assistant"} if first else {}
             if text is not None:
@@ -72,7 +96,7 @@ class ResponseShape:
             body["delta"] = delta
         else:
             body["text"] = text or ""
-        body.update({"logprobs": None, "finish_reason": finish_reason})
+        body.update({"logprobs": logprobs, "finish_reason": finish_reason})
         return body
 
 
@@ -94,16 +118,10 @@ class ResponseWriter:
         return {"id": self.id, "object": object_name, "created": self.created,
                 "model": self.model}  # fmt: skip
 
-    def whole(
-        self,
-        text: str,
-        finish_reason: str,
-        finished: Finished,
-        token_ids: tuple[int, ...] | None = None,
-    ) -> JsonObject:
+    def whole(self, results: Sequence[ChoiceResult], finished: Sequence[Finished]) -> JsonObject:
         return {
             **self._head(self.shape.object_name),
-            "choices": [self.shape.choice(text, finish_reason, token_ids)],
+            "choices": [self.shape.choice(index, result) for index, result in enumerate(results)],
             "usage": usage_json(finished),
         }
 
@@ -114,16 +132,22 @@ class ResponseWriter:
         return body
 
     def text_chunk(
-        self, text: str, *, first: bool = False, token_ids: tuple[int, ...] | None = None
+        self,
+        index: int,
+        text: str,
+        *,
+        first: bool = False,
+        token_ids: tuple[int, ...] | None = None,
+        logprobs: JsonObject | None = None,
     ) -> JsonObject:
-        choice = self.shape.chunk_choice(text, None, first=first)
+        choice = self.shape.chunk_choice(index, text, None, first=first, logprobs=logprobs)
         if token_ids is not None:
             choice["token_ids"] = list(token_ids)
         return self.chunk(choice)
 
-    def final_chunk(self, finish_reason: str) -> JsonObject:
-        return self.chunk(self.shape.chunk_choice(None, finish_reason))
+    def final_chunk(self, index: int, finish_reason: str) -> JsonObject:
+        return self.chunk(self.shape.chunk_choice(index, None, finish_reason))
 
-    def usage_chunk(self, finished: Finished) -> JsonObject:
+    def usage_chunk(self, finished: Sequence[Finished]) -> JsonObject:
         return {**self._head(self.shape.chunk_object_name), "choices": [],
                 "usage": usage_json(finished)}  # fmt: skip

@@ -93,7 +93,7 @@ class StatsLine(StepObserver):
 def stats_text(before: StepSample, now: StepSample, wall_s: float, prompt_tokens: int) -> str:
     """The stats line for the steps between two samples, `wall_s` apart."""
     per_s = 1.0 / wall_s if wall_s > 0 else 0.0
-    generated = now.tokens_generated - before.tokens_generated
+    generated_tokens = now.tokens_generated - before.tokens_generated
     tiers = ", ".join(
         f"{tier.upper() if tier != 'nvme' else 'NVMe'} "
         f"{100 * now.used_blocks_by_tier.get(tier, 0) / capacity:.1f} %"
@@ -102,16 +102,17 @@ def stats_text(before: StepSample, now: StepSample, wall_s: float, prompt_tokens
     )
 
     def gb_per_s(direction: str) -> float:
-        moved = now.bytes_by_direction.get(direction, 0) - before.bytes_by_direction.get(
+        moved_bytes = now.bytes_by_direction.get(direction, 0) - before.bytes_by_direction.get(
             direction, 0
         )
-        return moved * per_s / 1e9
+        return moved_bytes * per_s / 1e9
 
     step_s = now.step_total_s - before.step_total_s
     waited_s = now.swap_wait_total_s - before.swap_wait_total_s
     return (
-        f"stats: prompt {prompt_tokens * per_s:.1f} tok/s, generation {generated * per_s:.1f} "
-        f"tok/s; {now.num_running} running, {now.num_waiting} waiting; KV {tiers or '-'}; "
+        f"stats: prompt {prompt_tokens * per_s:.1f} tok/s, generation "
+        f"{generated_tokens * per_s:.1f} tok/s; {now.num_running} running, "
+        f"{now.num_waiting} waiting; KV {tiers or '-'}; "
         f"link out {gb_per_s('gpu_to_cpu'):.2f} / in {gb_per_s('cpu_to_gpu'):.2f} GB/s; "
         f"swap wait {100 * waited_s / step_s if step_s > 0 else 0.0:.1f} %"
     )

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvswap.errors import KvSwapError
+from kvswap.sampling import LogitsOptions, TokenLogprobs
 
 
 class FinishReason(enum.Enum):
@@ -30,18 +31,24 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One sequence to generate (a request with `n` choices is `n` of these). Sampling
+    values are checked by the service against `kvswap.sampling`'s rule."""
+
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     temperature: float | None = None  # None or 0: greedy
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # None: the service draws one
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     cache_salt: str | None = None
+    top_k: int | None = None  # None: no top-k
+    options: LogitsOptions | None = None  # penalties, logit_bias, min_tokens, logprobs
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request's options ask for them
 
 
 @dataclass(frozen=True)

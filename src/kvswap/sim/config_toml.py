@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from kvswap.config import KvSwapConfig, TierCapacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import TierCapacities
 
 _FLAT_SWAP_KEYS = (
     "swap_out_high_watermark", "swap_out_low_watermark", "protected_sink_blocks",

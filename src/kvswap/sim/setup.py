@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvswap.config import KvSwapConfig, TierCapacities, validate_capacities
+from kvswap.config import KvSwapConfig
+from kvswap.config_capacities import TierCapacities, validate_capacities
 from kvswap.errors import ConfigError
 from kvswap.ledger import kv_bytes_per_block
 from kvswap.model.description import ModelDescription

@@ -9,12 +9,13 @@ once (they are then usually rejected too, with their own reason).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
 from kvswap.control.scheduler import Scheduler
-from kvswap.sampling import SamplingParams
+from kvswap.sampling import SamplingParams, workload_request_seed
 from kvswap.workload.request import Workload, resolve_prompt
 
 
@@ -24,7 +25,8 @@ class IdleClock(Protocol):
 
 class ArrivalQueue:
     """`sampling`: what every request of the workload samples with (None: greedy),
-    handed to the scheduler with each request."""
+    handed to the scheduler with each request, each with its own seed derived from
+    `sampling.seed` and its id (two requests with one prompt still draw apart)."""
 
     def __init__(self, workload: Workload, sampling: SamplingParams | None = None):
         self.workload = workload
@@ -55,10 +57,16 @@ class ArrivalQueue:
             self.prompts[request_id] = prompt
             admission = scheduler.add_request(
                 request_id, prompt, request.max_new_tokens, arrival_s,
-                cache_salt=request.cache_salt, sampling=self.sampling,
+                cache_salt=request.cache_salt, sampling=self._sampling_of(request_id),
             )  # fmt: skip
             if not admission.accepted:
                 self.finished(request_id, (), now_s, think=False)
+
+    def _sampling_of(self, request_id: int) -> SamplingParams | None:
+        if self.sampling is None:
+            return None
+        seed = workload_request_seed(self.sampling.seed, request_id)
+        return dataclasses.replace(self.sampling, seed=seed)
 
     def finished(
         self, request_id: int, output_ids: Sequence[int], done_s: float, *, think: bool = True

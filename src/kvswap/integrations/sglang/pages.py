@@ -14,7 +14,7 @@ the NVMe slab) and a page is two of them, moved in the same job, loaded only
 when both arrive (as SGLang's Mooncake backend keeps K and V apart).
 
 Keys: SGLang names a page by its hash string (a chain over the page's tokens).
-`PageKeys` roots it in a kvswap namespace (`identity.external_key`): the model
+`PageKeys` roots it in a kvswap namespace (`identity.foreign_key`): the model
 and its shard (name, TP / PP / context-parallel rank and size), the host layout,
 dtype and shape, and the tenant salt. The same hash under another model, shard,
 layout or salt is another key, so nothing is shared across them.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvswap.control.identity import KeyNamespace, external_key
+from kvswap.control.identity import KeyNamespace, foreign_key
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots
 from kvswap.errors import ConfigError
@@ -78,7 +78,7 @@ class PageKeys:
     def halves(self, page_hash: str) -> tuple[bytes, bytes]:
         """The keys of the page's K half and V half."""
         name = page_hash.encode()
-        k, v = (external_key(self._root, plane + b":" + name) for plane in _PLANES)
+        k, v = (foreign_key(self._root, plane + b":" + name) for plane in _PLANES)
         return k, v
 
     def flat(self, page_hashes: Sequence[str]) -> list[bytes]:

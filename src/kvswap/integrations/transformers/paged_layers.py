@@ -40,7 +40,7 @@ import torch
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
-from kvswap.control.store import StoreLayout
+from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.control.transfer import CopyEngine, Tier
 from kvswap.data.copy_engine import LocalCopyEngine

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvswap.errors import KvSwapError
+from kvswap.obs.loadgen_findings import BAD_STREAM, TIMEOUT, TRANSPORT, http_kind
 from kvswap.redact import redact_url
 from kvswap.serve.loadgen.prompts import Endpoint
 
@@ -48,6 +49,7 @@ class StreamResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     error: str | None = None
+    error_kind: str | None = None  # with `error`: "HTTP <status>", "timeout", "transport", ...
 
 
 def api_base(url: str) -> str:
@@ -211,12 +213,21 @@ class OpenAIClient:
     async def stream(self, endpoint: Endpoint, body: Mapping[str, object]) -> StreamResult:
         """POST `body` to `endpoint` and read its SSE answer to the end."""
         result = StreamResult()
+        await self._read_stream(endpoint, body, result)
+        if result.error is not None and result.error_kind is None:
+            result.error_kind = BAD_STREAM
+        return result
+
+    async def _read_stream(
+        self, endpoint: Endpoint, body: Mapping[str, object], result: StreamResult
+    ) -> None:
         try:
             async with self._http.stream("POST", self.base + PATHS[endpoint], json=body) as answer:
                 result.status = answer.status_code
                 if answer.status_code != 200:
                     result.error = f"HTTP {answer.status_code}: {await _error_body(answer)}"
-                    return result
+                    result.error_kind = http_kind(answer.status_code)
+                    return
                 events = 0
                 async for line in answer.aiter_lines():
                     payload = sse_data(line)
@@ -230,15 +241,15 @@ class OpenAIClient:
                         chunk = json.loads(payload)
                     except ValueError:
                         result.error = f"stream data is not JSON: {one_line(payload, 60)}"
-                        return result
+                        return
                     apply_chunk(result, chunk, endpoint, now_s)
                     if result.error is not None:
-                        return result
+                        return
                 if not events:
                     result.error = "not an event stream: the answer has no `data:` lines"
         except httpx.HTTPError as error:
             result.error = f"{type(error).__name__}: {transport_reason(error)}"
-        return result
+            result.error_kind = TIMEOUT if isinstance(error, httpx.TimeoutException) else TRANSPORT
 
 
 async def _error_body(answer: httpx.Response) -> str:

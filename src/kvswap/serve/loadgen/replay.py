@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
+from kvswap.obs.loadgen_findings import TIMEOUT
 from kvswap.serve.loadgen.client import OpenAIClient
 from kvswap.serve.loadgen.prompts import Endpoint, PromptBook
 from kvswap.serve.loadgen.results import Outcome, RequestRecord
@@ -159,9 +160,11 @@ class Replay:
             self.progress(self._num_finished, self.num_planned, f"{len(self._tasks)} in flight")
 
     async def _serve(self, record: RequestRecord) -> None:
+        prompt = self.prompts.input_for(record.request_id)
+        record.intended_prompt_tokens = prompt.intended_prompt_tokens
         body: dict[str, object] = {
             "model": self.settings.model,
-            **self.prompts.input_for(record.request_id),
+            **prompt.fields,
             "max_tokens": record.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -192,6 +195,7 @@ class Replay:
             record.done_s = self.now_s()
             record.outcome = Outcome.FAILED
             record.error = f"timeout: no complete answer within --timeout-s {timeout_s:g}"
+            record.error_kind = TIMEOUT
             return
         record.done_s = self.now_s()
         record.http_status = result.status
@@ -200,14 +204,14 @@ class Replay:
         record.cached_tokens = result.cached_tokens
         if result.error is not None:
             record.outcome = Outcome.FAILED
-            record.error = result.error
+            record.error, record.error_kind = result.error, result.error_kind
             return
         record.outcome = Outcome.COMPLETED
         completion_tokens = result.completion_tokens
         record.output_tokens = (
             completion_tokens if completion_tokens is not None else len(result.chunk_times_s)
         )
-        self.prompts.record_reply(record.request_id, result.text)
+        self.prompts.record_reply(record.request_id, result.text, record.output_tokens)
         for follow_up in self.workload.follow_ups_of(record.request_id):
             assert follow_up.follow_up is not None
             self._queue(follow_up.request_id, record.done_s + follow_up.follow_up.think_time_s)

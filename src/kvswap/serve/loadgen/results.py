@@ -18,18 +18,28 @@ Which requests count where (invariants the summary keeps):
   an inter-token latency is the gap between two text chunks, so a server that
   streams k tokens per chunk shows gaps of k tokens;
 - the send delay (sent_s - due_s, every request sent) shows a client held back
-  by --max-concurrency or unable to keep up with the arrival times.
+  by --max-concurrency or unable to keep up with the arrival times;
+- a failure has one kind (`errors_by_kind`): "HTTP <status>", "timeout",
+  "transport" or "bad stream" (the names `obs/loadgen_findings.py` judges);
+  `errors` lists the first MAX_LISTED_ERRORS failures and the first of every kind;
+- prompt lengths pair each completed request's intended length (the workload's)
+  with its sent one (the server's `usage.prompt_tokens`).
+
+Per-request records (`RequestRecord.to_json`) go to report.json, not to the
+summary: a 12k-request trace is ~3 MB of them.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvswap.drive.summary import percentiles_ms
+from kvswap.obs.loadgen_findings import http_kind
 
 MAX_LISTED_ERRORS = 20
 
@@ -58,6 +68,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     http_status: int | None = None
     error: str | None = None
+    error_kind: str | None = None  # set with `error`: "HTTP 413", "timeout", ...
+    intended_prompt_tokens: int | None = None  # the workload's length; None: not sent
 
     @property
     def ttft_s(self) -> float | None:
@@ -83,6 +95,24 @@ class RequestRecord:
             return None
         return self.done_s - self.sent_s
 
+    def to_json(self) -> dict[str, object]:
+        """The record as report.json keeps it (times in ms, rounded to the microsecond)."""
+        ttft_s = self.ttft_s
+        return {
+            "request_id": self.request_id,
+            "session_id": self.session_id,
+            "turn": self.turn,
+            "intended_prompt_tokens": self.intended_prompt_tokens,
+            "sent_prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "max_tokens": self.max_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_ms": None if ttft_s is None else round(ttft_s * 1e3, 3),
+            "outcome": self.outcome.value,
+            "http_status": self.http_status,
+            "error_kind": self.error_kind,
+        }
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -92,10 +122,15 @@ class Slo:
     tpot_ms: float | None = None
 
     def met_by(self, record: RequestRecord) -> bool:
-        ttft_s, tpot_s = record.ttft_s, record.tpot_s
-        if self.ttft_ms is not None and (ttft_s is None or ttft_s * 1e3 > self.ttft_ms):
-            return False
+        return self.ttft_met_by(record) and self.tpot_met_by(record)
+
+    def ttft_met_by(self, record: RequestRecord) -> bool:
+        ttft_s = record.ttft_s
+        return self.ttft_ms is None or (ttft_s is not None and ttft_s * 1e3 <= self.ttft_ms)
+
+    def tpot_met_by(self, record: RequestRecord) -> bool:
         # A one-token reply has no TPOT: it cannot miss a TPOT objective.
+        tpot_s = record.tpot_s
         return self.tpot_ms is None or tpot_s is None or tpot_s * 1e3 <= self.tpot_ms
 
 
@@ -148,22 +183,75 @@ def summarize(
         "goodput_requests_per_s": per_s(good),
         "slo_ttft_ms": slo.ttft_ms,
         "slo_tpot_ms": slo.tpot_ms,
+        "slo_ttft_met_requests": (
+            None if slo.ttft_ms is None else sum(1 for r in done if slo.ttft_met_by(r))
+        ),
+        "slo_tpot_met_requests": (
+            None if slo.tpot_ms is None else sum(1 for r in done if slo.tpot_met_by(r))
+        ),
         "ttft_ms": percentiles_ms(ttfts),
         "tpot_ms": percentiles_ms(tpots),
         "itl_ms": percentiles_ms(itls),
         "e2e_latency_ms": percentiles_ms(e2es),
         "send_delay_ms": percentiles_ms(send_delays),
-        "errors_by_kind": dict(sorted(Counter(_error_kind(r) for r in failed).items())),
+        "prompt_length": prompt_lengths(done),
+        "errors_by_kind": dict(sorted(Counter(error_kind(r) for r in failed).items())),
         "errors": [
-            {"request_id": r.request_id, "status": r.http_status, "message": r.error or ""}
-            for r in failed[:MAX_LISTED_ERRORS]
+            {
+                "request_id": r.request_id,
+                "kind": error_kind(r),
+                "status": r.http_status,
+                "message": r.error or "",
+            }
+            for r in listed_failures(failed)
         ],
         "stopped_by": stopped_by,
     }
 
 
-def _error_kind(record: RequestRecord) -> str:
-    if record.http_status is not None and record.http_status != 200:
-        return f"HTTP {record.http_status}"
-    message = record.error or ""
-    return message.split(":", 1)[0] if ":" in message else (message or "unknown")
+def error_kind(record: RequestRecord) -> str:
+    """The kind a failed request counts under (the replay sets it with the error)."""
+    if record.error_kind is not None:
+        return record.error_kind
+    status = record.http_status
+    return http_kind(status) if status is not None and status != 200 else "unknown"
+
+
+def listed_failures(failed: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The first MAX_LISTED_ERRORS failures, and the first of every other kind, in order."""
+    listed = list(failed[:MAX_LISTED_ERRORS])
+    kinds = {error_kind(r) for r in listed}
+    for record in failed[MAX_LISTED_ERRORS:]:
+        if (kind := error_kind(record)) not in kinds:
+            kinds.add(kind)
+            listed.append(record)
+    return listed
+
+
+def _spread(values: Sequence[float], digits: int) -> dict[str, float]:
+    """{min, p50, p95, max} (nearest rank) of a non-empty sample."""
+    ordered = sorted(values)
+
+    def rank(fraction: float) -> float:
+        return round(ordered[max(0, math.ceil(fraction * len(ordered)) - 1)], digits)
+
+    return {"min": round(ordered[0], digits), "p50": rank(0.50), "p95": rank(0.95),
+            "max": round(ordered[-1], digits)}  # fmt: skip
+
+
+def prompt_lengths(done: Sequence[RequestRecord]) -> dict[str, object] | None:
+    """Intended vs sent prompt tokens over the completed requests that have both; None
+    when none has (a server that reports no usage)."""
+    pairs = [
+        (r.intended_prompt_tokens, r.prompt_tokens)
+        for r in done
+        if r.intended_prompt_tokens and r.prompt_tokens is not None
+    ]
+    if not pairs:
+        return None
+    return {
+        "requests": len(pairs),
+        "intended_tokens": _spread([i for i, _ in pairs], 1),
+        "sent_tokens": _spread([s for _, s in pairs], 1),
+        "sent_per_intended": _spread([s / i for i, s in pairs], 3),
+    }

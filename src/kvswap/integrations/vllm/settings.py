@@ -1,0 +1,154 @@
+"""kvswap's knobs in vLLM's `kv_connector_extra_config`, validated once and frozen.
+
+vLLM hands its offloading spec one untyped dict. The keys vLLM reads itself
+(`cpu_bytes_to_use`, `block_size`, `blocks_per_chunk`, `spec_name`, ...) stay
+vLLM's; kvswap's keep kvswap's names and kvswap's validation
+(`kvswap.config.config_from_values`), so a bad value is the one-line
+`ConfigError` kvswap gives everywhere, naming the key, the value and what is
+allowed. The host tier's policy is named by vLLM's own key, `eviction_policy`,
+with kvswap's name table (`kvswap.control.policy`): "kvswap", "lru", or an
+import path "package.module:ClassName".
+
+vLLM-free: the spec calls `adapter_settings` with the dict vLLM gave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvswap.config import FIELD_SPELLINGS, config_from_values
+from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.control.policy import policy_class
+from kvswap.control.transfer import Tier
+from kvswap.errors import ConfigError
+
+#: Where the values come from, as an error names it.
+SOURCE = "kv_connector_extra_config"
+#: The key naming the host tier's policy (vLLM's name for it).
+POLICY_KEY = "eviction_policy"
+#: kvswap's settings the adapter reads, under kvswap's names.
+ADAPTER_FIELDS = (
+    "protected_sink_blocks",
+    "min_residency_steps",
+    "swap_in_chunk_blocks",
+    "swap_out_chunk_blocks",
+    "prefetch_stream_count",
+    "nvme_dir",
+    "nvme_kv_capacity_bytes",
+    "nvme_eviction_policy",
+    "remote_url",
+    "remote_namespace",
+    "remote_timeout_ms",
+    "remote_ttl_s",
+    "remote_max_inflight_chunks",
+    "remote_required",
+)
+
+
+@dataclass(frozen=True)
+class NvmeSettings:
+    """kvswap's NVMe slab as a secondary tier below vLLM's host tier."""
+
+    directory: Path
+    capacity_bytes: int
+    eviction_policy: str
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """kvswap's Redis-protocol store as a secondary tier. `url` may hold a password:
+    it is parsed (and masked in every message) by `kvswap.data.remote_url`."""
+
+    url: str
+    namespace: str | None
+    timeout_ms: float
+    ttl_s: float
+    max_inflight_chunks: int
+    required: bool
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """What the adapter is built with. Host-tier blocks are vLLM's offloaded chunks
+    (`blocks_per_chunk` GPU blocks, 1 by default): `protected_sink_blocks` and the
+    chunk sizes count them."""
+
+    policy: PolicyOptions  # the host tier's policy: `policy.gpu_eviction_policy`
+    protected_sink_blocks: int
+    swap_in_chunk_blocks: int
+    swap_out_chunk_blocks: int
+    prefetch_stream_count: int
+    nvme: NvmeSettings | None
+    remote: RemoteSettings | None
+
+    @property
+    def has_secondary_tiers(self) -> bool:
+        return self.nvme is not None or self.remote is not None
+
+
+def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
+    """kvswap's keys of `extra_config`, validated; ConfigError in one line otherwise."""
+    unused = sorted(
+        key for key in extra_config if key in FIELD_SPELLINGS and key not in ADAPTER_FIELDS
+    )
+    if unused:
+        raise ConfigError(
+            f"{SOURCE}: {unused[0]!r} is a setting of kvswap's own engine, which vLLM's "
+            f"adapter does not use; allowed here: {POLICY_KEY}, {', '.join(ADAPTER_FIELDS)}"
+        )
+    _both_or_neither(extra_config, "nvme_dir", "nvme_kv_capacity_bytes")
+    values = {key: extra_config[key] for key in ADAPTER_FIELDS if key in extra_config}
+    config = config_from_values(values, SOURCE)
+    policy_name = extra_config.get(POLICY_KEY, "kvswap")
+    if not isinstance(policy_name, str):
+        raise ConfigError(
+            f"{POLICY_KEY} = {policy_name!r} ({SOURCE}): not a name; allowed: 'kvswap', "
+            "'lru', or an import path 'package.module:ClassName'"
+        )
+    policy_class(POLICY_KEY, policy_name, Tier.GPU)  # a bad name or import: one line, now
+    swap, tiers, cache = config.swap, config.tiers, config.cache
+    policy_class("nvme_eviction_policy", swap.nvme_eviction_policy, Tier.NVME)
+    return AdapterSettings(
+        policy=PolicyOptions(
+            sink_protection=swap.protected_sink_blocks > 0,
+            min_residency_steps=swap.min_residency_steps,
+            gpu_eviction_policy=policy_name,
+        ),
+        protected_sink_blocks=swap.protected_sink_blocks,
+        swap_in_chunk_blocks=swap.swap_in_chunk_blocks,
+        swap_out_chunk_blocks=swap.swap_out_chunk_blocks,
+        prefetch_stream_count=swap.prefetch_stream_count,
+        nvme=_nvme(tiers.nvme_dir, cache.nvme_kv_capacity_bytes, swap.nvme_eviction_policy),
+        remote=None
+        if tiers.remote_url is None
+        else RemoteSettings(
+            url=tiers.remote_url,
+            namespace=tiers.remote_namespace,
+            timeout_ms=tiers.remote_timeout_ms,
+            ttl_s=tiers.remote_ttl_s,
+            max_inflight_chunks=tiers.remote_max_inflight_chunks,
+            required=tiers.remote_required,
+        ),
+    )
+
+
+def _both_or_neither(extra_config: Mapping[str, Any], first: str, second: str) -> None:
+    """A slab directory without a size (or a size without a directory) would be
+    ignored without a word: refused in one line."""
+    if (first in extra_config) != (second in extra_config):
+        given, missing = (first, second) if first in extra_config else (second, first)
+        raise ConfigError(
+            f"{SOURCE}: {given} is set but {missing} is not; allowed: both (an NVMe tier "
+            "below the host tier) or neither"
+        )
+
+
+def _nvme(directory: str | None, capacity: int | str | None, policy: str) -> NvmeSettings | None:
+    """The NVMe tier, when the (checked) directory and a size > 0 are both given."""
+    capacity_bytes = int(capacity) if capacity is not None else 0
+    if directory is None or capacity_bytes == 0:
+        return None
+    return NvmeSettings(Path(directory), capacity_bytes, policy)

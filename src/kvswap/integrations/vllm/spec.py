@@ -1,0 +1,141 @@
+"""`KvswapOffloadingSpec`: what vLLM's offloading connector loads by name.
+
+    kv_transfer_config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "KvswapOffloadingSpec",
+            "spec_module_path": "kvswap.integrations.vllm", "cpu_bytes_to_use": ..., ...}}
+
+vLLM builds one spec in the scheduler (`get_manager`) and one in each worker
+(`get_worker`). The host tier is sized exactly as vLLM's own CPU spec sizes it
+(this class is a `CPUOffloadingSpec`: `num_chunks` chunks from
+`cpu_bytes_to_use`); kvswap's settings come from the same dict
+(`settings.py`). Unlike vLLM's CPU spec it runs on the CPU platform too: its
+worker copies with kvswap's engine, which has a CPU path.
+
+With secondary tiers the host pool is one file in /dev/shm that the worker and
+the scheduler both map (`PinnedBuffer(shared_path=...)`), since vLLM runs them
+in different processes and the tiers, in the scheduler, read and write its
+rows. That needs one worker: a tensor- or pipeline-parallel run is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from kvswap.errors import KvSwapError
+from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
+from kvswap.integrations.vllm.manager import (
+    KvswapHostManager,
+    KvswapPrimaryTier,
+    KvswapTieringManager,
+    SharedHostRows,
+)
+from kvswap.integrations.vllm.settings import SOURCE, adapter_settings
+from kvswap.integrations.vllm.tiers import build_secondary_tiers
+from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
+
+#: Where the shared host pool lives while both sides map it (then its name goes).
+SHARED_HOST_DIR = Path("/dev/shm")
+
+
+class KvswapOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's offloading spec: kvswap's ranking, copy engine and secondary tiers."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's metrics for what this spec builds: with secondary tiers, its tiering
+        manager's too (vLLM refuses to record a metric its spec did not declare)."""
+        if adapter_settings(extra_config).has_secondary_tiers:
+            from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+            definitions: dict[str, Any] = TieringOffloadingSpec.build_metric_definitions(
+                extra_config
+            )
+            return definitions
+        return dict(super().build_metric_definitions(extra_config))
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)  # vLLM's sizing: num_chunks, cpu_page_size_per_worker
+        self._manager: Any = None  # built on first use, as vLLM's spec does
+        self._worker: KvswapOffloadingWorker | None = None
+        self.settings = adapter_settings(self.extra_config)
+        if len(self.tokens_per_block) != 1:
+            raise KvSwapError(
+                f"kvswap's vLLM adapter supports one KV cache group, got "
+                f"{len(self.tokens_per_block)} (hybrid models are not supported)"
+            )
+        self.tokens_per_chunk = self.tokens_per_block[0] * self.blocks_per_chunk
+        if self.settings.has_secondary_tiers and config.parallel.world_size != 1:
+            raise KvSwapError(
+                f"{SOURCE}: nvme_dir / remote_url need one vLLM worker (the scheduler's "
+                f"tiers share its host pool), got {config.parallel.world_size}; allowed: "
+                "tensor_parallel_size = pipeline_parallel_size = 1, or no secondary tier"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        """One host chunk of one worker, exactly (no alignment padding)."""
+        return int(self.cpu_page_size_per_worker)
+
+    @property
+    def shared_path(self) -> Path | None:
+        """The host pool's file while the worker and the scheduler both map it; None
+        without secondary tiers (the worker's pool is its own)."""
+        if not self.settings.has_secondary_tiers:
+            return None
+        return SHARED_HOST_DIR / f"kvswap-vllm-{self.config.engine_id}.host"
+
+    def get_manager(self) -> Any:
+        if self._manager is None:
+            self._check_size()
+            self._manager = self._build_manager()
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        if self._worker is None:
+            self._check_size()
+            self._worker = KvswapOffloadingWorker(
+                kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_chunks=self.num_chunks,
+                row_bytes=self.row_bytes,
+                settings=self.settings,
+                shared_path=self.shared_path,
+            )
+        return self._worker
+
+    def _build_manager(self) -> Any:
+        settings = self.settings
+        policy = KvswapCachePolicy(
+            self.num_chunks,
+            HostRanking(
+                policy=settings.policy,
+                protected_sink_blocks=settings.protected_sink_blocks,
+                tokens_per_chunk=self.tokens_per_chunk,
+            ),
+        )
+        enable_events = self.kv_events_config.enable_kv_cache_events
+        # vLLM 0.33's managers also take the tier's static facts (`info`); 0.32's do not.
+        extras = {"info": self.cpu_info} if hasattr(self, "cpu_info") else {}
+        path = self.shared_path
+        if path is None:
+            return KvswapHostManager(self.num_chunks, policy, enable_events=enable_events, **extras)
+        rows = SharedHostRows(path, self.num_chunks, self.row_bytes)
+        try:
+            primary = KvswapPrimaryTier(
+                self.num_chunks, rows, policy, enable_events=enable_events, **extras
+            )
+            tiers = build_secondary_tiers(self, primary.get_kv_memoryview(), policy.copied_below)
+        except BaseException:
+            rows.cleanup()
+            raise
+        return KvswapTieringManager(primary_tier=primary, secondary_tiers=tiers)
+
+    def _check_size(self) -> None:
+        if self.num_chunks < 1:
+            raise KvSwapError(
+                f"{SOURCE}: cpu_bytes_to_use = {self.extra_config.get('cpu_bytes_to_use')!r} "
+                f"holds no host chunk of {self.kv_bytes_per_chunk} bytes; allowed: at least one"
+            )

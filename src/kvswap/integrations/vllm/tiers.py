@@ -1,0 +1,221 @@
+"""kvswap's secondary tiers as vLLM `SecondaryTierManager`s: the NVMe slab and the store.
+
+vLLM's tiering manager runs them in its scheduler, below the host tier: it
+cascades every chunk the host tier stores to each of them, and promotes a chunk
+the host tier misses from the first that holds it. Each call is the call of
+kvswap's `SecondaryTier` (`kvswap.data.tiers`), which does the work:
+
+    vLLM                                   kvswap SecondaryTier
+    lookup(key, ctx) -> HIT / MISS         lookup([key]) == 1
+    submit_store(job)   (a cascade)        submit_store(TransferJob(keys, host_slots=chunk ids))
+    submit_load(job)    (a promotion)      submit_load(...)
+    get_finished_jobs()                    get_finished_jobs(): success, the keys that did
+    drain_jobs() / shutdown()              drain() / close()
+
+Keys become kvswap keys under the model's namespace (`keys.py`). Values check
+themselves (the slab's CRC per slot; the store's header, key digest and CRC),
+so a corrupt or missing value is a key left out of a promotion's
+`successful_keys`: vLLM drops that chunk and the request recomputes it.
+
+`KvswapOffloadingSpec` builds them from its `nvme_*` / `remote_*` keys and hands
+them `copied_below`, so the host tier's ranking knows a chunk is clean. vLLM's
+own `TieringOffloadingSpec` can build them too:
+`"secondary_tiers": [{"type": "KvswapNvmeTier", "module_path":
+"kvswap.integrations.vllm", "nvme_dir": ..., "nvme_kv_capacity_bytes": ...}]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvswap.data.disk_pool import DiskPool
+from kvswap.data.layout import KVLayout
+from kvswap.data.remote_format import layout_fingerprint
+from kvswap.data.remote_store import RemoteStoreClient
+from kvswap.data.remote_url import parse_remote_url
+from kvswap.data.tiers.base import SecondaryTier, TransferJob
+from kvswap.data.tiers.nvme_tier import NvmeTier
+from kvswap.data.tiers.redis_tier import RedisTier
+from kvswap.errors import ConfigError
+from kvswap.integrations.vllm.keys import VllmKeys
+from kvswap.integrations.vllm.settings import SOURCE, AdapterSettings, adapter_settings
+
+#: What a tier tells the host tier's ranking: these chunks now have a copy below.
+CopiedBelow = Callable[[Iterable[bytes]], None]
+_T = TypeVar("_T")
+
+
+class _KvswapTier(SecondaryTierManager):
+    """One kvswap `SecondaryTier` behind vLLM's interface (module docstring)."""
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        spec_config = offloading_spec.config
+        self.keys = VllmKeys(
+            model=spec_config.model.name,
+            kv_dtype=spec_config.model.dtype,
+            tokens_per_chunk=offloading_spec.tokens_per_block[0] * offloading_spec.blocks_per_chunk,
+            row_bytes=self.block_size_bytes,
+            world_size=spec_config.parallel.world_size,
+        )
+        self.copied_below: CopiedBelow | None = None  # set by KvswapOffloadingSpec
+        self.tier = self._open(adapter_settings(config), primary_kv_view)
+        # job id -> (its vLLM keys in order, is a load)
+        self._jobs: dict[int, tuple[tuple[Any, ...], bool]] = {}
+
+    def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
+        raise NotImplementedError
+
+    # --- vLLM's SecondaryTierManager --------------------------------------------------
+
+    def lookup(self, key: bytes, req_context: Any) -> Any:
+        return LookupResult.HIT if self.tier.lookup([self.keys.key(key)]) else LookupResult.MISS
+
+    def submit_store(self, job_metadata: Any) -> None:
+        self.tier.submit_store(self._job(job_metadata, is_load=False))
+
+    def submit_load(self, job_metadata: Any) -> None:
+        self.tier.submit_load(self._job(job_metadata, is_load=True))
+
+    def get_finished_jobs(self) -> list[Any]:
+        results = []
+        for done in self.tier.get_finished_jobs():
+            vllm_keys, is_load = self._jobs.pop(done.job_id)
+            kept = set(done.successful_keys)
+            successful = [key for key in vllm_keys if self.keys.key(key) in kept]
+            if not is_load and successful and self.copied_below is not None:
+                self.copied_below(successful)
+            results.append(
+                JobResult(
+                    job_id=done.job_id,
+                    success=done.success,
+                    successful_keys=successful if is_load else None,
+                    transfer_time=done.transfer_time_s,
+                    transfer_bytes=done.transfer_bytes,
+                )
+            )
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def on_new_request(self, req_context: Any) -> Any:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        self.tier.drain()
+
+    def shutdown(self) -> None:
+        self.tier.close()
+
+    def counters(self) -> Mapping[str, int]:
+        """kvswap's counts for this tier (hits, corrupt values, skipped writes, ...)."""
+        return self.tier.counters()
+
+    def _job(self, job: Any, *, is_load: bool) -> TransferJob:
+        vllm_keys = tuple(job.keys)
+        self._jobs[job.job_id] = (vllm_keys, is_load)
+        return TransferJob(
+            job_id=job.job_id,
+            keys=tuple(self.keys.key(key) for key in vllm_keys),
+            host_slots=tuple(int(chunk) for chunk in job.chunk_ids),
+            is_load=is_load,
+        )
+
+
+class KvswapNvmeTier(_KvswapTier):
+    """kvswap's NVMe slab (`NvmeTier` over a `DiskPool`), slots of one host chunk each."""
+
+    medium: ClassVar[Any] = Medium.STORAGE
+
+    def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
+        self.locality = Locality.LOCAL
+        nvme = _required(settings.nvme, "nvme_dir and nvme_kv_capacity_bytes")
+        num_slots = nvme.capacity_bytes // self.block_size_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                f"{SOURCE}: nvme_kv_capacity_bytes = {nvme.capacity_bytes} holds no host chunk "
+                f"of {self.block_size_bytes} bytes; allowed: at least one"
+            )
+        disk = DiskPool(nvme.directory, self.block_size_bytes, num_slots)
+        try:
+            return NvmeTier(host_rows, disk, eviction_policy=nvme.eviction_policy)
+        except BaseException:
+            disk.close()
+            raise
+
+
+class KvswapRedisTier(_KvswapTier):
+    """kvswap's store on the Redis protocol (`RedisTier`): one self-checking value per
+    chunk, shared by every vLLM instance of the same model that names it."""
+
+    medium: ClassVar[Any] = Medium.STORAGE
+    cache_hit_source: ClassVar[Any] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
+        self.locality = Locality.REMOTE
+        remote = _required(settings.remote, "remote_url")
+        client = RemoteStoreClient(
+            parse_remote_url(remote.url),
+            namespace=remote.namespace or self.keys.store_prefix,
+            timeout_ms=remote.timeout_ms,
+        )
+        try:
+            client.connect(required=remote.required)
+            fingerprint = layout_fingerprint(KVLayout.from_block_bytes(self.block_size_bytes))
+            return RedisTier(
+                client,
+                host_rows,
+                layout_fingerprint=fingerprint,
+                ttl_s=remote.ttl_s,
+                max_inflight_write_chunks=remote.max_inflight_chunks,
+            )
+        except BaseException:
+            client.close()
+            raise
+
+
+def _required(value: _T | None, keys: str) -> _T:
+    if value is None:
+        raise ConfigError(f"{SOURCE}: this secondary tier needs {keys}")
+    return value
+
+
+def build_secondary_tiers(
+    spec: Any, host_rows: memoryview, copied_below: CopiedBelow
+) -> list[SecondaryTierManager]:
+    """The tiers `spec.settings` names, NVMe first (the nearer one is looked up first);
+    each reports the chunks it stored to `copied_below` (the host tier's ranking)."""
+    settings: AdapterSettings = spec.settings
+    extra = spec.extra_config
+    tiers: list[_KvswapTier] = []
+    try:
+        if settings.nvme is not None:
+            tiers.append(KvswapNvmeTier(spec, host_rows, "kvswap-nvme", **_keys(extra, "nvme_")))
+        if settings.remote is not None:
+            tiers.append(
+                KvswapRedisTier(spec, host_rows, "kvswap-redis", **_keys(extra, "remote_"))
+            )
+    except BaseException:
+        for tier in tiers:
+            tier.shutdown()
+        raise
+    for tier in tiers:
+        tier.copied_below = copied_below
+    return list(tiers)
+
+
+def _keys(extra: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {key: value for key, value in extra.items() if key.startswith(prefix)}

@@ -1,0 +1,77 @@
+"""The diagnosis's rules about requests and their KV's source: rule 7 (remote hits that
+failed to arrive) and rule 8 (requests refused at admission); `obs.diagnosis` runs them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from kvswap.obs.finding import Finding, Thresholds
+from kvswap.obs.jsonvalues import integer_or
+from kvswap.obs.timeseries import TimeSeries
+
+
+def remote_fetches_failing(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    found = integer_or(summary, "remote", "found_blocks")
+    failed = integer_or(summary, "remote", "fetch_failures")
+    if found < max(1, t.min_remote_blocks) or failed <= t.remote_failure_share * found:
+        return None
+    share = failed / found
+    corrupt = integer_or(summary, "remote", "corrupt")
+    outages = integer_or(summary, "remote", "outages")
+    return Finding(
+        rule="remote_fetches_failing",
+        symptom=f"over {100 * t.remote_failure_share:.0f}% of remote hits recomputed",
+        metric='kvswap_remote_misses_total{kind="fetch"} (remote.fetch_failures)',
+        figure=f"{failed} of {found} blocks found in the remote store failed to arrive "
+        f"({100 * share:.0f}%): {corrupt} corrupt values, {outages} outages",
+        cause="the store drops keys between lookup and fetch (TTL, maxmemory eviction), "
+        "returns values that fail their checks, or is unreachable: those blocks were "
+        "computed again",
+        advice="raise remote_ttl_s or the store's maxmemory, check remote_timeout_ms and "
+        'kvswap_remote_store_events_total{event="outage"}',
+        values={
+            "found_blocks": float(found),
+            "fetch_failures": float(failed),
+            "share": share,
+            "corrupt": float(corrupt),
+            "outages": float(outages),
+        },
+    )
+
+
+_NEEDS_BLOCKS = re.compile(r"needs (\d+) blocks")
+
+
+def requests_refused(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    rejections = summary.get("rejections")
+    reasons = [
+        str(r.get("reason", "")) for r in rejections if isinstance(r, Mapping)
+    ] if isinstance(rejections, list) else []  # fmt: skip
+    refused = [reason for reason in reasons if not reason.startswith("aborted")]
+    if not refused:
+        return None
+    total = integer_or(summary, "requests_completed") + len(reasons)
+    needs = [int(m.group(1)) for reason in refused if (m := _NEEDS_BLOCKS.search(reason))]
+    advice = (
+        f"size the GPU tier for the longest request: it needs {max(needs)} blocks beside the "
+        "protected sink blocks (gpu_kv_capacity_blocks), or cap request length "
+        "(max_tokens, --max-model-len, a trace's --length-scale)"
+        if needs
+        else "shorten the requests to the model's maximum position (--max-model-len, "
+        "max_tokens, a trace's --length-scale)"
+    )
+    return Finding(
+        rule="requests_refused",
+        symptom="requests refused before running",
+        metric="requests_rejected (rejections)",
+        figure=f"{len(refused)} of {total} requests could never run: {refused[0]}",
+        cause="the tiers or the model are sized for shorter requests than the workload sends",
+        advice=advice,
+        values={"refused": float(len(refused)), "requests": float(total)}
+        | ({"max_blocks_needed": float(max(needs))} if needs else {}),
+    )

