@@ -36,6 +36,7 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
+from kvswap.data.link_arbiter import LinkArbiter
 
 from .copy_engine_support import (
     BLOCK_BYTES,
@@ -173,7 +174,7 @@ def test_stream_path_keeps_at_most_max_in_flight_chunks_issued(
             return TransferResult(tid, True, self.job.chunk.num_bytes, 0.0, 1.0)
 
     monkeypatch.setattr(copy_workers, "CudaChunk", FakeCudaChunk)
-    arbiter = copy_workers.LinkArbiter()
+    arbiter = LinkArbiter()
     fake_stream: Any = object()
     worker = copy_workers.QueueWorker(
         Priority.HIGH, Pools(*pools), arbiter, [fake_stream], max_in_flight

@@ -35,11 +35,12 @@ from kvswap.control.transfer import (
     TransferChunk,
 )
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools
-from kvswap.data.copy_workers import LinkArbiter, QueueWorker
+from kvswap.data.copy_workers import QueueWorker
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.future_results import FutureCopyEngine
 from kvswap.data.host_pool import HostPool
+from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 

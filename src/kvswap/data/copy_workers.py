@@ -47,32 +47,10 @@ from kvswap.data import block_copy
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
 from kvswap.data.cuda_copies import CudaChunk
 from kvswap.data.disk_pool import DiskSlotError
+from kvswap.data.link_arbiter import LinkArbiter
 
 _MAX_ERRORS_IN_TEXT = 3
 _EXITED = "copy worker exited"
-
-
-class LinkArbiter:
-    """Counts HIGH chunks pending or running; LOW block copies wait while any exist."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._num_high = 0
-
-    def high_submitted(self) -> None:
-        with self._cond:
-            self._num_high += 1
-
-    def high_finished(self) -> None:
-        with self._cond:
-            self._num_high -= 1
-            if self._num_high == 0:
-                self._cond.notify_all()
-
-    def wait_until_no_high(self) -> None:
-        with self._cond:
-            while self._num_high > 0:
-                self._cond.wait()
 
 
 class _Started(Protocol):
