@@ -78,6 +78,10 @@ def test_device_pool_is_one_exact_tensor_with_views_into_it() -> None:
     pool.check_integrity()
     with pytest.raises(ValueError, match="out of range"):
         pool.byte_view(4)
+    rows = pool.host_byte_rows()  # the CPU copy path's numpy rows: the same memory
+    assert rows is not None and rows.shape == (4, layout.block_bytes)
+    assert rows[2].ctypes.data == pool.byte_view(2).data_ptr()
+    assert DevicePool(layout, num_blocks=1, device="meta").host_byte_rows() is None
 
 
 def test_device_pool_larger_than_memory_is_refused() -> None:
@@ -107,7 +111,13 @@ def test_host_pool_slots_are_exact_and_share_one_buffer() -> None:
         pool.check_integrity()
         with pytest.raises(ValueError, match="out of range"):
             pool.slot(-1)
+        rows = pool.byte_rows()  # the CPU copy path's numpy rows: the same buffer
+        assert rows.shape == (4, BLOCK_BYTES)
+        assert rows[3].ctypes.data == pool.byte_view(3).data_ptr()
+        del rows  # a live view would keep the mapping after close
     assert pool.resident_bytes() == 0
+    with pytest.raises(ValueError, match="closed"):
+        pool.byte_rows()
     pool.close()  # twice is fine
 
 

@@ -12,6 +12,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvswap.control.transfer import Direction, TransferChunk, TransferResult
@@ -44,22 +46,46 @@ def copy_block(
 ) -> None:
     """Copy one block (block_bytes) from `src_slot` to `dst_slot`.
 
-    GPU legs are tensor copies ([block_bytes] uint8 views); with `non_blocking`
-    on CUDA they are queued on the current stream. NVMe legs are synchronous
-    file I/O and raise `DiskSlotError` for a slot that failed."""
+    GPU legs with the device pool in host memory (no GPU): one memcpy between
+    numpy rows of the two pools, which releases the GIL, so copy threads run
+    side by side. Not torch's `copy_`: it forks an OpenMP team for every
+    MiB-sized block, and when other work holds a core each fork can wait a
+    scheduler slice for it (measured on 2 shared cores: 1 MiB copies at a
+    median of 8 ms at times, 0.13 ms at others). And numpy rows of the whole
+    pools: indexing two tensors and wrapping each for numpy cost ~8 us a block,
+    this whole call ~2 us (measured with 64-byte blocks).
+    Other GPU legs are tensor copies ([block_bytes] uint8 views); with
+    `non_blocking` on CUDA they are queued on the current stream. NVMe legs are
+    synchronous file I/O and raise `DiskSlotError` for a slot that failed."""
     host = _host(pools)
-    if direction is Direction.GPU_TO_CPU:
-        src = pools.device.byte_view(src_slot)
-        host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
-    elif direction is Direction.CPU_TO_GPU:
-        src = host.byte_view(src_slot)
-        pools.device.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+    if direction in GPU_DIRECTIONS:
+        device_rows = pools.device.host_byte_rows()
+        if device_rows is not None:
+            host_rows = host.byte_rows()
+            if direction is Direction.GPU_TO_CPU:
+                np.copyto(_row(host_rows, dst_slot, "host"), _row(device_rows, src_slot, "device"))
+            else:
+                np.copyto(_row(device_rows, dst_slot, "device"), _row(host_rows, src_slot, "host"))
+        elif direction is Direction.GPU_TO_CPU:
+            src = pools.device.byte_view(src_slot)
+            host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+        else:
+            src = host.byte_view(src_slot)
+            pools.device.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
     elif direction is Direction.CPU_TO_NVME:
         _disk(pools).write_slot(dst_slot, host.byte_view(src_slot))
     elif direction is Direction.NVME_TO_CPU:
         _disk(pools).read_slot(src_slot, host.byte_view(dst_slot))
     else:  # pragma: no cover - Direction is closed
         raise ValueError(f"unknown direction {direction!r}")
+
+
+def _row(rows: npt.NDArray[np.uint8], slot: int, tier: str) -> npt.NDArray[np.uint8]:
+    """rows[slot], refusing what numpy would wrap around (a negative slot)."""
+    if not 0 <= slot < rows.shape[0]:
+        raise ValueError(f"{tier} slot {slot} out of range [0, {rows.shape[0]})")
+    row: npt.NDArray[np.uint8] = rows[slot]
+    return row
 
 
 def _host(pools: Pools) -> HostPool:

@@ -11,6 +11,8 @@ touches it runs in CPU tests too.
 
 from __future__ import annotations
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvswap.data.layout import KVLayout
@@ -40,6 +42,8 @@ class DevicePool:
         self.kv = torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype, device=device)
         # _bytes: [num_blocks, block_bytes] uint8, the same memory.
         self._bytes = self.kv.view(num_blocks, -1).view(torch.uint8)
+        # _rows: the same bytes as numpy rows, when they are in host memory.
+        self._rows = self._bytes.numpy() if self.device.type == "cpu" else None
 
     @property
     def is_cuda(self) -> bool:
@@ -54,6 +58,12 @@ class DevicePool:
         """Slot `slot` as a flat uint8 view: [block_bytes]."""
         self._check_slot(slot)
         return self._bytes[slot]
+
+    def host_byte_rows(self) -> npt.NDArray[np.uint8] | None:
+        """The pool as [num_blocks, block_bytes] uint8 numpy rows, sharing its memory,
+        when it lives in host memory (a CPU device); None on any other device.
+        A row copy is a plain memcpy that releases the GIL (the CPU copy path)."""
+        return self._rows
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's invariants no longer hold."""

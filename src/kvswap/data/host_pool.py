@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvswap.data.layout import KVLayout
@@ -57,6 +59,8 @@ class HostPool:
         # _bytes: [num_slots, block_bytes] uint8; slots: [num_slots, *block_shape] typed.
         self._bytes = self._buffer.tensor.view(num_slots, layout.block_bytes)
         self.slots = self._buffer.tensor.view(layout.dtype).view(num_slots, *layout.block_shape)
+        # _rows: _bytes as numpy rows (the CPU copy path's memcpys), the same memory.
+        self._rows: npt.NDArray[np.uint8] = self._bytes.numpy()
         self._closed = False
 
     @property
@@ -85,6 +89,13 @@ class HostPool:
         self._check_slot(index)
         return self._bytes[index]
 
+    def byte_rows(self) -> npt.NDArray[np.uint8]:
+        """The pool as [num_slots, block_bytes] uint8 numpy rows, sharing its buffer.
+        Not to be used after close()."""
+        if self._closed:
+            raise ValueError("host pool is closed")
+        return self._rows
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's invariants no longer hold."""
         if self._closed:
@@ -103,6 +114,7 @@ class HostPool:
         self._closed = True
         # Drop this pool's views first so the mapping has no exports left to keep it alive.
         self._bytes = torch.empty((0, self.layout.block_bytes), dtype=torch.uint8)
+        self._rows = self._bytes.numpy()
         self.slots = torch.empty((0, *self.layout.block_shape), dtype=self.layout.dtype)
         self._buffer.close()
 
