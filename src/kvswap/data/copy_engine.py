@@ -35,6 +35,7 @@ from kvswap.control.transfer import (
     TransferChunk,
 )
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools
+from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_workers import QueueWorker
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
@@ -43,6 +44,13 @@ from kvswap.data.host_pool import HostPool
 from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
+
+# CPU path: threads sharing one chunk's copies. A host memory bus saturates with
+# a few; more only contend with the model's own threads.
+MAX_COPY_THREADS = 8
+# A chunk smaller than this stays on its lane: waking a helper costs more than
+# the bytes it would take over.
+MIN_SPREAD_BYTES = 1 << 20
 
 # More parallel swap-ins than this only add contention: a PCIe link has one or
 # two copy engines per direction, and a host memory bus saturates with a few.
@@ -63,6 +71,8 @@ class LocalCopyEngine(FutureCopyEngine):
         prefetch_streams: int = 1,
         max_in_flight_high_chunks: int = 4,
         max_in_flight_low_chunks: int = 1,
+        copy_threads: int | None = None,
+        min_spread_bytes: int = MIN_SPREAD_BYTES,
     ) -> None:
         """`host_pool` None: a GPU-only store (no CPU tier); every chunk is refused.
         `prefetch_streams`: HIGH chunks (swap-in, restore, prefetch) that move at
@@ -79,6 +89,12 @@ class LocalCopyEngine(FutureCopyEngine):
         ):
             if depth < 1:
                 raise ValueError(f"{name} must be >= 1, got {depth}")
+        if copy_threads is None:
+            copy_threads = min(torch.get_num_threads(), MAX_COPY_THREADS)
+        if not 1 <= copy_threads <= MAX_COPY_THREADS:
+            raise ValueError(f"copy_threads must be 1..{MAX_COPY_THREADS}, got {copy_threads}")
+        if min_spread_bytes < 0:
+            raise ValueError(f"min_spread_bytes must be >= 0, got {min_spread_bytes}")
         block_bytes = device_pool.layout.block_bytes
         if host_pool is not None and host_pool.layout.block_bytes != block_bytes:
             raise ValueError(
@@ -105,12 +121,21 @@ class LocalCopyEngine(FutureCopyEngine):
             high_streams, low_lane = _make_streams(device_pool.device, prefetch_streams)
             high_lanes = list(high_streams)
         high_depth = ceil_div(max_in_flight_high_chunks, prefetch_streams)
+        # Helpers only where the GPU legs are host memcpys: on CUDA they are DMAs on
+        # streams, and other devices' copies are not known to be thread-safe.
+        num_helpers = copy_threads - 1 if device_pool.device.type == "cpu" else 0
+        self._crew = CopyCrew(num_helpers, min_spread_bytes=min_spread_bytes)
         self._workers = {
             Priority.HIGH: QueueWorker(
-                Priority.HIGH, self._pools, self._arbiter, high_lanes, high_depth
+                Priority.HIGH, self._pools, self._arbiter, high_lanes, high_depth, self._crew
             ),
             Priority.LOW: QueueWorker(
-                Priority.LOW, self._pools, self._arbiter, [low_lane], max_in_flight_low_chunks
+                Priority.LOW,
+                self._pools,
+                self._arbiter,
+                [low_lane],
+                max_in_flight_low_chunks,
+                self._crew,
             ),
         }
         self._closed = False
@@ -141,6 +166,7 @@ class LocalCopyEngine(FutureCopyEngine):
             worker.stop()
         for worker in self._workers.values():
             worker.join()
+        self._crew.close()
 
     def __enter__(self) -> LocalCopyEngine:
         return self

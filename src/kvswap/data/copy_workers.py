@@ -13,10 +13,13 @@ chunks move at once; LOW has one. The control plane never submits a chunk
 whose source is another pending chunk's destination (a source must be a
 ready copy), so HIGH chunks may finish in any order.
 
-CPU path (no GPU, and every NVMe leg): a lane copies block by block itself
-(tensor copies and file I/O release the GIL). The LOW lane, before each
-block, yields while any HIGH chunk is pending or running, so on the shared
-memory bus / disk a swap-in waits for at most one LOW block.
+CPU path (no GPU, and every NVMe leg): a lane runs its chunk as one batch on
+the engine's `CopyCrew` (copy_crew.py). With the device pool on the CPU, the
+crew's helper threads take blocks of the same chunk too, each block one
+memcpy that releases the GIL, so a chunk moves on every core; NVMe legs
+stay on their lane. A LOW copy thread, before each block, yields while any
+HIGH chunk is pending or running, so on the shared memory bus / disk a
+swap-in waits for at most one LOW block per copy thread.
 
 CUDA path (GPU legs when the device pool is on a GPU): a lane issues a chunk
 on its stream (`CudaChunk`) and keeps up to `max_in_flight` chunks queued
@@ -45,6 +48,7 @@ import torch
 from kvswap.control.transfer import Priority, TransferChunk, TransferResult
 from kvswap.data import block_copy
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
+from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.cuda_copies import CudaChunk
 from kvswap.data.disk_pool import DiskSlotError
 from kvswap.data.link_arbiter import LinkArbiter
@@ -86,6 +90,7 @@ class QueueWorker:
         arbiter: LinkArbiter,
         lanes: Sequence[torch.cuda.Stream | None],
         max_in_flight: int,
+        crew: CopyCrew | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -94,6 +99,8 @@ class QueueWorker:
         self.priority = priority
         self._pools = pools
         self._arbiter = arbiter
+        # The CPU path's copy threads; without one, every block runs on its lane.
+        self._crew = crew if crew is not None else CopyCrew(0, min_spread_bytes=0)
         self._max_in_flight = max_in_flight
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         # Guards _num_running against put(): a job is either queued while a lane
@@ -213,34 +220,33 @@ class QueueWorker:
         self._settle(started.job, result, held)
 
     def _run_blocks(self, chunk: TransferChunk) -> TransferResult:
-        """CPU path: block by block; a LOW worker yields to HIGH before each block."""
+        """CPU path: the chunk's blocks as one batch on the copy crew (GPU legs spread
+        over its threads; NVMe legs stay on this lane); LOW yields to HIGH per block."""
         start_s = time.perf_counter()
-        failed_dst_slots: list[int] = []
-        errors: list[str] = []
-        slot_pairs = zip(chunk.src_slots, chunk.dst_slots, strict=True)
-        for index, (src_slot, dst_slot) in enumerate(slot_pairs):
-            if self.priority is Priority.LOW:
-                self._arbiter.wait_until_no_high()
+        pools, direction = self._pools, chunk.direction
+
+        def copy(src_slot: int, dst_slot: int) -> str | None:
             try:
-                block_copy.copy_block(self._pools, chunk.direction, src_slot, dst_slot)
+                block_copy.copy_block(pools, direction, src_slot, dst_slot)
             except DiskSlotError as exc:
-                # One bad NVMe slot loses one block; the rest of the chunk goes on.
-                failed_dst_slots.append(dst_slot)
-                errors.append(str(exc))
-            except Exception as exc:
-                # Unknown failure: this block and the ones not yet copied are lost.
-                failed_dst_slots.extend(chunk.dst_slots[index:])
-                errors.append(error_text(exc))
-                break
-        end_s = time.perf_counter()
+                return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
+            return None
+
+        outcome = self._crew.run(
+            list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
+            copy,
+            num_bytes=chunk.num_bytes,
+            yield_to=self._arbiter if self.priority is Priority.LOW else None,
+            spread=direction in GPU_DIRECTIONS,
+        )
         return TransferResult(
             transfer_id=chunk.transfer_id,
-            success=not failed_dst_slots,
+            success=not outcome.failed_dst_slots,
             num_bytes=chunk.num_bytes,
             start_s=start_s,
-            end_s=end_s,
-            error=_join_errors(errors),
-            failed_dst_slots=tuple(failed_dst_slots),
+            end_s=time.perf_counter(),
+            error=_join_errors(list(outcome.errors)),
+            failed_dst_slots=outcome.failed_dst_slots,
         )
 
 

@@ -1,0 +1,217 @@
+"""Copy threads that share one chunk's block copies, so a chunk uses every core.
+
+    lane thread (owns the batch)             helper threads (copy_threads - 1)
+    run(batch): post ----------------------> wake, join the batch
+      take pair 0, copy                      take pair 1, copy
+      take pair 2, copy                      take pair 3, copy
+      ...                                    ... nothing left to take: leave
+      nothing left: withdraw the batch,
+      wait for the helpers still inside
+    -> BatchOutcome (lost destination slots, error texts)
+
+A batch is one chunk's (src_slot, dst_slot) pairs. Every thread takes the
+next pair from one cursor, so the pairs go to whichever threads the OS runs:
+a helper that is not scheduled delays the chunk by at most the one pair it
+holds, and the owner never waits for a pair nobody took. A batch smaller than
+`min_spread_bytes` (or with one pair) stays on its lane: waking a helper costs
+more than it saves.
+
+Priority: a LOW batch's owner waits (`LinkArbiter.wait_until_no_high`)
+before taking each pair while any HIGH chunk is pending or running; a helper
+in a LOW batch leaves instead and helps the HIGH batch. So a HIGH chunk waits
+at most for the LOW pairs already in flight, one per copy thread, and the
+LOW batch gets its helpers back once the HIGH chunks are done.
+
+Failures: a copy that returns an error text loses that block alone (an NVMe
+slot); a copy that raises stops the batch: that block and every one not yet
+copied are reported lost. Nothing raises out of `run` but a bug in the crew.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvswap.data.block_copy import error_text
+from kvswap.data.link_arbiter import LinkArbiter
+
+# copy(src_slot, dst_slot) -> None, or why that one block is lost (the batch goes on).
+PairCopy = Callable[[int, int], "str | None"]
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """Destination slots not to trust (in chunk order) and what went wrong."""
+
+    failed_dst_slots: tuple[int, ...]
+    errors: tuple[str, ...]
+
+
+class _Batch:
+    """One chunk's pairs and progress. Every field is guarded by the crew's lock."""
+
+    def __init__(
+        self, pairs: Sequence[tuple[int, int]], copy: PairCopy, yield_to: LinkArbiter | None
+    ) -> None:
+        self.pairs = pairs
+        self.copy = copy
+        self.yield_to = yield_to  # LOW: the arbiter it yields to; HIGH: None
+        self.next_index = 0
+        self.stopped = False  # a copy raised: take nothing more
+        self.copied = [False] * len(pairs)
+        self.errors: list[str] = []
+        self.lost_alone: set[int] = set()
+        self.num_helpers = 0  # helpers inside now
+        self.helper_yielded = False  # a helper left for a HIGH chunk
+
+    def has_untaken(self) -> bool:
+        return not self.stopped and self.next_index < len(self.pairs)
+
+    def outcome(self) -> BatchOutcome:
+        failed = tuple(
+            dst
+            for index, (_src, dst) in enumerate(self.pairs)
+            if not self.copied[index] or index in self.lost_alone
+        )
+        return BatchOutcome(failed, tuple(self.errors))
+
+
+class CopyCrew:
+    """`num_helpers` threads that join the lanes' batches, HIGH ones first."""
+
+    def __init__(
+        self, num_helpers: int, *, min_spread_bytes: int, name: str = "kvswap-crew"
+    ) -> None:
+        if num_helpers < 0 or min_spread_bytes < 0:
+            raise ValueError(
+                f"num_helpers {num_helpers} and min_spread_bytes {min_spread_bytes} must be >= 0"
+            )
+        self.min_spread_bytes = min_spread_bytes
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # helpers wait here for a batch
+        self._left = threading.Condition(self._lock)  # owners wait here for helpers to leave
+        self._open: list[_Batch] = []
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True)
+            for index in range(num_helpers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_helpers(self) -> int:
+        return len(self._threads)
+
+    def run(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        copy: PairCopy,
+        *,
+        num_bytes: int,
+        yield_to: LinkArbiter | None,
+        spread: bool = True,
+    ) -> BatchOutcome:
+        """Copy every pair, on the calling thread and (if `spread` and the batch is
+        big enough) the helpers; return once no thread touches the batch any more.
+        `yield_to`: for a LOW batch, the arbiter whose HIGH chunks go first."""
+        batch = _Batch(pairs, copy, yield_to)
+        shared = spread and bool(self._threads) and len(pairs) > 1
+        shared = shared and num_bytes >= self.min_spread_bytes
+        if shared:
+            with self._lock:
+                self._open.append(batch)
+                self._work.notify(min(len(pairs) - 1, len(self._threads)))
+        try:
+            self._work_on(batch, owner=True)
+        finally:
+            if shared:
+                with self._lock:
+                    self._open.remove(batch)
+                    while batch.num_helpers > 0:
+                        self._left.wait()
+        with self._lock:
+            return batch.outcome()
+
+    def close(self) -> None:
+        """Stop the helpers (after the batches they are in) and join them."""
+        with self._lock:
+            self._closing = True
+            self._work.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _work_on(self, batch: _Batch, *, owner: bool) -> None:
+        done_index: int | None = None
+        while True:
+            if batch.yield_to is not None:
+                if owner:
+                    batch.yield_to.wait_until_no_high()
+                    if batch.helper_yielded:  # read unlocked: at worst, recalled a pair later
+                        self._recall_helpers(batch)
+                elif batch.yield_to.has_high():
+                    with self._lock:
+                        self._mark_copied(batch, done_index)
+                        batch.helper_yielded = True
+                    return
+            with self._lock:
+                self._mark_copied(batch, done_index)
+                done_index = None
+                if not batch.has_untaken():
+                    return
+                index = batch.next_index
+                batch.next_index += 1
+            src_slot, dst_slot = batch.pairs[index]
+            try:
+                lost = batch.copy(src_slot, dst_slot)
+            except Exception as exc:
+                with self._lock:
+                    batch.stopped = True
+                    batch.errors.append(error_text(exc))
+                return
+            if lost is not None:
+                with self._lock:
+                    batch.lost_alone.add(index)
+                    batch.errors.append(lost)
+            done_index = index
+
+    @staticmethod
+    def _mark_copied(batch: _Batch, index: int | None) -> None:
+        if index is not None:
+            batch.copied[index] = True
+
+    def _recall_helpers(self, batch: _Batch) -> None:
+        """After a LOW batch's owner yielded: wake the helpers that left it."""
+        with self._lock:
+            if batch.helper_yielded and batch.has_untaken():
+                batch.helper_yielded = False
+                self._work.notify_all()
+
+    def _pick(self) -> _Batch | None:
+        """The oldest open batch with pairs left that may be helped now: a HIGH
+        one, or a LOW one while no HIGH chunk is pending (an open HIGH batch is
+        a pending HIGH chunk, so HIGH batches come first). Called with the lock
+        held."""
+        for batch in self._open:
+            if batch.has_untaken() and (batch.yield_to is None or not batch.yield_to.has_high()):
+                return batch
+        return None
+
+    def _serve(self) -> None:
+        with self._lock:
+            while True:
+                batch = self._pick()
+                if batch is None:
+                    if self._closing:
+                        return
+                    self._work.wait()
+                    continue
+                batch.num_helpers += 1
+                self._lock.release()
+                try:
+                    self._work_on(batch, owner=False)
+                finally:
+                    self._lock.acquire()
+                    batch.num_helpers -= 1
+                    self._left.notify_all()
