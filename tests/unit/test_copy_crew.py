@@ -294,3 +294,42 @@ def test_close_joins_the_helpers_and_no_helpers_run_off_a_cpu_device(tmp_path: P
     # host memcpys, so no helpers start.
     with LocalCopyEngine(DevicePool(layout, NUM_SLOTS, device="meta"), None, copy_threads=4):
         assert crew_threads() == before
+
+
+def test_the_lane_starts_its_next_chunk_while_a_helper_finishes_this_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two 2-block swap-outs, 2 copy threads. The helper's block of chunk 1 is
+    held until the lane has started a block of chunk 2: a lane that waited for
+    chunk 1's last block before taking chunk 2 would never get there. Chunk 1
+    is reported when its last block lands, by the helper: after chunk 2 began."""
+    layout = LAYOUTS["raw-8KiB"]
+    device = DevicePool(layout, NUM_SLOTS, device="cpu")
+    real_copy_block = block_copy.copy_block
+    cond = threading.Condition()
+    started: list[tuple[str, int]] = []  # (thread name, source slot)
+    first, second = (0, 1), (2, 3)
+
+    def started_by(crew: bool, slots: tuple[int, ...]) -> bool:
+        return any(name.startswith(CREW_PREFIX) == crew and src in slots for name, src in started)
+
+    def hooked(pools: Any, direction: Direction, src: int, dst: int, **kwargs: Any) -> None:
+        on_crew = threading.current_thread().name.startswith(CREW_PREFIX)
+        with cond:
+            started.append((threading.current_thread().name, src))
+            cond.notify_all()
+            if src in first and not on_crew:  # the lane waits for the helper to join
+                assert cond.wait_for(lambda: started_by(True, first), HANG_TIMEOUT_S)
+            if src in first and on_crew:  # the helper's block lands after chunk 2 began
+                assert cond.wait_for(lambda: started_by(False, second), HANG_TIMEOUT_S)
+        real_copy_block(pools, direction, src, dst, **kwargs)
+
+    monkeypatch.setattr(block_copy, "copy_block", hooked)
+    with HostPool(layout, NUM_SLOTS) as host, spread_engine(device, host, 2) as engine:
+        fill_random(device.kv.view(torch.uint8), seed=14)
+        engine.submit(chunk(1, Direction.GPU_TO_CPU, first, first))
+        engine.submit(chunk(2, Direction.GPU_TO_CPU, second, second))
+        results = {r.transfer_id: r for r in within_timeout(engine.wait_all)}
+        assert torch.equal(host.slots[:4], device.kv[:4])
+    assert results[1].success and results[2].success
+    assert results[2].start_s < results[1].end_s  # the two chunks overlapped

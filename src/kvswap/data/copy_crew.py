@@ -1,20 +1,24 @@
 """Copy threads that share one chunk's block copies, so a chunk uses every core.
 
     lane thread (owns the batch)             helper threads (copy_threads - 1)
-    run(batch): post ----------------------> wake, join the batch
+    start(batch): post --------------------> wake, join the batch
       take pair 0, copy                      take pair 1, copy
       take pair 2, copy                      take pair 3, copy
-      ...                                    ... nothing left to take: leave
-      nothing left: withdraw the batch,
-      wait for the helpers still inside
-    -> BatchOutcome (lost destination slots, error texts)
+      ...                                    ...
+      nothing left to take: withdraw the     last pair done, last one out:
+      batch, return (the lane starts its     on_done(outcome) reports the
+      next chunk: the helper joins it        chunk, then joins the next batch
+      without going to sleep)                if one is open
 
 A batch is one chunk's (src_slot, dst_slot) pairs. Every thread takes the
 next pair from one cursor, so the pairs go to whichever threads the OS runs:
 a helper that is not scheduled delays the chunk by at most the one pair it
-holds, and the owner never waits for a pair nobody took. A batch smaller than
-`min_spread_bytes` (or with one pair) stays on its lane: waking a helper costs
-more than it saves.
+holds, and the owner never waits for a pair nobody took. The last thread to
+leave a batch calls its `on_done`, so the owner need not wait for a helper's
+last pair: it returns to its lane, which starts the next chunk meanwhile, and
+a stream of chunks keeps every thread copying. A batch smaller than
+`min_spread_bytes` (or with one pair) stays on its lane: waking a helper
+costs more than it saves.
 
 Priority: a LOW batch's owner waits (`LinkArbiter.wait_until_no_high`)
 before taking each pair while any HIGH chunk is pending or running; a helper
@@ -24,12 +28,13 @@ LOW batch gets its helpers back once the HIGH chunks are done.
 
 Failures: a copy that returns an error text loses that block alone (an NVMe
 slot); a copy that raises stops the batch: that block and every one not yet
-copied are reported lost. Nothing raises out of `run` but a bug in the crew.
+copied are reported lost. Nothing raises out of `start` but a bug in the crew.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,15 +53,28 @@ class BatchOutcome:
     errors: tuple[str, ...]
 
 
-class _Batch:
-    """One chunk's pairs and progress. Every field is guarded by the crew's lock."""
+# on_done(outcome, end_s): called once, by the last thread to leave the batch.
+OnDone = Callable[[BatchOutcome, float], None]
+
+
+class Batch:
+    """One chunk's pairs and progress; `wait()` returns once no thread touches it.
+    Every other field is guarded by the crew's lock."""
 
     def __init__(
-        self, pairs: Sequence[tuple[int, int]], copy: PairCopy, yield_to: LinkArbiter | None
+        self,
+        pairs: Sequence[tuple[int, int]],
+        copy: PairCopy,
+        yield_to: LinkArbiter | None,
+        on_done: OnDone | None,
     ) -> None:
         self.pairs = pairs
         self.copy = copy
         self.yield_to = yield_to  # LOW: the arbiter it yields to; HIGH: None
+        self.on_done = on_done
+        self.done = threading.Event()  # set after on_done, once no thread touches the batch
+        self.result: tuple[BatchOutcome, float] | None = None  # (outcome, end_s) once done
+        self.owner_left = False  # the owner is out; the last helper out completes it
         self.next_index = 0
         self.stopped = False  # a copy raised: take nothing more
         self.copied = [False] * len(pairs)
@@ -64,6 +82,13 @@ class _Batch:
         self.lost_alone: set[int] = set()
         self.num_helpers = 0  # helpers inside now
         self.helper_yielded = False  # a helper left for a HIGH chunk
+
+    def wait(self) -> tuple[BatchOutcome, float]:
+        """Block until every pair is copied or lost; (outcome, end_s)."""
+        self.done.wait()
+        if self.result is None:
+            raise RuntimeError("copy crew: a batch ended without a result")
+        return self.result
 
     def has_untaken(self) -> bool:
         return not self.stopped and self.next_index < len(self.pairs)
@@ -90,8 +115,7 @@ class CopyCrew:
         self.min_spread_bytes = min_spread_bytes
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # helpers wait here for a batch
-        self._left = threading.Condition(self._lock)  # owners wait here for helpers to leave
-        self._open: list[_Batch] = []
+        self._open: list[Batch] = []
         self._closing = False
         self._threads = [
             threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True)
@@ -104,7 +128,7 @@ class CopyCrew:
     def num_helpers(self) -> int:
         return len(self._threads)
 
-    def run(
+    def start(
         self,
         pairs: Sequence[tuple[int, int]],
         copy: PairCopy,
@@ -112,11 +136,14 @@ class CopyCrew:
         num_bytes: int,
         yield_to: LinkArbiter | None,
         spread: bool = True,
-    ) -> BatchOutcome:
-        """Copy every pair, on the calling thread and (if `spread` and the batch is
-        big enough) the helpers; return once no thread touches the batch any more.
-        `yield_to`: for a LOW batch, the arbiter whose HIGH chunks go first."""
-        batch = _Batch(pairs, copy, yield_to)
+        on_done: OnDone | None = None,
+    ) -> Batch:
+        """Copy pairs on the calling thread (and, if `spread` and the batch is big
+        enough, on the helpers) until none is left to take; return the batch, whose
+        last pairs may still be in a helper's hands. `on_done` runs once all are
+        copied or lost, on whichever thread leaves last. `yield_to`: for a LOW
+        batch, the arbiter whose HIGH chunks go first."""
+        batch = Batch(pairs, copy, yield_to, on_done)
         shared = spread and bool(self._threads) and len(pairs) > 1
         shared = shared and num_bytes >= self.min_spread_bytes
         if shared:
@@ -126,13 +153,27 @@ class CopyCrew:
         try:
             self._work_on(batch, owner=True)
         finally:
-            if shared:
-                with self._lock:
-                    self._open.remove(batch)
-                    while batch.num_helpers > 0:
-                        self._left.wait()
-        with self._lock:
-            return batch.outcome()
+            with self._lock:
+                if shared:
+                    self._open.remove(batch)  # nothing left to take: no helper joins now
+                batch.owner_left = True
+                last_out = batch.num_helpers == 0
+            if last_out:
+                self._complete(batch)
+        return batch
+
+    def run(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        copy: PairCopy,
+        *,
+        num_bytes: int,
+        yield_to: LinkArbiter | None,
+        spread: bool = True,
+    ) -> BatchOutcome:
+        """`start`, then wait until no thread touches the batch."""
+        batch = self.start(pairs, copy, num_bytes=num_bytes, yield_to=yield_to, spread=spread)
+        return batch.wait()[0]
 
     def close(self) -> None:
         """Stop the helpers (after the batches they are in) and join them."""
@@ -142,7 +183,7 @@ class CopyCrew:
         for thread in self._threads:
             thread.join()
 
-    def _work_on(self, batch: _Batch, *, owner: bool) -> None:
+    def _work_on(self, batch: Batch, *, owner: bool) -> None:
         done_index: int | None = None
         while True:
             if batch.yield_to is not None:
@@ -177,18 +218,18 @@ class CopyCrew:
             done_index = index
 
     @staticmethod
-    def _mark_copied(batch: _Batch, index: int | None) -> None:
+    def _mark_copied(batch: Batch, index: int | None) -> None:
         if index is not None:
             batch.copied[index] = True
 
-    def _recall_helpers(self, batch: _Batch) -> None:
+    def _recall_helpers(self, batch: Batch) -> None:
         """After a LOW batch's owner yielded: wake the helpers that left it."""
         with self._lock:
             if batch.helper_yielded and batch.has_untaken():
                 batch.helper_yielded = False
                 self._work.notify_all()
 
-    def _pick(self) -> _Batch | None:
+    def _pick(self) -> Batch | None:
         """The oldest open batch with pairs left that may be helped now: a HIGH
         one, or a LOW one while no HIGH chunk is pending (an open HIGH batch is
         a pending HIGH chunk, so HIGH batches come first). Called with the lock
@@ -199,19 +240,30 @@ class CopyCrew:
         return None
 
     def _serve(self) -> None:
-        with self._lock:
-            while True:
+        while True:
+            with self._lock:
                 batch = self._pick()
-                if batch is None:
+                while batch is None:
                     if self._closing:
                         return
                     self._work.wait()
-                    continue
+                    batch = self._pick()
                 batch.num_helpers += 1
-                self._lock.release()
-                try:
-                    self._work_on(batch, owner=False)
-                finally:
-                    self._lock.acquire()
+            try:
+                self._work_on(batch, owner=False)
+            finally:
+                with self._lock:
                     batch.num_helpers -= 1
-                    self._left.notify_all()
+                    last_out = batch.owner_left and batch.num_helpers == 0
+                if last_out:
+                    self._complete(batch)
+
+    def _complete(self, batch: Batch) -> None:
+        """The last thread out: record the result, report it, release `wait()`."""
+        try:
+            with self._lock:
+                batch.result = (batch.outcome(), time.perf_counter())
+            if batch.on_done is not None:
+                batch.on_done(*batch.result)
+        finally:
+            batch.done.set()  # even if on_done failed: the waiter reports instead

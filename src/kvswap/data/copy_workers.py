@@ -14,12 +14,14 @@ whose source is another pending chunk's destination (a source must be a
 ready copy), so HIGH chunks may finish in any order.
 
 CPU path (no GPU, and every NVMe leg): a lane runs its chunk as one batch on
-the engine's `CopyCrew` (copy_crew.py). With the device pool on the CPU, the
-crew's helper threads take blocks of the same chunk too, each block one
-memcpy that releases the GIL, so a chunk moves on every core; NVMe legs
-stay on their lane. A LOW copy thread, before each block, yields while any
-HIGH chunk is pending or running, so on the shared memory bus / disk a
-swap-in waits for at most one LOW block per copy thread.
+the engine's `CopyCrew` (`CpuChunk`, cpu_copies.py). With the device pool on
+the CPU, the crew's helper threads take blocks of the same chunk too, each
+block one memcpy that releases the GIL, so a chunk moves on every core; NVMe
+legs stay on their lane. The lane moves on to its next chunk once nothing of
+this one is left to take, and whichever thread copies a chunk's last block
+reports it. A LOW copy thread, before each block, yields while any HIGH
+chunk is pending or running, so on the shared memory bus / disk a swap-in
+waits for at most one LOW block per copy thread.
 
 CUDA path (GPU legs when the device pool is on a GPU): a lane issues a chunk
 on its stream (`CudaChunk`) and keeps up to `max_in_flight` chunks queued
@@ -36,6 +38,7 @@ everything still queued, so no waiter and no yielding LOW block hangs.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -45,15 +48,13 @@ from typing import Protocol
 
 import torch
 
-from kvswap.control.transfer import Priority, TransferChunk, TransferResult
-from kvswap.data import block_copy
+from kvswap.control.transfer import Priority, TransferResult
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
 from kvswap.data.copy_crew import CopyCrew
+from kvswap.data.cpu_copies import CpuChunk
 from kvswap.data.cuda_copies import CudaChunk
-from kvswap.data.disk_pool import DiskSlotError
 from kvswap.data.link_arbiter import LinkArbiter
 
-_MAX_ERRORS_IN_TEXT = 3
 _EXITED = "copy worker exited"
 
 
@@ -66,7 +67,7 @@ class _Started(Protocol):
 
 
 class _Finished:
-    """A job that ran synchronously (CPU path) or failed to start."""
+    """A job that failed to start."""
 
     def __init__(self, job: Job, result: TransferResult) -> None:
         self.job = job
@@ -106,6 +107,7 @@ class QueueWorker:
         # Guards _num_running against put(): a job is either queued while a lane
         # still runs, or failed at once; never stranded in a queue nobody reads.
         self._lock = threading.Lock()
+        self._report_lock = threading.Lock()  # one report per job, whichever thread
         self._num_running = len(lanes)
         name = priority.name.lower()
         self._threads = [
@@ -144,17 +146,23 @@ class QueueWorker:
 
     def _serve(self, lane: torch.cuda.Stream | None) -> None:
         held: list[Job] = []  # taken from the queue by this lane, result not yet set
+        in_flight: deque[_Started] = deque()  # started, not yet finished by this lane
         reason = _EXITED
         try:
-            self._run(lane, held)
+            self._run(lane, held, in_flight)
         except BaseException as exc:
             # Only the type: str(exc) is what may have failed in the first place.
             reason = f"{_EXITED} ({type(exc).__name__})"
             raise
         finally:
-            self._exit(held, reason)
+            self._exit(held, in_flight, reason)
 
-    def _exit(self, held: list[Job], reason: str) -> None:
+    def _exit(self, held: list[Job], in_flight: deque[_Started], reason: str) -> None:
+        for started in in_flight:
+            if isinstance(started, CpuChunk):
+                # Its helpers still write its slots: let them land first.
+                with contextlib.suppress(BaseException):
+                    started.wait()
         now_s = time.perf_counter()
         for job in list(held):
             self._settle(job, failed_result(job.chunk, now_s, reason), held)
@@ -172,15 +180,24 @@ class QueueWorker:
                     self._settle(queued, failed_result(queued.chunk, now_s, reason), None)
 
     def _settle(self, job: Job, result: TransferResult, held: list[Job] | None) -> None:
-        """Report `job` exactly once: out of `held`, off the arbiter, result set."""
+        """This lane is done with `job`: out of `held`, and reported if it was not yet."""
         if held is not None:
             held.remove(job)
-        if self.priority is Priority.HIGH:
-            self._arbiter.high_finished()
-        job.future.set_result(result)
+        self._report(job, result)
 
-    def _run(self, lane: torch.cuda.Stream | None, held: list[Job]) -> None:
-        in_flight: deque[_Started] = deque()
+    def _report(self, job: Job, result: TransferResult) -> None:
+        """Report `job` exactly once: off the arbiter, result set. Any thread: the
+        copy crew's last thread out reports a CPU chunk before its lane settles it."""
+        with self._report_lock:
+            if job.future.done():
+                return
+            if self.priority is Priority.HIGH:
+                self._arbiter.high_finished()
+            job.future.set_result(result)
+
+    def _run(
+        self, lane: torch.cuda.Stream | None, held: list[Job], in_flight: deque[_Started]
+    ) -> None:
         while True:
             try:
                 # Block for new work only when nothing is in flight.
@@ -194,11 +211,20 @@ class QueueWorker:
                 return
             held.append(job)
             if not _runs_on_stream(job, lane):
-                while in_flight:  # report earlier chunks before a long synchronous one
+                # Report earlier stream chunks before a long synchronous one (a crew
+                # chunk has reported itself, or will when its last block lands).
+                while in_flight and not isinstance(in_flight[0], CpuChunk):
                     self._finish(in_flight.popleft(), held)
-            in_flight.append(self._start(job, lane))
+            started = self._start(job, lane)
+            in_flight.append(started)
+            if isinstance(started, CpuChunk) and not started.done:
+                # Only it stays in flight: the next chunk starts while a helper
+                # copies its last blocks, and the helper moves on to that one.
+                while len(in_flight) > 1:
+                    self._finish(in_flight.popleft(), held)
+                continue
             while len(in_flight) >= self._max_in_flight or (
-                in_flight and isinstance(in_flight[-1], _Finished)
+                in_flight and isinstance(in_flight[-1], (_Finished, CpuChunk))
             ):
                 self._finish(in_flight.popleft(), held)
 
@@ -207,7 +233,8 @@ class QueueWorker:
         try:
             if lane is not None and _runs_on_stream(job, lane):
                 return CudaChunk(job, self._pools, lane)
-            return _Finished(job, self._run_blocks(job.chunk))
+            yield_to = self._arbiter if self.priority is Priority.LOW else None
+            return CpuChunk(job, self._pools, self._crew, yield_to=yield_to, report=self._report)
         except BaseException as exc:  # last resort: never leave a waiter hanging
             return _Finished(job, failed_result(job.chunk, start_s, error_text(exc)))
 
@@ -219,45 +246,6 @@ class QueueWorker:
             result = failed_result(started.job.chunk, time.perf_counter(), error_text(exc))
         self._settle(started.job, result, held)
 
-    def _run_blocks(self, chunk: TransferChunk) -> TransferResult:
-        """CPU path: the chunk's blocks as one batch on the copy crew (GPU legs spread
-        over its threads; NVMe legs stay on this lane); LOW yields to HIGH per block."""
-        start_s = time.perf_counter()
-        pools, direction = self._pools, chunk.direction
-
-        def copy(src_slot: int, dst_slot: int) -> str | None:
-            try:
-                block_copy.copy_block(pools, direction, src_slot, dst_slot)
-            except DiskSlotError as exc:
-                return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
-            return None
-
-        outcome = self._crew.run(
-            list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
-            copy,
-            num_bytes=chunk.num_bytes,
-            yield_to=self._arbiter if self.priority is Priority.LOW else None,
-            spread=direction in GPU_DIRECTIONS,
-        )
-        return TransferResult(
-            transfer_id=chunk.transfer_id,
-            success=not outcome.failed_dst_slots,
-            num_bytes=chunk.num_bytes,
-            start_s=start_s,
-            end_s=time.perf_counter(),
-            error=_join_errors(list(outcome.errors)),
-            failed_dst_slots=outcome.failed_dst_slots,
-        )
-
 
 def _runs_on_stream(job: Job, lane: torch.cuda.Stream | None) -> bool:
     return lane is not None and job.chunk.direction in GPU_DIRECTIONS
-
-
-def _join_errors(errors: list[str]) -> str | None:
-    if not errors:
-        return None
-    text = "; ".join(errors[:_MAX_ERRORS_IN_TEXT])
-    if len(errors) > _MAX_ERRORS_IN_TEXT:
-        text += f"; and {len(errors) - _MAX_ERRORS_IN_TEXT} more"
-    return text
