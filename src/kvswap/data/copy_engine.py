@@ -79,7 +79,11 @@ class LocalCopyEngine(FutureCopyEngine):
         once, 1..MAX_PREFETCH_STREAMS (the config's `prefetch_stream_count`).
         `max_in_flight_*_chunks`: CUDA path only, chunks queued on the queue's
         streams at once; HIGH's are shared out over its streams (ceil(n / streams)
-        each). LOW stays at 1 so a HIGH chunk never waits behind more than one."""
+        each). LOW stays at 1 so a HIGH chunk never waits behind more than one.
+        `copy_threads`: CPU path with the device pool on the CPU, the threads that
+        share one chunk's block copies, its lane included (1..MAX_COPY_THREADS;
+        None: torch's intra-op thread count, the threads its own memcpy uses);
+        chunks under `min_spread_bytes` stay on their lane."""
         super().__init__()
         _check_prefetch_streams(prefetch_streams)
         # Checked here, before any lane's thread starts, so a refusal leaks none.
