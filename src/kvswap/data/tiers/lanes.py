@@ -28,8 +28,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvswap.data.block_copy import error_text
-from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.data.future_results import FutureResults
+from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.data.tiers.base import (
     HostSlots,
     JobResult,

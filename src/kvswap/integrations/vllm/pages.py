@@ -77,6 +77,11 @@ class VllmDevicePages(DevicePool):
         tensor, block = divmod(slot, self.num_gpu_blocks)
         return self._pages[tensor][block]
 
+    def host_byte_rows(self) -> None:
+        """None: vLLM's pages are one tensor per layer, not one pool of rows, so each
+        page moves as a tensor copy (`block_copy.copy_block`)."""
+        return None
+
     def check_integrity(self) -> None:
         for pages in self._pages:
             if tuple(pages.shape) != (self.num_gpu_blocks, self.page_bytes):
