@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -122,3 +126,21 @@ def store_name(key: bytes) -> bytes:
 
 def remote_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kvswap.remote"]
+
+
+def runs_sharing_a_prefix(url: str) -> tuple[dict[str, Any], ...]:
+    """Three `kvswap run` processes of one small workload (3 sessions whose prompts
+    share a 32-token system prompt): without the store, then twice with the store at
+    `url`. Their `--json` summaries in that order."""
+    argv = [sys.executable, "-m", "kvswap", "run", "--model", "tiny", "--json",
+            "--device", "cpu", "--batch-invariant", "--num-sessions", "3", "--turns", "1",
+            "--prompt-tokens", "48", "--output-tokens", "4", "--system-prompt-tokens", "32",
+            "--block-tokens", "8", "--gpu-kv-capacity-blocks", "40"]  # fmt: skip
+
+    def kvswap_run(*extra: str) -> dict[str, Any]:
+        done = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        summary: dict[str, Any] = json.loads(done.stdout)
+        return summary
+
+    return kvswap_run(), kvswap_run("--remote-url", url), kvswap_run("--remote-url", url)

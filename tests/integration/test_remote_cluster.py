@@ -10,11 +10,7 @@ recomputation, never an error or a changed output.
 from __future__ import annotations
 
 import hashlib
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +25,7 @@ from kvswap.data.tiers.redis_tier import RedisTier
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import ConfigError
+from tests.integration.remote_store_support import runs_sharing_a_prefix
 from tests.integration.test_remote_engine import BASE, run, workload
 from tests.redis_cluster import RedisCluster3, redis_cluster, redis_cluster_missing
 
@@ -111,20 +108,7 @@ def test_a_hash_tag_namespace_is_refused_for_a_cluster() -> None:
 def test_two_kvswap_run_processes_share_a_prefix_through_the_cluster(
     redis_cluster: RedisCluster3,
 ) -> None:
-    argv = [sys.executable, "-m", "kvswap", "run", "--model", "tiny", "--json",
-            "--device", "cpu", "--batch-invariant", "--num-sessions", "3", "--turns", "1",
-            "--prompt-tokens", "48", "--output-tokens", "4", "--system-prompt-tokens", "32",
-            "--block-tokens", "8", "--gpu-kv-capacity-blocks", "40"]  # fmt: skip
-
-    def kvswap_run(*extra: str) -> dict[str, Any]:
-        done = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        summary: dict[str, Any] = json.loads(done.stdout)
-        return summary
-
-    alone = kvswap_run()
-    first = kvswap_run("--remote-url", redis_cluster.url)
-    second = kvswap_run("--remote-url", redis_cluster.url)
+    alone, first, second = runs_sharing_a_prefix(redis_cluster.url)
     assert first["outputs_digest"] == second["outputs_digest"] == alone["outputs_digest"]
     assert first["remote"]["writes"] > 0
     assert second["prefix_hit_tokens"]["remote"] >= 32  # the system prompt's four blocks

@@ -6,9 +6,6 @@ the remote tier, digest for digest. The store is the only thing that changes.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request, Workload
+from tests.integration.remote_store_support import runs_sharing_a_prefix
 from tests.redis_server import RedisServer, redis_server_missing
 
 pytestmark = pytest.mark.skipif(redis_server_missing() is not None, reason="no redis-server")
@@ -56,20 +54,7 @@ def test_a_second_process_restores_the_shared_prompt_from_the_store(tmp_path: Pa
     """Two `kvswap run` processes in sequence: the second's prefix hits come from
     the remote tier, and both outputs equal runs without the tier."""
     with RedisServer(tmp_path / "redis").start() as server:
-        argv = [sys.executable, "-m", "kvswap", "run", "--model", "tiny", "--json",
-                "--device", "cpu", "--batch-invariant", "--num-sessions", "3", "--turns", "1",
-                "--prompt-tokens", "48", "--output-tokens", "4", "--system-prompt-tokens", "32",
-                "--block-tokens", "8", "--gpu-kv-capacity-blocks", "40"]  # fmt: skip
-
-        def kvswap_run(*extra: str) -> dict[str, Any]:
-            done = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr
-            summary: dict[str, Any] = json.loads(done.stdout)
-            return summary
-
-        alone = kvswap_run()
-        first = kvswap_run("--remote-url", server.url)
-        second = kvswap_run("--remote-url", server.url)
+        alone, first, second = runs_sharing_a_prefix(server.url)
     assert first["outputs_digest"] == second["outputs_digest"] == alone["outputs_digest"]
     assert first["prefix_hit_tokens"]["remote"] == 0 and first["remote"]["writes"] > 0
     assert second["prefix_hit_tokens"]["remote"] >= 32  # the system prompt's four blocks

@@ -22,13 +22,11 @@ and sends every node its part before reading any answer. What differs lives here
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
-from redis.retry import Retry
 
+from kvswap.data.redis_options import connection_options
 from kvswap.data.remote_url import RemoteUrl
 from kvswap.errors import ConfigError
 
@@ -48,20 +46,14 @@ class LazyCluster:
     """One `RedisCluster` for `url`'s seed nodes, built by the first `get()`."""
 
     def __init__(self, url: RemoteUrl, timeout_s: float, socket_read_bytes: int) -> None:
-        self._options: dict[str, Any] = {
-            "startup_nodes": [
+        self._options = connection_options(url, timeout_s, socket_read_bytes)
+        self._options.update(
+            startup_nodes=[
                 ClusterNode(host, port)  # type: ignore[no-untyped-call]
                 for host, port in url.cluster_nodes
             ],
-            "username": url.username,
-            "password": url.password,
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            "socket_read_size": socket_read_bytes,
-            "retry": Retry(NoBackoff(), 0),
-            "protocol": 2,
-            "require_full_coverage": False,
-        }
+            require_full_coverage=False,
+        )
         if url.uses_tls:
             self._options.update(ssl=True, ssl_ca_certs=url.ssl_ca_certs)
         self._lock = threading.Lock()

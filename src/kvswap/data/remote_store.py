@@ -41,14 +41,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from kvswap.control.remote import RemoteIndex
 from kvswap.data import remote_cluster
+from kvswap.data.redis_options import connection_options
 from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace
 from kvswap.data.remote_format import check_namespace, key_name
 from kvswap.data.remote_url import PASSWORD_ENV, RemoteUrl
@@ -405,17 +404,8 @@ def _make_redis(url: RemoteUrl, timeout_s: float, socket_read_bytes: int) -> red
     """One client over one pool. No driver retries (an outage is ours to handle), RESP2
     (every Redis and Valkey speaks it), bytes in and out, and a command packer that
     sends large values from their own buffers (see `_zero_copy_packer`)."""
-    options: dict[str, Any] = {
-        "db": url.db,
-        "username": url.username,
-        "password": url.password,
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "socket_read_size": socket_read_bytes,
-        "retry": Retry(NoBackoff(), 0),
-        "protocol": 2,
-        "health_check_interval": 0,
-    }
+    options = connection_options(url, timeout_s, socket_read_bytes)
+    options.update(db=url.db, health_check_interval=0)
     packer = _zero_copy_packer()
     if packer is not None:
         options["command_packer"] = packer
