@@ -66,6 +66,7 @@ def test_trace_prompts_are_sent_at_their_intended_length(
     assert calibration["tokens_per_word"] == 5.0
     assert calibration["request_overhead_tokens"] == 20.0
     assert calibration["probe_requests"] == 2  # one message per request: no message probe
+    assert calibration["probe_output_tokens"] == 2  # max_tokens 1 each
     assert calibration["line"] == (
         "calibrated to the server's tokenizer: 5.000 tokens per word, 20.0 tokens of "
         "template per request; prompts go out as 0.200 words per intended token (2 probes)"

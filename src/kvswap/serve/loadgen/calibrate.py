@@ -44,6 +44,9 @@ class Calibration:
     tokens_per_word: float | None  # None: not measured (uncalibrated)
     probe_requests: int  # requests sent to calibrate, refused ones included
     probe_prompt_tokens: int  # the server's prompt tokens over the probes it answered
+    # The server's completion tokens over the probes it answered (max_tokens 1 each):
+    # with the replay's figures, every token this run made the server count.
+    probe_output_tokens: int
     line: str  # one line for the user
 
     def to_json(self) -> dict[str, object]:
@@ -54,16 +57,20 @@ class Calibration:
             "message_overhead_tokens": round(self.scale.message_overhead_tokens, 3),
             "probe_requests": self.probe_requests,
             "probe_prompt_tokens": self.probe_prompt_tokens,
+            "probe_output_tokens": self.probe_output_tokens,
             "line": self.line,
         }
 
 
-def uncalibrated(reason: str, probe_requests: int = 0, probe_prompt_tokens: int = 0) -> Calibration:
+def uncalibrated(
+    reason: str, probe_requests: int = 0, probe_prompt_tokens: int = 0, probe_output_tokens: int = 0
+) -> Calibration:
     return Calibration(
         TextScale(),
         None,
         probe_requests,
         probe_prompt_tokens,
+        probe_output_tokens,
         f"prompt lengths uncalibrated (about 1 word per token): {reason}",
     )
 
@@ -82,6 +89,7 @@ class _Prober:
         self.client, self.model, self.endpoint, self.timeout_s = client, model, endpoint, timeout_s
         self.num_sent = 0
         self.prompt_tokens = 0
+        self.output_tokens = 0
 
     async def send(self, messages: list[str]) -> StreamResult:
         """One probe: `messages` as user / assistant / user ... (one prompt for completions)."""
@@ -108,12 +116,13 @@ class _Prober:
             result = await asyncio.wait_for(self.client.stream(self.endpoint, body), self.timeout_s)
         except asyncio.TimeoutError:
             return StreamResult(error=f"timeout: no answer within --timeout-s {self.timeout_s:g}")
-        if result.error is None and result.prompt_tokens is not None:
-            self.prompt_tokens += result.prompt_tokens
+        if result.error is None:
+            self.prompt_tokens += result.prompt_tokens or 0
+            self.output_tokens += result.completion_tokens or 0
         return result
 
     def failed(self, reason: str) -> Calibration:
-        return uncalibrated(reason, self.num_sent, self.prompt_tokens)
+        return uncalibrated(reason, self.num_sent, self.prompt_tokens, self.output_tokens)
 
 
 async def calibrate(
@@ -170,5 +179,10 @@ async def calibrate(
         f"as {scale.words_per_token:.3f} words per intended token ({prober.num_sent} probes)"
     )
     return Calibration(
-        scale, round(tokens_per_word, 6), prober.num_sent, prober.prompt_tokens, line
+        scale,
+        round(tokens_per_word, 6),
+        prober.num_sent,
+        prober.prompt_tokens,
+        prober.output_tokens,
+        line,
     )
