@@ -9,18 +9,16 @@ what `kvswap loadgen` counts equals what the server's /metrics counts.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
 
 from kvswap.serve.tokenizer import builtin_codec
-from tests.unit.serve_fakes import kvswap_server
+from tests.unit.serve_fakes import kvswap_server, metric
 
 TINY = ("--model", "tiny", "--device", "cpu", "--port", "0", "--block-tokens", "8",
         "--batch-invariant", "--protected-sink-blocks", "1")  # fmt: skip
@@ -36,15 +34,6 @@ def server(*flags: str) -> Iterator[str]:
 
 def api(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def metric(url: str, name: str) -> dict[str, float]:
-    """Every sample of `name` on /metrics, by its label string."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    found: dict[str, float] = {}
-    for match in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
-        found[match.group(1) or ""] = float(match.group(2))
-    return found
 
 
 def test_a_greedy_completion_is_kvswap_generate_on_the_same_ids() -> None:

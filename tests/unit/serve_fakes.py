@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import select
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO
 
+import httpx
 from starlette.types import ASGIApp
 
 from kvswap.sampling import TokenLogprobs
@@ -314,6 +316,17 @@ def child_stderr(process: subprocess.Popen[bytes]) -> str:
     err = stderr.read()
     stderr.close()
     return err.decode(errors="replace")
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """Every sample of `name` on `url`/metrics (any Prometheus exporter: kvswap serve,
+    vLLM), by its label string ("" for none)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found: dict[str, float] = {}
+    pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
+    for match in re.finditer(pattern, text, re.MULTILINE):
+        found[match.group(1) or ""] = float(match.group(2))
+    return found
 
 
 @contextmanager
