@@ -59,8 +59,17 @@ def build(out: Path, shape: Mapping[str, int] = TINY_SHAPE, *, eos: bool = True)
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    stop: dict[str, int | None] = {} if eos else {"eos_token_id": None}
-    config = LlamaConfig(**shape, **stop, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        eos_token_id=2 if eos else None,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     word_level = Tokenizer(models.WordLevel(vocab=vocabulary(shape["vocab_size"]), unk_token="t0"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
