@@ -23,8 +23,8 @@ after a grace period, as it ignores SIGTERM); the checkpoint, the logs and the
 reports are in the temporary directory, removed at the end, unless --out DIR
 keeps the two reports and the comparison page.
 
-    .venv/bin/python benchmarks/serve_vs_vllm.py            # 12 layers, hidden 768: ~10 min
-    .venv/bin/python benchmarks/serve_vs_vllm.py --quick    # 4 layers, hidden 256: ~4 min
+    .venv/bin/python benchmarks/serve_vs_vllm.py            # 12 layers, hidden 768: ~5 min
+    .venv/bin/python benchmarks/serve_vs_vllm.py --quick    # 4 layers, hidden 256: ~2 min
 """
 
 from __future__ import annotations
@@ -87,11 +87,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep the two loadgen reports and the `kvswap report` page here (a new or "
         "empty directory); default: nothing is left on disk",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why this run cannot start (one line), or None."""
     out = args.out
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        parser.error(f"--out {out}: not a new or empty directory")
-    return args
+        return f"--out {out}: not a new or empty directory"
+    return vllm_venv_missing(VLLM_VENV)
 
 
 def server_flags() -> dict[str, list[str]]:
@@ -162,7 +166,7 @@ def table(runs: dict[str, dict[str, Any]]) -> tuple[list[str], dict[str, object]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (reason := vllm_venv_missing(VLLM_VENV)) is not None:
+    if (reason := refusal(args)) is not None:
         print(f"serve_vs_vllm: {reason}", file=sys.stderr)
         return 2
     shape = CHECKPOINTS[args.quick]
