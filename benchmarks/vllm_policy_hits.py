@@ -41,7 +41,7 @@ ratio is kvswap / max(lru, arc) of the hit tokens. Prints the tables, then one
 
 Runs in the vLLM venv, in one process, with this tree's src first on the path:
 
-    .venv-vllm/bin/python benchmarks/vllm_policy_hits.py            # ~25 min on 2 busy cores
+    .venv-vllm/bin/python benchmarks/vllm_policy_hits.py            # ~23 min on 2 shared cores
     .venv-vllm/bin/python benchmarks/vllm_policy_hits.py --quick    # the smoke test's scale
 """
 

