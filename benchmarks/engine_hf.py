@@ -76,13 +76,7 @@ def section_transformers(bench: Bench) -> Result:
     torch.set_num_threads(bench.threads)
     try:
         with tempfile.TemporaryDirectory() as directory:
-            torch.manual_seed(0)
-            config = transformers.LlamaConfig(
-                **checkpoint, max_position_embeddings=max(4096, 2 * long_prompt),
-                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                pad_token_id=None,
-            )  # fmt: skip
-            transformers.LlamaForCausalLM(config).save_pretrained(directory)
+            save_checkpoint(directory, checkpoint, max_positions=max(4096, 2 * long_prompt))
             hf = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
             hf = hf.to(bench.device).eval()
             ours = replace(bench, model=directory)
@@ -97,6 +91,18 @@ def section_transformers(bench: Bench) -> Result:
         "batch_speedup_vs_generate_batch": Goal(">=", 3.0),
     }
     return Result(shapes, figures, {k: g for k, g in goals.items() if k in figures})
+
+
+def save_checkpoint(directory: str, checkpoint: dict[str, int], max_positions: int) -> None:
+    """A random-weight Llama of this shape (seed 0), untied, saved by transformers as
+    safetensors in fp32 into `directory`; no special tokens, so nothing ends early."""
+    transformers: Any = importlib.import_module("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **checkpoint, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def prompts_for(num: int, num_tokens: int, vocab: int, seed: int) -> list[list[int]]:
