@@ -119,9 +119,10 @@ def explicit_requests(prompts: list[list[int]], output_tokens: int, vocab_size: 
 
 
 def serve(bench: Bench, workload: Workload, **settings: object) -> Any:
-    """Run `workload` on a fresh engine; `RunSummary.to_json()` plus two keys:
-    `ttft_ms_by_request` (admission to first token: queueing excluded) and
-    `outputs_by_request` (generated ids)."""
+    """Run `workload` on a fresh engine; `RunSummary.to_json()` plus three keys:
+    `ttft_ms_by_request` (admission to first token: queueing excluded),
+    `outputs_by_request` (generated ids) and `transfers_by_direction` (chunks
+    moved, e.g. {"gpu_to_cpu": 12}: swap-outs and swap-ins counted as copies)."""
     overrides = {**COMMON, "device": bench.device, **settings}
     config = load_config(environ={}, overrides=overrides)
     options = EngineOptions(model=bench.model, cpu_threads=bench.threads)
@@ -134,6 +135,8 @@ def serve(bench: Bench, workload: Workload, **settings: object) -> Any:
             if run.first_token_s is not None and run.admitted_s is not None
         }
         summary["outputs_by_request"] = {seq: list(run.output_ids) for seq, run in runs.items()}
+        moved = engine.scheduler.swapper.metrics.transfers_by_direction
+        summary["transfers_by_direction"] = {d.value: n for d, n in moved.items()}
     return summary
 
 
