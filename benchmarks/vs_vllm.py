@@ -17,13 +17,14 @@ vLLM in `.venv-vllm` (`bash .ci/vllm-venvs` builds it) through
 `benchmarks/vs_vllm_side.py`, one process per LLM, never while kvswap runs.
 Both sides get the same torch thread count and OpenMP wait policy (PASSIVE unless
 the user set one), the same prompts, pools of the same tokens and the same batch
-limits; each side serves one untimed short request
-before it is timed, then `--repeats` timed runs, the best reported (pressure:
-one run per side). Goals, from the issue: >= 1.0x on the one request, >= 1.5x
-on the batch. Prints each section's shapes and figures, goals beside the
-ratios; `--json` prints one JSON object instead (tables go to stderr), `--out
-FILE` also writes it after every section. Exit status 1 when a section failed,
-2 for a usage error or a missing venv. Timings from a shared machine are noise.
+limits; each side serves one untimed short request before it is timed, then
+`--repeats` timed runs, the best reported: kvswap on a fresh engine each run,
+vLLM on one LLM whose prefix cache (and host tier) is emptied before each.
+Goals, from the issue: >= 1.0x on the one request, >= 1.5x on the batch. Prints
+each section's shapes and figures, goals beside the ratios; `--json` prints one
+JSON object instead (tables go to stderr), `--out FILE` also writes it after
+every section. Exit status 1 when a section failed, 2 for a usage error or a
+missing venv. Timings from a shared machine are noise.
 
     python benchmarks/vs_vllm.py --quick          # quarter shape, validation
     python benchmarks/vs_vllm.py --json --out vs_vllm.json
@@ -157,10 +158,11 @@ def vllm_run(
     path = sides.work_dir / f"case-{kind}-{offload_bytes is not None}.json"
     path.write_text(json.dumps(case))
     threads = str(sides.bench.threads)
-    return run_script(
+    result: dict[str, Any] = run_script(
         VLLM_VENV, SIDE_SCRIPT, str(path), timeout_s=SIDE_TIMEOUT_S,
         env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )  # fmt: skip
+    return result
 
 
 def kvswap_runs(
@@ -322,7 +324,7 @@ def kv_bytes_per_token(model_dir: str) -> int:
     """K and V of every layer for one token, fp32, as the checkpoint's config says."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return int(2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4)
 
 
 SECTIONS: dict[str, Callable[[Sides], Result]] = {
