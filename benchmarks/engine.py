@@ -40,7 +40,7 @@ import torch
 
 from engine_hf import missing_reason, section_transformers
 from engine_sections import section_modes, section_pressure, section_recompute, section_restore
-from engine_support import Bench, Result, warm_up
+from engine_support import Bench, Result, section_names, warm_up
 from kvswap.commands.outputs import check_output_file
 from kvswap.errors import KvSwapError
 
@@ -66,13 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON object here")
     args = parser.parse_args(argv)
-    names = [name for name in args.sections.split(",") if name]
-    unknown = [name for name in names if name not in SECTIONS]
-    if unknown or not names:
-        raise KvSwapError(
-            f"--sections {args.sections!r}: unknown {', '.join(unknown) or 'empty list'}; "
-            f"allowed: {','.join(SECTIONS)}"
-        )
+    names = section_names(args.sections, SECTIONS)
     check_output_file(args.out, "--out")  # before minutes of runs, not after
     if args.threads < 1:
         raise KvSwapError(f"--threads {args.threads}: allowed: >= 1")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,20 @@ class Result:
             for name, goal in self.goals.items()
         }
         return {"shapes": self.shapes, "figures": self.figures, "goals": goals}
+
+
+def section_names(text: str, allowed: Iterable[str]) -> list[str]:
+    """The sections a `--sections` value names, in its order; one line naming what is
+    unknown and what is allowed otherwise."""
+    allowed = list(allowed)
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise KvSwapError(
+            f"--sections {text!r}: unknown {', '.join(unknown) or 'empty list'}; "
+            f"allowed: {','.join(allowed)}"
+        )
+    return names
 
 
 def ratio(numerator: float, denominator: float) -> float:

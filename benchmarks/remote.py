@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from engine import record_failure, run_section, to_json
-from engine_support import Bench, Result, warm_up
+from engine_support import Bench, Result, section_names, warm_up
 from kvswap.commands.outputs import check_output_file
 from kvswap.data.remote_copy import (
     DEFAULT_READ_LANES,
@@ -93,13 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bandwidth.add_argument("--read-batch-bytes", default=str(READ_BATCH_BYTES))
     bandwidth.add_argument("--write-batch-bytes", default=str(WRITE_BATCH_BYTES))
     args = parser.parse_args(argv)
-    args.names = [name for name in args.sections.split(",") if name]
-    unknown = [name for name in args.names if name not in SECTION_NAMES]
-    if unknown or not args.names:
-        raise KvSwapError(
-            f"--sections {args.sections!r}: unknown {', '.join(unknown) or 'empty list'}; "
-            f"allowed: {','.join(SECTION_NAMES)}"
-        )
+    args.names = section_names(args.sections, SECTION_NAMES)
     if args.block_bytes is None:
         args.block_bytes = "256KiB" if args.quick else "1MiB"
     args.block_bytes = parse_size_bytes(args.block_bytes, "--block-bytes")

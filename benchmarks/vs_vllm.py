@@ -64,6 +64,7 @@ from engine_support import (  # noqa: E402
     explicit_requests,
     ratio,
     require,
+    section_names,
     serve,
 )
 from kvswap.commands.outputs import check_output_file  # noqa: E402
@@ -111,13 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON object here")
     args = parser.parse_args(argv)
-    args.names = [name for name in args.sections.split(",") if name]
-    unknown = [name for name in args.names if name not in SECTION_NAMES]
-    if unknown or not args.names:
-        raise KvSwapError(
-            f"--sections {args.sections!r}: unknown {', '.join(unknown) or 'empty list'}; "
-            f"allowed: {every}"
-        )
+    args.names = section_names(args.sections, SECTION_NAMES)
     for name in ("repeats", "threads"):
         if getattr(args, name) < 1:
             raise KvSwapError(f"--{name} {getattr(args, name)}: allowed: >= 1")
