@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvswap.errors import KvSwapError
 from kvswap.obs.diagnosis import diagnose_change
@@ -133,6 +134,17 @@ def _invalid(where: str, field_name: str, value: object, allowed: str) -> KvSwap
     return KvSwapError(f"{where}: field {field_name} = {shown} is invalid; expected {allowed}")
 
 
+def _objects(where: str, data: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    """`data[name]` (absent: empty), checked to be a list of objects."""
+    items = data.get(name, [])
+    if not isinstance(items, list):
+        raise _invalid(where, name, items, "a list")
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise _invalid(where, f"{name}[{index}]", item, "an object")
+    return items
+
+
 def _list(value: object) -> list[object]:
     return value if isinstance(value, list) else []
 
@@ -204,18 +216,8 @@ def _check_fields(data: Mapping[str, object], where: str) -> None:
             value = watermarks.get(key)
             if key in watermarks and not _in_range(value, 0.0, 1.0, low_inclusive=True):
                 raise _invalid(where, f"watermarks.{key}", value, "a fraction in [0, 1]")
-    requests = data.get("requests", [])
-    if not isinstance(requests, list):
-        raise _invalid(where, "requests", requests, "a list")
-    for index, record in enumerate(requests):
-        if not isinstance(record, Mapping):
-            raise _invalid(where, f"requests[{index}]", record, "an object")
-    diagnosis = data.get("diagnosis", [])
-    if not isinstance(diagnosis, list):
-        raise _invalid(where, "diagnosis", diagnosis, "a list")
-    for index, finding in enumerate(diagnosis):
-        if not isinstance(finding, Mapping):
-            raise _invalid(where, f"diagnosis[{index}]", finding, "an object")
+    _objects(where, data, "requests")
+    for index, finding in enumerate(_objects(where, data, "diagnosis")):
         for key in ("rule", "symptom", "metric", "figure", "cause", "advice"):
             if key in finding and not isinstance(finding[key], str):
                 raise _invalid(where, f"diagnosis[{index}].{key}", finding[key], "a string")
