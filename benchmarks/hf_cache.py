@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    for name in ("layers", "hidden", "prompt_tokens", "new_tokens", "batch", "block_tokens",
+                 "threads", "repeats"):  # fmt: skip
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {getattr(args, name)}: allowed: >= 1")
     if args.quick:
         args.hidden, args.prompt_tokens, args.new_tokens = 128, 64, 16
         args.block_tokens = 8
