@@ -43,6 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from tests.unit.serve_fakes import kvswap_server
 from tests.vllm_support import ROOT, VLLM_VENV, VllmServer, run_script, vllm_venv_missing
 
+from kvswap.commands.outputs import check_output_dir
+from kvswap.errors import KvSwapError
+from kvswap.signals import Terminated, report_stop, stop_signals_raise
+
 #: The checkpoint: the `small` preset's shape (as benchmarks/engine_hf.py), or a
 #: quarter of it with --quick.
 CHECKPOINTS: dict[bool, dict[str, int]] = {
@@ -95,6 +99,10 @@ def refusal(args: argparse.Namespace) -> str | None:
     out = args.out
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         return f"--out {out}: not a new or empty directory"
+    try:
+        check_output_dir(None if out is None else str(out), "--out")  # before minutes of runs
+    except KvSwapError as error:
+        return str(error)
     return vllm_venv_missing(VLLM_VENV)
 
 
@@ -205,4 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A stop signal unwinds like Ctrl-C: servers stopped, temporary files removed.
+    with stop_signals_raise():
+        try:
+            code = main()
+        except (KeyboardInterrupt, Terminated) as stop:
+            code = report_stop(stop)
+    sys.exit(code)
