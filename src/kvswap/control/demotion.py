@@ -1,32 +1,109 @@
-"""CPU -> NVMe (and remote) demotion: the pinned pool's own watermarks.
+"""Demotion: past a tier's high watermark its coldest copies move to the tier below.
 
-A full pinned pool is the normal state; when it passes
-`cpu_demote_high_watermark` the coldest CPU copies leave (LOW queue) until it
-is back under `cpu_demote_low_watermark`. A CPU copy that already has a ready
-copy below (NVMe or remote) is dropped for free; the others move to NVMe.
-A full NVMe tier makes room as the pinned pool does (`eviction.make_room`):
-its policy's least valuable droppable copies leave (dropped, or the cache
-entry discarded: `nvme_drop`, `nvme_discard`), so the newest finished
-conversations reach NVMe and the oldest leave it; the only copy of a
-referenced block (a paused sequence's) never does.
+One demoter walks the pairs of adjacent tiers addressed by slots, fastest first
+(`tier_pairs`: each tier and the one its `TierSpec.above` names):
 
-With a remote tier written `on_demote`, every block the pool lets go is
-written to the store first (unless the store has it): alongside its NVMe
-demotion, or instead of a free drop (the CPU copy then goes once the write
-succeeded). Without an NVMe tier the store is where cold blocks go: written,
-then dropped from the pool.
+    GPU -> CPU    swap_out_high_watermark .. swap_out_low_watermark    (swap-out)
+    CPU -> NVMe   cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
+
+Cheap directions first, ahead of need and on the LOW queue: nobody waits for
+them. A pass pops the upper tier's victims from its policy
+(`store.pop_victim`) until the tier is back under its low watermark, and each
+victim meets the same rule (`Demoter.move_down`):
+
+    a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`)
+    a copy below still in flight  -> stays for a later pass
+    room below (`room.make_room`) -> copied down; the upper copy is freed when it
+                                     lands (`{reason}{moved_suffix}`)
+    no room below                 -> the pair decides (`TierPair.discard_when_full`):
+                                     the GPU discards an unreferenced victim (a cache
+                                     entry nobody needs; `{reason}_discard`) and keeps
+                                     a referenced one; the pinned pool keeps it and
+                                     the pass stops
+
+A GPU pass pops at most the tier's excess, victims that stay included (bounded
+work while the pinned pool is full); a pinned-pool pass looks past a victim
+that stays, since the next one may still leave for free (`TierPair.stayers_count`).
+
+The lower tier makes room as its own policy ranks it (`make_room`): the pinned
+pool never trades one unreferenced cache entry for another, NVMe does (the
+newest finished conversations reach it and the oldest leave), and the only
+copy of a referenced block never leaves either.
+
+With a remote tier written `on_demote`, every block the tier above the store
+(`TierSpec.above` of `Tier.REMOTE`: the pinned pool) lets go is written to the
+store first, unless the store has it: alongside its NVMe demotion, or instead
+of a free drop (the CPU copy then goes once the write succeeded). Without an
+NVMe tier the store is where cold blocks go: written, then dropped.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from kvswap.control.blocks import Block, Copy
-from kvswap.control.eviction import make_room
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.remote_tier import RemoteTier
+from kvswap.control.room import make_room
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import Direction, Priority, Tier
+from kvswap.control.transfer import SLOT_TIERS, Direction, Priority, Tier, direction_between
+
+
+@dataclass(frozen=True)
+class TierPair:
+    """Two adjacent tiers: past `upper`'s high watermark its coldest copies go to `lower`."""
+
+    upper: Tier
+    lower: Tier
+    high_watermark: float  # fractions of the upper tier's slots
+    low_watermark: float
+    reason: str  # the metric label of a watermark pass ("watermark", "demote")
+    moved_suffix: str  # appended to a reason for a copy moved down ("_swap_out", "")
+    # An unreferenced copy may displace another unreferenced one on `lower`.
+    displace_cache: bool
+    # No room below: an unreferenced victim is discarded, a referenced one stays and
+    # the pass goes on (the tier above must make room); else the pass stops there.
+    discard_when_full: bool
+    # A victim that stays counts towards the low watermark: the pass pops at most the
+    # tier's excess (the GPU: bounded work while the tier below is full). Else the
+    # pass looks past it (the pinned pool: the next one may still leave for free).
+    stayers_count: bool
+
+    @property
+    def direction(self) -> Direction:
+        return direction_between(self.upper, self.lower)
+
+
+def tier_pairs(settings: SwapSettings) -> tuple[TierPair, ...]:
+    """The pairs of adjacent slot tiers, fastest first, with their watermarks."""
+    watermarks = {
+        Tier.GPU: (settings.swap_out_high_watermark, settings.swap_out_low_watermark),
+        Tier.CPU: (settings.cpu_demote_high_watermark, settings.cpu_demote_low_watermark),
+    }
+    pairs: list[TierPair] = []
+    for lower in SLOT_TIERS:
+        upper = lower.spec.above
+        if upper is None or upper not in SLOT_TIERS:
+            continue
+        gpu = upper is Tier.GPU
+        high, low = watermarks[upper]
+        pair = TierPair(
+            upper, lower, high, low,
+            reason="watermark" if gpu else "demote", moved_suffix="_swap_out" if gpu else "",
+            displace_cache=lower is not Tier.CPU, discard_when_full=gpu, stayers_count=gpu,
+        )  # fmt: skip
+        pairs.append(pair)
+    return tuple(pairs)
+
+
+class _Outcome(enum.Enum):
+    LEFT = "left"  # dropped, discarded, or on its way down (or to the remote store)
+    STAYS = "stays"  # returned to its policy at the end of the pass
+    STOP = "stop"  # stays, and the pass ends: nothing below has room
 
 
 class Demoter:
@@ -41,57 +118,129 @@ class Demoter:
         self.store = store
         self.mover = mover
         self.metrics = metrics
-        self.settings = settings
+        self.pairs = tier_pairs(settings)
+        self.pair_below = {pair.upper: pair for pair in self.pairs}
         self.remote = remote
 
-    def demote_past_watermark(self) -> None:
-        cpu = self.store.tiers[Tier.CPU]
-        nvme = self.store.tiers[Tier.NVME]
-        remote = self.remote if self.remote is not None and self.remote.demotes else None
-        if cpu.num_slots == 0 or (nvme.num_slots == 0 and remote is None):
+    def demote_past_watermarks(self) -> None:
+        """One pass per pair, fastest first (what the GPU lets go may push the pinned
+        pool past its own watermark in the same step)."""
+        for pair in self.pairs:
+            self._pass(pair)
+
+    def move_down(
+        self, pair: TierPair, victims: Iterable[Block], *, reason: str, priority: Priority
+    ) -> None:
+        """Apply the rule to victims the caller chose (synchronous eviction, preemption):
+        each leaves, or stays ranked on its tier."""
+        moves: list[tuple[Block, Copy]] = []
+        for block in victims:
+            self.store.unrank(pair.upper, block)  # a victim not popped (preemption) too
+            if self._place(pair, block, reason, moves, None) is not _Outcome.LEFT:
+                self.store.return_victim(pair.upper, block)
+        self.mover.submit(pair.direction, priority, moves, evict=True)
+
+    # ------------------------------------------------------------------ internal
+
+    def _pass(self, pair: TierPair) -> None:
+        upper = self.store.tiers[pair.upper]
+        writes = self._remote_writes(pair)
+        no_room_below = self.store.tiers[pair.lower].num_slots == 0 and writes is None
+        if upper.num_slots == 0 or (no_room_below and not pair.discard_when_full):
+            return  # nothing could leave but by a discard, which this pair never makes
+        used = upper.num_used_slots - self._leaving(pair.upper)
+        if used < pair.high_watermark * upper.num_slots:
             return
-        if cpu.num_used_slots < self.settings.cpu_demote_high_watermark * cpu.num_slots:
-            return
-        target = self.settings.cpu_demote_low_watermark * cpu.num_slots
-        used = cpu.num_used_slots
-        room_remote = remote.write_room_blocks() if remote is not None else 0
-        to_nvme: list[tuple[Block, Copy]] = []
-        to_remote: list[tuple[Block, Copy]] = []
-        skipped: list[Block] = []
+        target = pair.low_watermark * upper.num_slots
+        moves: list[tuple[Block, Copy]] = []
+        stayed: list[Block] = []
         while used > target:
-            victim = self.store.pop_victim(Tier.CPU)
+            victim = self.store.pop_victim(pair.upper)
             if victim is None:
                 break
-            write = None
-            if remote is not None and room_remote > 0:
-                write = remote.plan_write(victim)
-                room_remote -= write is not None
-            if write is not None:
-                to_remote.append(write)
-                self.metrics.evictions_by_reason["demote_remote"] += 1
-            if victim.has_ready_copy_below(Tier.CPU):
-                if write is None:  # else the CPU copy goes once the write succeeded
-                    self.store.drop_copy(victim, Tier.CPU)
-                    self.metrics.evictions_by_reason["demote_drop"] += 1
-            elif Tier.NVME in victim.copies or nvme.num_slots == 0:
-                if write is None:
-                    # An older NVMe copy still being written, or no NVMe tier and no
-                    # room for a remote write now: the block stays for a later pass.
-                    skipped.append(victim)
-                    continue
-            else:
-                nvme_copy = make_room(
-                    self.store, self.metrics, Tier.NVME, victim, displace_cache=True
-                )
-                if nvme_copy is None:
-                    skipped.append(victim)
-                    break
-                to_nvme.append(self.mover.reserve(victim, Tier.CPU, nvme_copy))
-                self.metrics.evictions_by_reason["demote"] += 1
-            used -= 1
-        for block in skipped:
-            self.store.return_victim(Tier.CPU, block)
-        # Both with evict: the CPU copy is freed by whichever completes last, successfully.
-        self.mover.submit(Direction.CPU_TO_NVME, Priority.LOW, to_nvme, evict=True)
-        if remote is not None:
-            remote.submit_writes(to_remote, evict=True)
+            outcome = self._place(pair, victim, pair.reason, moves, writes)
+            if outcome is _Outcome.LEFT:
+                used -= 1
+                continue
+            stayed.append(victim)
+            if outcome is _Outcome.STOP:
+                break
+            if pair.stayers_count:
+                used -= 1
+        for block in stayed:
+            self.store.return_victim(pair.upper, block)
+        self.mover.submit(pair.direction, Priority.LOW, moves, evict=True)
+        if writes is not None:
+            # With evict both ways: the copy is freed by whichever lands last, successfully.
+            writes.remote.submit_writes(writes.planned, evict=True)
+
+    def _place(
+        self,
+        pair: TierPair,
+        block: Block,
+        reason: str,
+        moves: list[tuple[Block, Copy]],
+        writes: _Writes | None,
+    ) -> _Outcome:
+        """One victim of `pair.upper`: where it goes (`moves`, `writes`), or that it stays."""
+        written = writes is not None and writes.plan(block)
+        if written:
+            self.metrics.evictions_by_reason[f"{reason}_remote"] += 1
+        if block.has_ready_copy_below(pair.upper):
+            if not written:  # else the copy goes once the write succeeded
+                self.store.drop_copy(block, pair.upper)
+                self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
+            return _Outcome.LEFT
+        no_tier_below = writes is not None and self.store.tiers[pair.lower].num_slots == 0
+        if pair.lower in block.copies or no_tier_below:
+            # A copy below still in flight (a stale one still read, an older one still
+            # written): the block gets no second copy there and stays until it lands.
+            # With no tier below but the store, the write is the way down.
+            return _Outcome.LEFT if written else _Outcome.STAYS
+        copy = make_room(
+            self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
+        )
+        if copy is not None:
+            moves.append(self.mover.reserve(block, pair.upper, copy))
+            self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
+            return _Outcome.LEFT
+        if not pair.discard_when_full:
+            return _Outcome.STOP
+        if block.ref_count == 0:
+            self.store.delete_block(block)  # a cache entry with nowhere to go
+            self.metrics.evictions_by_reason[f"{reason}_discard"] += 1
+            return _Outcome.LEFT
+        return _Outcome.STAYS  # nowhere below has room
+
+    def _leaving(self, tier: Tier) -> int:
+        """Copies of `tier` not counted as used: the GPU's evictions in flight (freed when
+        they land). The pinned pool counts its demotions in flight as used until then."""
+        return self.mover.num_gpu_evictions_pending if tier is Tier.GPU else 0
+
+    def _remote_writes(self, pair: TierPair) -> _Writes | None:
+        """The writes a pass out of `pair.upper` makes, when the store is written on
+        demotion and sits below that tier."""
+        remote = self.remote
+        if remote is None or not remote.demotes or Tier.REMOTE.spec.above is not pair.upper:
+            return None
+        return _Writes(remote, remote.write_room_blocks())
+
+
+class _Writes:
+    """A pass's remote writes, bounded by the store's room for writes in flight."""
+
+    def __init__(self, remote: RemoteTier, room_blocks: int):
+        self.remote = remote
+        self.room_blocks = room_blocks
+        self.planned: list[tuple[Block, Copy]] = []
+
+    def plan(self, block: Block) -> bool:
+        """Plan `block`'s write if there is room and the store lacks it; True if planned."""
+        if self.room_blocks <= 0:
+            return False
+        write = self.remote.plan_write(block)
+        if write is None:
+            return False
+        self.room_blocks -= 1
+        self.planned.append(write)
+        return True

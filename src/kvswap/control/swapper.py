@@ -7,17 +7,18 @@ Called by the scheduler (engine or simulator), once per step, in this order:
     prefetch(seq_ids)         swap-in for sequences about to run (HIGH queue)
     wait_ready(seq_ids)       block until they are on the GPU (swap-wait time)
     ... the model runs ...
-    end_step()                swap out past the high watermark (LOW queue),
-                              demote cold CPU copies to NVMe, write behind to
-                              the remote store
+    end_step()                past a tier's high watermark, move its coldest
+                              copies to the tier below (GPU -> CPU -> NVMe, LOW
+                              queue), write behind to the remote store
 
 The work is split by concept: `SwapIn` (swap_in.py: prefetch and waits),
-`Evictor` (eviction.py: watermarks, synchronous eviction, CPU slots),
-`Demoter` (demotion.py: CPU -> NVMe), `RemoteTier` (remote_tier.py: lookups of
-prefixes that missed locally, the write-behind; only with a `RemoteIndex`),
-all planning through the one `Mover` (mover.py), which reserves sources and
-applies completions. The scheduler asks questions here (is it resident, how
-much room, what is in flight) and never reaches into the store or the mover.
+`Demoter` (demotion.py: each pair of adjacent tiers' watermarks, one rule for
+every victim), `Evictor` (eviction.py: synchronous eviction, CPU slots),
+`RemoteTier` (remote_tier.py: lookups of prefixes that missed locally, the
+write-behind; only with a `RemoteIndex`), all planning through the one `Mover`
+(mover.py), which reserves sources and applies completions. The scheduler asks
+questions here (is it resident, how much room, what is in flight) and never
+reaches into the store or the mover.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ class Swapper:
             swap_in_chunk_blocks=settings.swap_in_chunk_blocks,
             swap_out_chunk_blocks=settings.swap_out_chunk_blocks, on_submit=on_submit,
         )  # fmt: skip
-        self.evictor = Evictor(self.store, self.mover, self.metrics, settings, clock_s)
-        self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)
         self.remote: RemoteTier | None = None
         if remote_index is not None:
             remote_settings = remote if remote is not None else RemoteSettings("unnamed")
@@ -85,6 +84,8 @@ class Swapper:
                 self.store, self.mover, self.metrics, remote_settings, remote_index
             )
         self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remote)
+        self.evictor = Evictor(self.store, self.mover, self.metrics, self.demoter, clock_s)
+        self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)
         # Blocks prefixes found only in the remote store, not yet fetched: block id ->
         # the sequences that hit it (each counts as a hit once its fetch lands).
         self._remote_hits_due: Counter[int] = Counter()
@@ -99,8 +100,7 @@ class Swapper:
         """The step's KV is computed: publish its full blocks, then swap out and demote."""
         self.store.publish_computed()
         self.mover.poll()
-        self.evictor.swap_out_past_watermark()
-        self.demoter.demote_past_watermark()
+        self.demoter.demote_past_watermarks()
         if self.remote is not None:
             self.remote.flush()
         for tier, slots in self.store.tiers.items():

@@ -123,6 +123,16 @@ _DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
 for _direction, (_src, _dst) in _DIRECTION_TIERS.items():
     assert _src.spec.above is _dst or _dst.spec.above is _src, _direction
 _UPWARD = frozenset(d for d, (src, dst) in _DIRECTION_TIERS.items() if src.spec.above is dst)
+_DIRECTION_OF = {tiers: direction for direction, tiers in _DIRECTION_TIERS.items()}
+
+
+def direction_between(src: Tier, dst: Tier) -> Direction:
+    """The direction a chunk from `src` to `dst` moves (adjacent tiers only)."""
+    direction = _DIRECTION_OF.get((src, dst))
+    if direction is None:
+        raise ValueError(f"no direction from {src.value} to {dst.value}: tiers not adjacent")
+    return direction
+
 
 #: Directions whose one side is a store addressed by key: that side is addressed by
 #: the chunk's `keys` (its slots are the positions 0..n-1 of `keys`).

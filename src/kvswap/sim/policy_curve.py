@@ -9,7 +9,7 @@ small on purpose, so that most reuse has to come back through the host tier.
 
 A host tier replaces: vLLM's evicts its policy's victims for every new store.
 kvswap's pinned pool with nothing below it mostly does not: it never discards
-one unreferenced cache entry to take in another (`eviction.make_room`); it
+one unreferenced cache entry to take in another (`room.make_room`); it
 takes a new one only by dropping a copy that also lives on the GPU, and only
 when that copy is the policy's first offer. LRU and ARC sometimes offer one;
 kvswap's policy offers its discardable cache entries first, so with it the

@@ -1,0 +1,60 @@
+"""Room on a tier below the GPU: what leaves the pinned pool or NVMe for a newer copy.
+
+A lower tier full of KV is its normal state, so placing a copy there usually
+means letting another go first. `make_room` is the one rule for it, used by
+every pair of tiers that moves copies down (`demotion.TierPair`) and by swap-in's
+first hop (NVMe or remote -> CPU).
+"""
+
+from __future__ import annotations
+
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.store import BlockStore
+from kvswap.control.transfer import Tier
+
+
+def make_room(
+    store: BlockStore, metrics: KVMetrics, tier: Tier, block: Block, *, displace_cache: bool
+) -> Copy | None:
+    """A copy of `block` placed on `tier` (CPU or NVMe) being written, or None.
+
+    When `tier` has no free slot, its policy's cheapest droppable copies leave
+    (`pop_victim(tier, droppable_only=True)`) until one is free. A copy with a ready
+    copy further down, or of a block referenced elsewhere (a ready copy above), is
+    dropped (`{tier}_drop`); an unreferenced block with nothing further down is
+    discarded, every copy of it (`{tier}_discard`). The only copy of a referenced
+    block never leaves, and nothing busy does. With `displace_cache` False an
+    unreferenced `block` never displaces another unreferenced one (one cache entry
+    for another is no gain); True (NVMe: the newer block leaves the tier above
+    either way) it does, least recently used first, but never a block of its own
+    prefix.
+    """
+    copy = store.place(block, tier, ready=False)
+    while copy is None:
+        victim = store.pop_victim(tier, droppable_only=True)
+        if victim is None:
+            return None
+        if not victim.has_ready_copy_below(tier) and victim.ref_count == 0:
+            if block.ref_count == 0 and (not displace_cache or _is_prefix_of(victim, block)):
+                # Stays: one cache entry for another is no gain; nor is a prefix's head
+                # for its own tail (the tail is found only through the head).
+                store.return_victim(tier, victim)
+                return None
+            store.delete_block(victim)
+            metrics.evictions_by_reason[f"{tier.value}_discard"] += 1
+        else:
+            store.drop_copy(victim, tier)
+            metrics.evictions_by_reason[f"{tier.value}_drop"] += 1
+        copy = store.place(block, tier, ready=False)
+    return copy
+
+
+def _is_prefix_of(victim: Block, block: Block) -> bool:
+    """Whether `victim` is one of the blocks `block`'s chain extends."""
+    parent = block.parent
+    while parent is not None:
+        if parent is victim:
+            return True
+        parent = parent.parent
+    return False
