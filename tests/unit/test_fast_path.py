@@ -30,6 +30,7 @@ from kvswap.model.openmp_env import (
     ONEDNN_CACHE_VARIABLES,
     USER_SETTINGS,
     cap_onednn_caches,
+    model_threads,
     prefer_passive_openmp_wait,
 )
 from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
@@ -309,6 +310,16 @@ def test_the_command_line_caps_onednn_caches_before_torch_loads() -> None:
     assert done.stdout.split()[-3:] == ["0", *[str(ONEDNN_CACHE_ENTRIES)] * 2]
     environ = {"LRU_CACHE_CAPACITY": "7"}  # a user's own choice is kept
     assert cap_onednn_caches(environ) is False and environ == {"LRU_CACHE_CAPACITY": "7"}
+
+
+def test_the_model_takes_every_core_unless_told_otherwise() -> None:
+    cores = os.cpu_count() or 1
+    assert model_threads(None, {}) == cores
+    assert model_threads(3, {"OMP_NUM_THREADS": "1"}) == 3  # the caller's choice wins
+    # A user's OMP_NUM_THREADS, which torch read when it loaded, is kept (None: leave
+    # torch's count); an empty one is no choice.
+    assert model_threads(None, {"OMP_NUM_THREADS": "1"}) is None
+    assert model_threads(None, {"OMP_NUM_THREADS": " "}) == cores
 
 
 def test_a_sliced_linear_equals_one_matmul_to_rounding() -> None:

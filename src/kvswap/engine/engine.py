@@ -16,7 +16,6 @@ part-way through `__init__`, on the same path.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -42,6 +41,7 @@ from kvswap.engine.settings import EngineSettings
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.loader import load_model
+from kvswap.model.openmp_env import model_threads
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sampling import SamplingParams
@@ -87,7 +87,9 @@ class Engine(Backend):
         settings, capacities = self.settings, self.capacities
         options = settings.options
         if self.device.type == "cpu":
-            torch.set_num_threads(options.cpu_threads or os.cpu_count() or 1)
+            threads = model_threads(options.cpu_threads)
+            if threads is not None:
+                torch.set_num_threads(threads)
         model, arch = load_model(
             options.model, options.dtype, self.device, batch_invariant=settings.batch_invariant
         )

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 class EngineOptions:
     """What a command says beyond the configuration: the model (a preset's name or a
     checkpoint directory, `kvswap.model.choice`), its dtype (None: the checkpoint's),
-    and the threads for the model on a CPU device (None: every core; the copy
+    and the threads for the model on a CPU device (None: OMP_NUM_THREADS when the
+    user set it, else every core, `kvswap.model.openmp_env.model_threads`; the copy
     workers sleep while idle, and the command line makes idle OpenMP threads sleep
     too, `kvswap.model.openmp_env`, so a copy finds a free core). `secondary_tier`: the
     key-addressed tier, a factory called once the pinned pool exists

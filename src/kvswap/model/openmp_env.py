@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 WAIT_POLICY = "PASSIVE"
 #: Variables through which a user already chose how OpenMP threads wait.
@@ -64,3 +64,15 @@ def cap_onednn_caches(environ: MutableMapping[str, str] | None = None) -> bool:
     for name in ONEDNN_CACHE_VARIABLES:
         env[name] = str(ONEDNN_CACHE_ENTRIES)
     return True
+
+
+def model_threads(cpu_threads: int | None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The thread count to give torch for the model on a CPU device: `cpu_threads` when
+    the caller chose one; else None (keep torch's) when the user set OMP_NUM_THREADS,
+    which torch read when it loaded; else every core."""
+    if cpu_threads is not None:
+        return cpu_threads
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    return os.cpu_count() or 1
