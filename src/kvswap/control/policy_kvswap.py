@@ -60,18 +60,19 @@ class RankedLru:
     def place(self, key: BlockKey, rank: int | None, *, refresh: bool) -> None:
         """Put `key` at `rank` (None: not a candidate). An unchanged rank keeps its
         LRU position unless `refresh`, which makes it the most recently used."""
-        old = self.rank_of.get(key)
+        rank_of, lists = self.rank_of, self.lists  # locals: called for every re-rank
+        old = rank_of.get(key)
         if old == rank:
             if refresh and rank is not None:
-                self.lists[rank].move_to_end(key)
+                lists[rank].move_to_end(key)
             return
         if old is not None:
-            del self.lists[old][key]
+            del lists[old][key]
         if rank is None:
-            del self.rank_of[key]
+            del rank_of[key]
         else:
-            self.lists[rank][key] = None
-            self.rank_of[key] = rank
+            lists[rank][key] = None
+            rank_of[key] = rank
 
     def remove(self, key: BlockKey) -> None:
         old = self.rank_of.pop(key, None)
@@ -117,11 +118,12 @@ class RankedLruPolicy(EvictionPolicy):
         self._lru.place(key, self.rank(key, facts), refresh=self.refresh_on_update)
 
     def update(self, key: BlockKey, facts: BlockFacts) -> None:
-        if self._facts.get(key) == facts:  # the rank holds: only the recency may change
+        held = self._facts
+        if held.get(key) == facts:  # the rank holds: only the recency may change
             if self.refresh_on_update:
                 self._lru.move_to_end(key)
             return
-        self._facts[key] = facts
+        held[key] = facts
         self._lru.place(key, self.rank(key, facts), refresh=self.refresh_on_update)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
@@ -246,6 +248,18 @@ class KvSwapLowerTierPolicy(RankedLruPolicy):
     not reorder the copies below."""
 
     refresh_on_update = True
+
+    def update(self, key: BlockKey, facts: BlockFacts) -> None:
+        # `RankedLruPolicy.update` with its calls written out: this runs for every
+        # change of every CPU and NVMe copy (same facts: only the recency changes).
+        held, lru = self._facts, self._lru
+        if held.get(key) == facts:
+            rank = lru.rank_of.get(key)
+            if rank is not None:
+                lru.lists[rank].move_to_end(key)
+            return
+        held[key] = facts
+        lru.place(key, self.rank(key, facts), refresh=True)
 
     def rank(self, key: BlockKey, facts: BlockFacts) -> int | None:
         if facts.busy or facts.lost:

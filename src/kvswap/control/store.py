@@ -40,9 +40,17 @@ from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import SLOT_TIERS, TIERS_BELOW, Addressing, Tier
+from kvswap.control.transfer import SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
+
+# Read per copy placed or transfer finished: module constants, since a member read off
+# its Enum class or a property (`tier.spec`) costs several dict lookups in Python 3.11.
+_GPU = Tier.GPU
+_KEYED_TIERS = frozenset(t for t, spec in TIER_SPECS.items() if spec.addressing is Addressing.KEYS)
+_CHECKED_READS = frozenset(t for t, spec in TIER_SPECS.items() if spec.checked_reads)
+# TransferOutcome is a NamedTuple: built without its Python-level __new__ (one per block moved).
+_new_outcome = tuple.__new__
 
 
 class BlockStore:
@@ -314,7 +322,7 @@ class BlockStore:
         addressed by key takes no slot: the store has room for it as far as the control
         plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
-        if tier.spec.addressing is Addressing.KEYS:
+        if tier in _KEYED_TIERS:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
@@ -411,7 +419,7 @@ class BlockStore:
         if ok:
             dst.ready = True
         else:
-            if src_tier.spec.checked_reads and not intact:
+            if src_tier in _CHECKED_READS and not intact:
                 src.stale = True
             # May forget the block (nobody references it, only a remote copy is left).
             self.drop_copy(block, dst_tier)
@@ -426,12 +434,12 @@ class BlockStore:
             ok
             and evict
             and src.num_readers == 0
-            and not (src_tier is Tier.GPU and block.num_running_refs > 0)
+            and not (src_tier is _GPU and block.num_running_refs > 0)
         ):
             self.drop_copy(block, src_tier)
         else:
             self._policies.changed(block)
-        return TransferOutcome(ok, ok and block.block_id in self.blocks, lost_now)
+        return _new_outcome(TransferOutcome, (ok, ok and block.block_id in self.blocks, lost_now))
 
     # ------------------------------------------------------------------ internal
 
