@@ -141,11 +141,15 @@ class RankedLruPolicy(EvictionPolicy):
         *,
         droppable_only: bool = False,
     ) -> list[BlockKey] | None:
-        if n == 1 and not protected and not droppable_only:  # the swapper's every call
-            for ranked in self._lru.lists:
-                if ranked:
-                    key, _ = ranked.popitem(last=False)
-                    del self._lru.rank_of[key], self._facts[key]
+        if n == 1 and not protected:  # the store's every call (`pop_victim`)
+            lists = self._lru.lists
+            if droppable_only:
+                lists = lists[: self.max_droppable_rank() + 1]
+            for ranked in lists:
+                for key in ranked:  # the least recently used first; returns on a pick
+                    if droppable_only and not self._facts[key].droppable:
+                        continue
+                    del ranked[key], self._lru.rank_of[key], self._facts[key]
                     return [key]
             return None
         max_rank = self.max_droppable_rank() if droppable_only else self.num_ranks - 1

@@ -47,6 +47,7 @@ from kvswap.units import ceil_div
 # Read per copy placed or transfer finished: module constants, since a member read off
 # its Enum class or a property (`tier.spec`) costs several dict lookups in Python 3.11.
 _GPU = Tier.GPU
+_BELOW_GPU = TIERS_BELOW[Tier.GPU]
 _KEYED_TIERS = frozenset(t for t, spec in TIER_SPECS.items() if spec.addressing is Addressing.KEYS)
 _CHECKED_READS = frozenset(t for t, spec in TIER_SPECS.items() if spec.checked_reads)
 # TransferOutcome is a NamedTuple: built without its Python-level __new__ (one per block moved).
@@ -196,12 +197,13 @@ class BlockStore:
         if state.running == running:
             return
         state.running = running
-        delta = 1 if running else -1
+        delta, flipped = (1, 1) if running else (-1, 0)
+        blocks, changed_gpu = self.blocks, self._policies.changed_gpu  # locals: every block
         for block_id in state.block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.num_running_refs += delta
-            if block.num_running_refs == (1 if running else 0):  # `running` flipped
-                self._policies.changed_gpu(block)
+            if block.num_running_refs == flipped:  # `running` flipped
+                changed_gpu(block)
 
     def close_sequence(self, seq_id: int) -> list[Block]:
         """End a sequence. Returns the full blocks nobody references any more
@@ -209,13 +211,14 @@ class BlockStore:
         self.set_running(seq_id, False)
         state = self.sequences.pop(seq_id)
         released: list[Block] = []
+        blocks, block_ids = self.blocks, state.block_ids  # locals: read for every block
+        num_protected = self.layout.protected_blocks
         # Tail first, so the head ends up most recently used: eviction then takes a
         # prefix chain from its end, and what stays cached is still a usable prefix.
-        for position in range(len(state.block_ids) - 1, -1, -1):
-            block_id = state.block_ids[position]
-            block = self.blocks[block_id]
+        for position in range(len(block_ids) - 1, -1, -1):
+            block = blocks[block_ids[position]]
             block.ref_count -= 1
-            protected_position = position < self.layout.protected_blocks
+            protected_position = position < num_protected
             if protected_position:
                 block.num_protected_refs -= 1
             if block.ref_count > 0:
@@ -356,8 +359,9 @@ class BlockStore:
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
-        for tier in TIERS_BELOW[Tier.GPU]:
-            copy = block.copies.get(tier)
+        copies = block.copies
+        for tier in _BELOW_GPU:
+            copy = copies.get(tier)
             if copy is None:
                 continue
             if copy.is_busy:
