@@ -276,7 +276,7 @@ class BlockStore:
         """GPU slots of the sequence's blocks, in order; all must be ready."""
         table = []
         for block in self.sequence_blocks(seq_id):
-            copy = block.ready_copy(Tier.GPU)
+            copy = block.ready_copy(_GPU)
             if copy is None or copy.slot is None:
                 raise AssertionError(f"block {block.block_id} of sequence {seq_id} is not on GPU")
             table.append(copy.slot)
