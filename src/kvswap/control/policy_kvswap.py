@@ -132,7 +132,10 @@ class RankedLruPolicy(EvictionPolicy):
 
     def remove(self, key: BlockKey) -> None:
         self._facts.pop(key, None)
-        self._lru.remove(key)
+        lru = self._lru  # `RankedLru.remove` written out: called for every copy dropped
+        old = lru.rank_of.pop(key, None)
+        if old is not None:
+            del lru.lists[old][key]
 
     def evict(
         self,

@@ -122,21 +122,22 @@ class BlockStore:
         state = self.sequences[seq_id]
         created: list[Block] = []
         position = 0
+        size = self.block_tokens  # a local: read several times per block of a prompt
         while position < len(token_ids):
             block: Block
-            if state.num_tokens % self.block_tokens == 0:
+            if state.num_tokens % size == 0:
                 block = self._new_block(state)
                 self._attach(state, block)
                 created.append(block)
             else:
                 block = self.blocks[state.block_ids[-1]]
                 self.invalidate_lower_copies(block)
-            room = self.block_tokens - len(block.token_ids)
-            taken = list(token_ids[position : position + room])
+            room = size - len(block.token_ids)
+            taken = token_ids[position : position + room]
             block.token_ids.extend(taken)
             position += len(taken)
             state.num_tokens += len(taken)
-            if block.is_full(self.block_tokens):
+            if len(block.token_ids) == size:  # full (`Block.is_full`)
                 # Through the module so that tests can force collisions.
                 block.key = identity.chain_key(block.parent_key, block.token_ids)
                 self._unpublished.append(block)
@@ -471,15 +472,14 @@ class BlockStore:
         position = len(state.block_ids)
         state.block_ids.append(block.block_id)
         block.ref_count += 1
-        if position < self.layout.protected_blocks:
+        protected = position < self.layout.protected_blocks
+        if protected:
             block.num_protected_refs += 1
         if state.running:
             block.num_running_refs += 1
         # The GPU copy's facts change only when a count leaves zero; the CPU policy
         # hears every reference taken (kvswap's counts it as a use).
-        first = block.ref_count == 1 or (
-            block.num_protected_refs == 1 and position < self.layout.protected_blocks
-        )
+        first = block.ref_count == 1 or (protected and block.num_protected_refs == 1)
         running_now = state.running and block.num_running_refs == 1
         self._policies.changed(block, gpu=first or running_now)
 
