@@ -181,7 +181,7 @@ class TierPolicies:
             self._cpu.insert(block.block_id, cpu_facts(block, copy))
         elif tier is _NVME:
             self._nvme.insert(block.block_id, nvme_facts(block, copy))
-        if copy.ready:
+        if copy.ready and len(block.copies) > 1:  # a new block's only copy: nobody else to tell
             self._rerank(block, tier)
 
     def dropped(self, block: Block, tier: Tier) -> None:
@@ -223,7 +223,10 @@ class TierPolicies:
             copy.is_busy
             or block.lost
             or (tier is _GPU and block.num_running_refs > 0)
-            or (droppable_only and not facts_of(block, tier, copy).droppable)
+            # An unreferenced block is droppable whatever its other facts: no facts built.
+            or (
+                droppable_only and block.ref_count > 0 and not facts_of(block, tier, copy).droppable
+            )
         ):
             facts = facts_of(block, tier, copy)
             raise RuntimeError(
