@@ -45,6 +45,11 @@ from kvswap.control.transfer import (
 #: simulator counts swap-ins per block through it).
 SubmitHook = Callable[[TransferChunk, Sequence[Block]], None]
 
+# Enum members as module constants: in Python 3.11 a member read off its class
+# (`Tier.GPU`) takes the metaclass's slow attribute path, ~0.4 us, per chunk here.
+_GPU, _HIGH = Tier.GPU, Priority.HIGH
+_CPU_TO_REMOTE, _REMOTE_TO_CPU = Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU
+
 
 @dataclass
 class _InFlight:
@@ -98,7 +103,7 @@ class Mover:
     def chunk_blocks(self, direction: Direction, priority: Priority) -> int:
         """Swap-in and prefetch (up the hierarchy, HIGH) move in swap-in chunks;
         everything else in swap-out chunks."""
-        if priority is Priority.HIGH and direction.upward:
+        if priority is _HIGH and direction.upward:
             return self.swap_in_chunk_blocks
         return self.swap_out_chunk_blocks
 
@@ -115,21 +120,25 @@ class Mover:
         ids. Sources are already reserved (`reserve`) when they were planned."""
         chunk_blocks = self.chunk_blocks(direction, priority)
         remote = direction in REMOTE_DIRECTIONS
+        src_tier, dst_tier = direction.src_tier, direction.dst_tier  # properties: read once
+        writing = self.writing
         ids: list[int] = []
         for start in range(0, len(pairs), chunk_blocks):
             part = pairs[start : start + chunk_blocks]
-            blocks = [block for block, _ in part]
-            assert all(b.copies[direction.src_tier].num_readers > 0 for b in blocks), (
-                "the swapper reserves a source when it plans it"
-            )
-            # A side addressed by key has no slots: its slots are the positions.
-            src_slots = [
-                _slot(block.copies[direction.src_tier], position)
-                for position, block in enumerate(blocks)
-            ]
-            dst_slots = [_slot(dst, position) for position, (_, dst) in enumerate(part)]
-            keys = tuple(_key(block) for block in blocks) if remote else ()
             transfer_id = next(self._ids)
+            blocks: list[Block] = []
+            src_slots: list[int] = []
+            dst_slots: list[int] = []
+            # One pass per chunk (no comprehension per list): a side addressed by key
+            # has no slots, its slots are the positions.
+            for position, (block, dst) in enumerate(part):
+                src = block.copies[src_tier]
+                assert src.num_readers > 0, "the swapper reserves a source when it plans it"
+                blocks.append(block)
+                src_slots.append(position if src.slot is None else src.slot)
+                dst_slots.append(position if dst.slot is None else dst.slot)
+                writing[(block.block_id, dst_tier)] = transfer_id
+            keys = tuple(_key(block) for block in blocks) if remote else ()
             chunk = TransferChunk(
                 transfer_id=transfer_id,
                 direction=direction,
@@ -140,9 +149,7 @@ class Mover:
                 keys=keys,
             )
             self.inflight[transfer_id] = _InFlight(chunk, blocks, evict)
-            for block in blocks:
-                self.writing[(block.block_id, direction.dst_tier)] = transfer_id
-            if evict and direction.src_tier is Tier.GPU:
+            if evict and src_tier is _GPU:
                 self.num_gpu_evictions_pending += len(blocks)
             self.num_inflight_by_direction[direction] += 1
             if self._on_submit is not None:
@@ -170,47 +177,41 @@ class Mover:
         self.num_inflight_by_direction[direction] -= 1
         failed = set(result.failed_dst_slots)
         num_bytes = result.num_bytes
-        if direction is Direction.CPU_TO_REMOTE:
+        if direction is _CPU_TO_REMOTE:
             # Only the blocks the store took count as bytes to it: a write skipped
             # (never sent) or refused moved nothing there. (A local read that failed
             # its CRC did read its bytes; those directions count the chunk.)
             num_stored = 0 if not result.success else sum(s not in failed for s in chunk.dst_slots)
             num_bytes = num_stored * self.block_bytes
         self.metrics.record_transfer(direction, num_bytes, result.duration_s)
-        if not result.success and direction is not Direction.CPU_TO_REMOTE:
+        if not result.success and direction is not _CPU_TO_REMOTE:
             # A write the store failed or skipped loses nothing: it is counted as such.
             self.metrics.failed_transfers += 1
         num_ok = num_bad = 0
+        # Read once per chunk, not per block: properties and attributes of the chunk.
+        src_tier, dst_tier = direction.src_tier, direction.dst_tier
+        evict, success, transfer_id = record.evict, result.success, chunk.transfer_id
+        gpu_eviction = evict and src_tier is _GPU
+        writing, finish, metrics = self.writing, self.store.finish_transfer, self.metrics
         for block, dst_slot in zip(record.blocks, chunk.dst_slots, strict=True):
-            key = (block.block_id, direction.dst_tier)
-            if self.writing.get(key) == chunk.transfer_id:
-                del self.writing[key]
-            if record.evict and direction.src_tier is Tier.GPU:
+            key = (block.block_id, dst_tier)
+            if writing.get(key) == transfer_id:
+                del writing[key]
+            if gpu_eviction:
                 self.num_gpu_evictions_pending -= 1
-            bad = not result.success or dst_slot in failed
+            bad = not success or dst_slot in failed
             num_bad += bad
-            num_ok += self._finish_block(block, direction, record.evict, bad)
-        if direction is Direction.CPU_TO_REMOTE:
+            # Each block's completion in full (and its arrival) before the next one's.
+            outcome = finish(block, src_tier, dst_tier, intact=not bad, evict=evict)
+            metrics.lost_blocks += outcome.lost_now
+            if outcome.arrived:
+                self._on_arrival(block, dst_tier)
+            num_ok += outcome.ready
+        if direction is _CPU_TO_REMOTE:
             self.metrics.remote_writes += num_ok
             self.metrics.remote_write_failures += num_bad
-        elif direction is Direction.REMOTE_TO_CPU:
+        elif direction is _REMOTE_TO_CPU:
             self.metrics.remote_fetch_failures += num_bad
-
-    def _finish_block(self, block: Block, direction: Direction, evict: bool, bad: bool) -> bool:
-        """Apply one block's completion (`bad`: its bytes did not arrive intact);
-        True when its destination copy is ready."""
-        outcome = self.store.finish_transfer(
-            block, direction.src_tier, direction.dst_tier, intact=not bad, evict=evict
-        )
-        self.metrics.lost_blocks += outcome.lost_now
-        if outcome.arrived:
-            self._on_arrival(block, direction.dst_tier)
-        return outcome.ready
-
-
-def _slot(copy: Copy, position: int) -> int:
-    """The slot a chunk names for `copy`: its own, or its position on a keyed side."""
-    return position if copy.slot is None else copy.slot
 
 
 def _key(block: Block) -> bytes:

@@ -60,18 +60,19 @@ class RankedLru:
     def place(self, key: BlockKey, rank: int | None, *, refresh: bool) -> None:
         """Put `key` at `rank` (None: not a candidate). An unchanged rank keeps its
         LRU position unless `refresh`, which makes it the most recently used."""
-        old = self.rank_of.get(key)
+        rank_of, lists = self.rank_of, self.lists  # locals: called for every re-rank
+        old = rank_of.get(key)
         if old == rank:
             if refresh and rank is not None:
-                self.lists[rank].move_to_end(key)
+                lists[rank].move_to_end(key)
             return
         if old is not None:
-            del self.lists[old][key]
+            del lists[old][key]
         if rank is None:
-            del self.rank_of[key]
+            del rank_of[key]
         else:
-            self.lists[rank][key] = None
-            self.rank_of[key] = rank
+            lists[rank][key] = None
+            rank_of[key] = rank
 
     def remove(self, key: BlockKey) -> None:
         old = self.rank_of.pop(key, None)
@@ -117,11 +118,12 @@ class RankedLruPolicy(EvictionPolicy):
         self._lru.place(key, self.rank(key, facts), refresh=self.refresh_on_update)
 
     def update(self, key: BlockKey, facts: BlockFacts) -> None:
-        if self._facts.get(key) == facts:  # the rank holds: only the recency may change
+        held = self._facts
+        if held.get(key) == facts:  # the rank holds: only the recency may change
             if self.refresh_on_update:
                 self._lru.move_to_end(key)
             return
-        self._facts[key] = facts
+        held[key] = facts
         self._lru.place(key, self.rank(key, facts), refresh=self.refresh_on_update)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
@@ -130,7 +132,10 @@ class RankedLruPolicy(EvictionPolicy):
 
     def remove(self, key: BlockKey) -> None:
         self._facts.pop(key, None)
-        self._lru.remove(key)
+        lru = self._lru  # `RankedLru.remove` written out: called for every copy dropped
+        old = lru.rank_of.pop(key, None)
+        if old is not None:
+            del lru.lists[old][key]
 
     def evict(
         self,
@@ -139,11 +144,15 @@ class RankedLruPolicy(EvictionPolicy):
         *,
         droppable_only: bool = False,
     ) -> list[BlockKey] | None:
-        if n == 1 and not protected and not droppable_only:  # the swapper's every call
-            for ranked in self._lru.lists:
-                if ranked:
-                    key, _ = ranked.popitem(last=False)
-                    del self._lru.rank_of[key], self._facts[key]
+        if n == 1 and not protected:  # the store's every call (`pop_victim`)
+            lists = self._lru.lists
+            if droppable_only:
+                lists = lists[: self.max_droppable_rank() + 1]
+            for ranked in lists:
+                for key in ranked:  # the least recently used first; returns on a pick
+                    if droppable_only and not self._facts[key].droppable:
+                        continue
+                    del ranked[key], self._lru.rank_of[key], self._facts[key]
                     return [key]
             return None
         max_rank = self.max_droppable_rank() if droppable_only else self.num_ranks - 1
@@ -246,6 +255,18 @@ class KvSwapLowerTierPolicy(RankedLruPolicy):
     not reorder the copies below."""
 
     refresh_on_update = True
+
+    def update(self, key: BlockKey, facts: BlockFacts) -> None:
+        # `RankedLruPolicy.update` with its calls written out: this runs for every
+        # change of every CPU and NVMe copy (same facts: only the recency changes).
+        held, lru = self._facts, self._lru
+        if held.get(key) == facts:
+            rank = lru.rank_of.get(key)
+            if rank is not None:
+                lru.lists[rank].move_to_end(key)
+            return
+        held[key] = facts
+        lru.place(key, self.rank(key, facts), refresh=True)
 
     def rank(self, key: BlockKey, facts: BlockFacts) -> int | None:
         if facts.busy or facts.lost:

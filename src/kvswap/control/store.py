@@ -40,9 +40,18 @@ from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import SLOT_TIERS, TIERS_BELOW, Addressing, Tier
+from kvswap.control.transfer import SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
+
+# Read per copy placed or transfer finished: module constants, since a member read off
+# its Enum class or a property (`tier.spec`) costs several dict lookups in Python 3.11.
+_GPU = Tier.GPU
+_BELOW_GPU = TIERS_BELOW[Tier.GPU]
+_KEYED_TIERS = frozenset(t for t, spec in TIER_SPECS.items() if spec.addressing is Addressing.KEYS)
+_CHECKED_READS = frozenset(t for t, spec in TIER_SPECS.items() if spec.checked_reads)
+# TransferOutcome is a NamedTuple: built without its Python-level __new__ (one per block moved).
+_new_outcome = tuple.__new__
 
 
 class BlockStore:
@@ -113,21 +122,22 @@ class BlockStore:
         state = self.sequences[seq_id]
         created: list[Block] = []
         position = 0
+        size = self.block_tokens  # a local: read several times per block of a prompt
         while position < len(token_ids):
             block: Block
-            if state.num_tokens % self.block_tokens == 0:
+            if state.num_tokens % size == 0:
                 block = self._new_block(state)
                 self._attach(state, block)
                 created.append(block)
             else:
                 block = self.blocks[state.block_ids[-1]]
                 self.invalidate_lower_copies(block)
-            room = self.block_tokens - len(block.token_ids)
-            taken = list(token_ids[position : position + room])
+            room = size - len(block.token_ids)
+            taken = token_ids[position : position + room]
             block.token_ids.extend(taken)
             position += len(taken)
             state.num_tokens += len(taken)
-            if block.is_full(self.block_tokens):
+            if len(block.token_ids) == size:  # full (`Block.is_full`)
                 # Through the module so that tests can force collisions.
                 block.key = identity.chain_key(block.parent_key, block.token_ids)
                 self._unpublished.append(block)
@@ -188,12 +198,13 @@ class BlockStore:
         if state.running == running:
             return
         state.running = running
-        delta = 1 if running else -1
+        delta, flipped = (1, 1) if running else (-1, 0)
+        blocks, changed_gpu = self.blocks, self._policies.changed_gpu  # locals: every block
         for block_id in state.block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             block.num_running_refs += delta
-            if block.num_running_refs == (1 if running else 0):  # `running` flipped
-                self._policies.changed_gpu(block)
+            if block.num_running_refs == flipped:  # `running` flipped
+                changed_gpu(block)
 
     def close_sequence(self, seq_id: int) -> list[Block]:
         """End a sequence. Returns the full blocks nobody references any more
@@ -201,13 +212,14 @@ class BlockStore:
         self.set_running(seq_id, False)
         state = self.sequences.pop(seq_id)
         released: list[Block] = []
+        blocks, block_ids = self.blocks, state.block_ids  # locals: read for every block
+        num_protected = self.layout.protected_blocks
         # Tail first, so the head ends up most recently used: eviction then takes a
         # prefix chain from its end, and what stays cached is still a usable prefix.
-        for position in range(len(state.block_ids) - 1, -1, -1):
-            block_id = state.block_ids[position]
-            block = self.blocks[block_id]
+        for position in range(len(block_ids) - 1, -1, -1):
+            block = blocks[block_ids[position]]
             block.ref_count -= 1
-            protected_position = position < self.layout.protected_blocks
+            protected_position = position < num_protected
             if protected_position:
                 block.num_protected_refs -= 1
             if block.ref_count > 0:
@@ -265,7 +277,7 @@ class BlockStore:
         """GPU slots of the sequence's blocks, in order; all must be ready."""
         table = []
         for block in self.sequence_blocks(seq_id):
-            copy = block.ready_copy(Tier.GPU)
+            copy = block.ready_copy(_GPU)
             if copy is None or copy.slot is None:
                 raise AssertionError(f"block {block.block_id} of sequence {seq_id} is not on GPU")
             table.append(copy.slot)
@@ -314,7 +326,7 @@ class BlockStore:
         addressed by key takes no slot: the store has room for it as far as the control
         plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
-        if tier.spec.addressing is Addressing.KEYS:
+        if tier in _KEYED_TIERS:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
@@ -348,8 +360,9 @@ class BlockStore:
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
-        for tier in TIERS_BELOW[Tier.GPU]:
-            copy = block.copies.get(tier)
+        copies = block.copies
+        for tier in _BELOW_GPU:
+            copy = copies.get(tier)
             if copy is None:
                 continue
             if copy.is_busy:
@@ -411,7 +424,7 @@ class BlockStore:
         if ok:
             dst.ready = True
         else:
-            if src_tier.spec.checked_reads and not intact:
+            if src_tier in _CHECKED_READS and not intact:
                 src.stale = True
             # May forget the block (nobody references it, only a remote copy is left).
             self.drop_copy(block, dst_tier)
@@ -426,12 +439,12 @@ class BlockStore:
             ok
             and evict
             and src.num_readers == 0
-            and not (src_tier is Tier.GPU and block.num_running_refs > 0)
+            and not (src_tier is _GPU and block.num_running_refs > 0)
         ):
             self.drop_copy(block, src_tier)
         else:
             self._policies.changed(block)
-        return TransferOutcome(ok, ok and block.block_id in self.blocks, lost_now)
+        return _new_outcome(TransferOutcome, (ok, ok and block.block_id in self.blocks, lost_now))
 
     # ------------------------------------------------------------------ internal
 
@@ -459,15 +472,14 @@ class BlockStore:
         position = len(state.block_ids)
         state.block_ids.append(block.block_id)
         block.ref_count += 1
-        if position < self.layout.protected_blocks:
+        protected = position < self.layout.protected_blocks
+        if protected:
             block.num_protected_refs += 1
         if state.running:
             block.num_running_refs += 1
         # The GPU copy's facts change only when a count leaves zero; the CPU policy
         # hears every reference taken (kvswap's counts it as a use).
-        first = block.ref_count == 1 or (
-            block.num_protected_refs == 1 and position < self.layout.protected_blocks
-        )
+        first = block.ref_count == 1 or (protected and block.num_protected_refs == 1)
         running_now = state.running and block.num_running_refs == 1
         self._policies.changed(block, gpu=first or running_now)
 

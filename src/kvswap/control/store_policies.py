@@ -123,15 +123,46 @@ class TierPolicies:
 
     def changed(self, block: Block, *, gpu: bool = True) -> None:
         """Something about `block` changed; `gpu=False`: nothing its GPU copy's facts hold."""
+        if block.copies and block.block_id in self._blocks:
+            self._rerank(block, None if gpu else _GPU)
+
+    def _rerank(self, block: Block, skip: Tier | None) -> None:
+        """Every tier's policy but `skip`'s hears the facts of `block`'s copy there.
+
+        The three builders written out in one body: a re-rank is the store's most
+        frequent call, and the readiness of each copy is read once for all tiers."""
         copies = block.copies
-        if not copies or block.block_id not in self._blocks:
-            return
-        if gpu and (copy := copies.get(_GPU)) is not None:
-            self._gpu.update(block.block_id, gpu_facts(block, copy))
-        if (copy := copies.get(_CPU)) is not None:
-            self._cpu.update(block.block_id, cpu_facts(block, copy))
-        if (copy := copies.get(_NVME)) is not None:
-            self._nvme.update(block.block_id, nvme_facts(block, copy))
+        gpu = copies.get(_GPU)
+        cpu = copies.get(_CPU)
+        nvme = copies.get(_NVME)
+        if len(copies) == 1:  # most blocks: no other copy, so nothing clean or above
+            on_gpu = on_cpu = on_nvme = on_remote = False
+        else:
+            remote = copies.get(_REMOTE)
+            on_gpu = gpu is not None and gpu.ready and not gpu.stale
+            on_cpu = cpu is not None and cpu.ready and not cpu.stale
+            on_nvme = nvme is not None and nvme.ready and not nvme.stale
+            on_remote = remote is not None and remote.ready and not remote.stale
+        referenced = block.ref_count > 0
+        lost = block.lost
+        key = block.key
+        block_id = block.block_id
+        if gpu is not None and skip is not _GPU:
+            self._gpu.update(block_id, _new_facts(BlockFacts, (
+                referenced, block.num_running_refs > 0, block.num_protected_refs > 0,
+                not gpu.ready or gpu.num_readers > 0, on_cpu or on_nvme or on_remote,
+                False, lost, False, key,
+            )))  # fmt: skip
+        if cpu is not None and skip is not _CPU:
+            self._cpu.update(block_id, _new_facts(BlockFacts, (
+                referenced, False, False, not cpu.ready or cpu.num_readers > 0,
+                on_nvme or on_remote, on_gpu, lost, False, key,
+            )))  # fmt: skip
+        if nvme is not None and skip is not _NVME:
+            self._nvme.update(block_id, _new_facts(BlockFacts, (
+                referenced, False, False, not nvme.ready or nvme.num_readers > 0,
+                on_remote, on_cpu or on_gpu, lost, False, key,
+            )))  # fmt: skip
 
     def changed_gpu(self, block: Block) -> None:
         """A change only a GPU copy's facts hold (`running`, `sink`)."""
@@ -150,12 +181,8 @@ class TierPolicies:
             self._cpu.insert(block.block_id, cpu_facts(block, copy))
         elif tier is _NVME:
             self._nvme.insert(block.block_id, nvme_facts(block, copy))
-        if not copy.ready:
-            return
-        for other, other_policy in self.by_tier.items():
-            other_copy = block.copies.get(other)
-            if other is not tier and other_copy is not None:
-                other_policy.update(block.block_id, facts_of(block, other, other_copy))
+        if copy.ready and len(block.copies) > 1:  # a new block's only copy: nobody else to tell
+            self._rerank(block, tier)
 
     def dropped(self, block: Block, tier: Tier) -> None:
         """`block`'s copy on `tier` is gone (the caller re-ranks the rest)."""
@@ -196,7 +223,10 @@ class TierPolicies:
             copy.is_busy
             or block.lost
             or (tier is _GPU and block.num_running_refs > 0)
-            or (droppable_only and not facts_of(block, tier, copy).droppable)
+            # An unreferenced block is droppable whatever its other facts: no facts built.
+            or (
+                droppable_only and block.ref_count > 0 and not facts_of(block, tier, copy).droppable
+            )
         ):
             facts = facts_of(block, tier, copy)
             raise RuntimeError(

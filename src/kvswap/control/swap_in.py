@@ -19,6 +19,12 @@ from kvswap.control.mover import Mover
 from kvswap.control.store import BlockStore
 from kvswap.control.transfer import Direction, Priority, Tier
 
+# Enum members as module constants: in Python 3.11 a member read off its class
+# (`Tier.GPU`) takes the metaclass's slow attribute path, ~0.4 us, per block here.
+_GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
+_CPU_TO_GPU, _NVME_TO_CPU = Direction.CPU_TO_GPU, Direction.NVME_TO_CPU
+_REMOTE_TO_CPU, _HIGH = Direction.REMOTE_TO_CPU, Priority.HIGH
+
 
 @dataclass(frozen=True)
 class WaitResult:
@@ -76,7 +82,7 @@ class SwapIn:
             self._fetch(pending, sync=True)
             waited = False
             for block in missing:
-                for tier in (Tier.GPU, Tier.CPU):
+                for tier in (_GPU, _CPU):
                     transfer_id = self.mover.writing.get((block.block_id, tier))
                     if transfer_id is not None:
                         self.mover.wait(transfer_id)
@@ -103,41 +109,41 @@ class SwapIn:
         return WaitResult(tuple(not_ready), wait_s)
 
     def num_missing_gpu_blocks(self, seq_id: int) -> int:
-        return sum(Tier.GPU not in b.copies for b in self.store.sequence_blocks(seq_id))
+        return sum(_GPU not in b.copies for b in self.store.sequence_blocks(seq_id))
 
     @staticmethod
     def _missing(block: Block) -> bool:
-        return not block.lost and block.ready_copy(Tier.GPU) is None
+        return not block.lost and block.ready_copy(_GPU) is None
 
     def _fetch(self, seq_ids: Iterable[int], *, sync: bool) -> None:
         to_gpu: list[tuple[Block, Copy]] = []
-        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {Tier.NVME: [], Tier.REMOTE: []}
+        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {_NVME: [], _REMOTE: []}
         for seq_id in seq_ids:
             for block in self.store.sequence_blocks(seq_id):
-                if block.lost or Tier.GPU in block.copies:
+                if block.lost or _GPU in block.copies:
                     continue
-                cpu_copy = block.ready_copy(Tier.CPU)
+                cpu_copy = block.ready_copy(_CPU)
                 if cpu_copy is not None:
                     # Hold the source first: making GPU room may drop cold CPU copies.
-                    self.mover.reserve(block, Tier.CPU, cpu_copy)
+                    self.mover.reserve(block, _CPU, cpu_copy)
                     room = not sync or self.evictor.ensure_gpu_slots(1)
-                    gpu = self.store.place(block, Tier.GPU, ready=False) if room else None
+                    gpu = self.store.place(block, _GPU, ready=False) if room else None
                     if gpu is None:
-                        self.mover.unreserve(block, Tier.CPU)
+                        self.mover.unreserve(block, _CPU)
                         continue
                     to_gpu.append((block, gpu))
                     self._note_fetch(block, sync)
-                elif Tier.CPU not in block.copies and (source := _below_cpu(block)) is not None:
+                elif _CPU not in block.copies and (source := _below_cpu(block)) is not None:
                     cpu = self.evictor.cpu_slot(block)
                     if cpu is not None:
                         to_cpu[source].append(self.mover.reserve(block, source, cpu))
                         self._wanted_on_gpu.add(block.block_id)
                         self._note_fetch(block, sync)
-                elif Tier.CPU in block.copies:
+                elif _CPU in block.copies:
                     self._wanted_on_gpu.add(block.block_id)  # on its way up to the CPU
-        self.mover.submit(Direction.CPU_TO_GPU, Priority.HIGH, to_gpu, evict=False)
-        self.mover.submit(Direction.NVME_TO_CPU, Priority.HIGH, to_cpu[Tier.NVME], evict=False)
-        self.mover.submit(Direction.REMOTE_TO_CPU, Priority.HIGH, to_cpu[Tier.REMOTE], evict=False)
+        self.mover.submit(_CPU_TO_GPU, _HIGH, to_gpu, evict=False)
+        self.mover.submit(_NVME_TO_CPU, _HIGH, to_cpu[_NVME], evict=False)
+        self.mover.submit(_REMOTE_TO_CPU, _HIGH, to_cpu[_REMOTE], evict=False)
 
     def _note_fetch(self, block: Block, sync: bool) -> None:
         if sync:
@@ -148,19 +154,19 @@ class SwapIn:
 
     def arrived(self, block: Block, tier: Tier) -> None:
         """A copy of `block` became ready on `tier` (called by the mover)."""
-        if tier is Tier.GPU:
+        if tier is _GPU:
             self.store.swapped_in(block)
-        elif tier is Tier.CPU and block.block_id in self._wanted_on_gpu:
+        elif tier is _CPU and block.block_id in self._wanted_on_gpu:
             self._wanted_on_gpu.discard(block.block_id)
-            gpu = self.store.place(block, Tier.GPU, ready=False)
+            gpu = self.store.place(block, _GPU, ready=False)
             if gpu is not None:
-                pair = self.mover.reserve(block, Tier.CPU, gpu)
-                self.mover.submit(Direction.CPU_TO_GPU, Priority.HIGH, [pair], evict=False)
+                pair = self.mover.reserve(block, _CPU, gpu)
+                self.mover.submit(_CPU_TO_GPU, _HIGH, [pair], evict=False)
 
 
 def _below_cpu(block: Block) -> Tier | None:
     """The tier to bring `block` up from when it has no CPU copy: NVMe (local) first."""
-    for tier in (Tier.NVME, Tier.REMOTE):
+    for tier in (_NVME, _REMOTE):
         if block.ready_copy(tier) is not None:
             return tier
     return None

@@ -35,9 +35,12 @@ class TierSlots:
         """A free slot now owned by `block_id`, or None when the tier is full."""
         if not self._free:
             return None
-        slot = self._free.pop()
+        free = self._free
+        slot = free.pop()
         self._owner[slot] = block_id
-        self.peak_used_slots = max(self.peak_used_slots, self.num_used_slots)
+        used = self.num_slots - len(free)  # not the property: called for every copy placed
+        if used > self.peak_used_slots:
+            self.peak_used_slots = used
         return slot
 
     def release(self, slot: int, block_id: int) -> None:
