@@ -33,8 +33,9 @@ _MAX_ERRORS_IN_TEXT = 3
 
 
 class CpuChunk:
-    """One chunk started on `crew`; `report(job, result)` runs once, when its last
-    block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
+    """One chunk opened on `crew` (its helpers may start on it at once); its lane
+    then calls `work()` (or `abandon()`). `report(job, result)` runs once, when its
+    last block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
 
     def __init__(
         self,
@@ -58,7 +59,8 @@ class CpuChunk:
                 return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
             return None
 
-        self._batch = crew.start(
+        self._crew = crew
+        self._batch = crew.open(
             list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
             copy,
             num_bytes=chunk.num_bytes,
@@ -66,6 +68,16 @@ class CpuChunk:
             spread=direction in GPU_DIRECTIONS,
             on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
         )
+
+    def work(self) -> None:
+        """Copy the chunk's blocks on the calling thread (its lane) until none is left
+        to take; the helpers may still be copying the last ones."""
+        self._crew.work(self._batch)
+
+    def abandon(self) -> None:
+        """The lane will not work on the chunk (it exits): the blocks nobody took are
+        lost. Nothing happens if it already worked on it."""
+        self._crew.leave(self._batch)
 
     @property
     def done(self) -> bool:
