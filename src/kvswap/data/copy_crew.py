@@ -26,8 +26,11 @@ costs more than it saves.
 Priority: a LOW batch's owner waits (`LinkArbiter.wait_until_no_high`)
 before taking each pair while any HIGH chunk is pending or running; a helper
 in a LOW batch leaves instead and helps the HIGH batch. So a HIGH chunk waits
-at most for the LOW pairs already in flight, one per copy thread, and the
-LOW batch gets its helpers back once the HIGH chunks are done.
+at most for the LOW copies already in flight, one per copy thread, and the
+LOW batch gets its helpers back once the HIGH chunks are done. A LOW batch
+given a `copy_piece` takes its blocks in pieces of at most `low_piece_bytes`
+(a block is copied once all its pieces are), so what a HIGH chunk waits for
+is a piece, not a block.
 
 Failures: a copy that returns an error text loses that block alone (an NVMe
 slot); a copy that raises stops the batch: that block and every one not yet
@@ -43,9 +46,13 @@ from dataclasses import dataclass
 
 from kvswap.data.block_copy import error_text
 from kvswap.data.link_arbiter import LinkArbiter
+from kvswap.units import ceil_div
 
 # copy(src_slot, dst_slot) -> None, or why that one block is lost (the batch goes on).
 PairCopy = Callable[[int, int], "str | None"]
+# copy_piece(src_slot, dst_slot, piece, num_pieces): bytes [piece / num_pieces,
+# (piece + 1) / num_pieces) of the block, the same contract as PairCopy.
+PieceCopy = Callable[[int, int, int, int], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -70,18 +77,23 @@ class Batch:
         copy: PairCopy,
         yield_to: LinkArbiter | None,
         on_done: OnDone | None,
+        copy_piece: PieceCopy | None = None,
+        num_pieces: int = 1,
     ) -> None:
         self.pairs = pairs
         self.copy = copy
+        self.copy_piece = copy_piece
+        self.num_pieces = num_pieces  # each pair copied as this many pieces (units)
+        self.num_units = len(pairs) * num_pieces
         self.yield_to = yield_to  # LOW: the arbiter it yields to; HIGH: None
         self.on_done = on_done
         self.done = threading.Event()  # set after on_done, once no thread touches the batch
         self.result: tuple[BatchOutcome, float] | None = None  # (outcome, end_s) once done
         self.owner_left = False  # the owner is out; the last helper out completes it
         self.shared = False  # open to the helpers
-        self.next_index = 0
+        self.next_index = 0  # the next unit to take: pair next_index // num_pieces
         self.stopped = False  # a copy raised, or the owner left: take nothing more
-        self.copied = [False] * len(pairs)
+        self.pieces_copied = [0] * len(pairs)
         self.errors: list[str] = []
         self.lost_alone: set[int] = set()
         self.num_helpers = 0  # helpers inside now
@@ -95,13 +107,13 @@ class Batch:
         return self.result
 
     def has_untaken(self) -> bool:
-        return not self.stopped and self.next_index < len(self.pairs)
+        return not self.stopped and self.next_index < self.num_units
 
     def outcome(self) -> BatchOutcome:
         failed = tuple(
             dst
             for index, (_src, dst) in enumerate(self.pairs)
-            if not self.copied[index] or index in self.lost_alone
+            if self.pieces_copied[index] < self.num_pieces or index in self.lost_alone
         )
         return BatchOutcome(failed, tuple(self.errors))
 
@@ -110,13 +122,23 @@ class CopyCrew:
     """`num_helpers` threads that join the lanes' batches, HIGH ones first."""
 
     def __init__(
-        self, num_helpers: int, *, min_spread_bytes: int, name: str = "kvswap-crew"
+        self,
+        num_helpers: int,
+        *,
+        min_spread_bytes: int,
+        low_piece_bytes: int = 0,
+        name: str = "kvswap-crew",
     ) -> None:
-        if num_helpers < 0 or min_spread_bytes < 0:
+        """`low_piece_bytes`: a LOW batch given a `copy_piece` copies its blocks in
+        pieces of at most this many bytes, so a HIGH chunk waits for less (0: whole
+        blocks)."""
+        if num_helpers < 0 or min_spread_bytes < 0 or low_piece_bytes < 0:
             raise ValueError(
-                f"num_helpers {num_helpers} and min_spread_bytes {min_spread_bytes} must be >= 0"
+                f"num_helpers {num_helpers}, min_spread_bytes {min_spread_bytes} and "
+                f"low_piece_bytes {low_piece_bytes} must be >= 0"
             )
         self.min_spread_bytes = min_spread_bytes
+        self.low_piece_bytes = low_piece_bytes
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # helpers wait here for a batch
         self._open: list[Batch] = []
@@ -141,11 +163,18 @@ class CopyCrew:
         yield_to: LinkArbiter | None,
         spread: bool = True,
         on_done: OnDone | None = None,
+        copy_piece: PieceCopy | None = None,
     ) -> Batch:
         """`open`, then `work` on the calling thread: copy pairs until none is left to
         take; return the batch, whose last pairs may still be in a helper's hands."""
         batch = self.open(
-            pairs, copy, num_bytes=num_bytes, yield_to=yield_to, spread=spread, on_done=on_done
+            pairs,
+            copy,
+            num_bytes=num_bytes,
+            yield_to=yield_to,
+            spread=spread,
+            on_done=on_done,
+            copy_piece=copy_piece,
         )
         self.work(batch)
         return batch
@@ -159,6 +188,7 @@ class CopyCrew:
         yield_to: LinkArbiter | None,
         spread: bool = True,
         on_done: OnDone | None = None,
+        copy_piece: PieceCopy | None = None,
     ) -> Batch:
         """A batch owned by the calling thread, open to the helpers if `spread` and it
         is big enough: they may start on it before its owner calls `work` (a lane
@@ -166,8 +196,13 @@ class CopyCrew:
         of pairs moves on without going to sleep). The owner must `work` or `leave`
         it. `on_done` runs once all pairs are copied or lost, on whichever thread
         leaves last. `yield_to`: for a LOW batch, the arbiter whose HIGH chunks go
-        first."""
-        batch = Batch(pairs, copy, yield_to, on_done)
+        first; with `copy_piece`, a LOW batch that may be spread copies its blocks
+        in pieces of at most `low_piece_bytes`."""
+        num_pieces = 1
+        pieces = bool(self.low_piece_bytes and pairs and copy_piece is not None)
+        if pieces and yield_to is not None and spread:
+            num_pieces = max(1, ceil_div(num_bytes // len(pairs), self.low_piece_bytes))
+        batch = Batch(pairs, copy, yield_to, on_done, copy_piece, num_pieces)
         shared = spread and bool(self._threads) and len(pairs) > 1
         batch.shared = shared and num_bytes >= self.min_spread_bytes
         if batch.shared:
@@ -206,9 +241,17 @@ class CopyCrew:
         num_bytes: int,
         yield_to: LinkArbiter | None,
         spread: bool = True,
+        copy_piece: PieceCopy | None = None,
     ) -> BatchOutcome:
         """`start`, then wait until no thread touches the batch."""
-        batch = self.start(pairs, copy, num_bytes=num_bytes, yield_to=yield_to, spread=spread)
+        batch = self.start(
+            pairs,
+            copy,
+            num_bytes=num_bytes,
+            yield_to=yield_to,
+            spread=spread,
+            copy_piece=copy_piece,
+        )
         return batch.wait()[0]
 
     def close(self) -> None:
@@ -237,11 +280,15 @@ class CopyCrew:
                 done_index = None
                 if not batch.has_untaken():
                     return
-                index = batch.next_index
+                unit = batch.next_index
                 batch.next_index += 1
+            index, piece = divmod(unit, batch.num_pieces)
             src_slot, dst_slot = batch.pairs[index]
             try:
-                lost = batch.copy(src_slot, dst_slot)
+                if batch.copy_piece is not None and batch.num_pieces > 1:
+                    lost = batch.copy_piece(src_slot, dst_slot, piece, batch.num_pieces)
+                else:
+                    lost = batch.copy(src_slot, dst_slot)
             except Exception as exc:
                 with self._lock:
                     batch.stopped = True
@@ -255,8 +302,9 @@ class CopyCrew:
 
     @staticmethod
     def _mark_copied(batch: Batch, index: int | None) -> None:
+        """One more piece of pair `index` landed (None: nothing did)."""
         if index is not None:
-            batch.copied[index] = True
+            batch.pieces_copied[index] += 1
 
     def _recall_helpers(self, batch: Batch) -> None:
         """After a LOW batch's owner yielded: wake the helpers that left it."""

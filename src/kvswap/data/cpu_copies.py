@@ -13,7 +13,8 @@ chunk's result is set by whichever thread copies last, at that moment, so it
 is reported as early as if the lane had waited. `wait()` is the lane's check
 that no thread touches the chunk any more (before it exits, or drops it from
 what it holds). GPU legs (the device pool in host memory) spread over the
-crew; NVMe legs stay on the lane, block by block. Errors are per block:
+crew (a LOW one's blocks in pieces, see copy_crew); NVMe legs stay on the lane,
+block by block. Errors are per block:
 `DiskSlotError` loses that block; anything else stops the chunk (copy_crew).
 """
 
@@ -59,6 +60,16 @@ class CpuChunk:
                 return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
             return None
 
+        block_bytes = chunk.num_bytes // chunk.num_blocks
+
+        def copy_piece(src_slot: int, dst_slot: int, piece: int, num_pieces: int) -> str | None:
+            start_byte = piece * block_bytes // num_pieces
+            stop_byte = (piece + 1) * block_bytes // num_pieces
+            block_copy.copy_block(
+                pools, direction, src_slot, dst_slot, byte_range=(start_byte, stop_byte)
+            )
+            return None
+
         self._crew = crew
         self._batch = crew.open(
             list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
@@ -67,6 +78,7 @@ class CpuChunk:
             yield_to=yield_to,
             spread=direction in GPU_DIRECTIONS,
             on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
+            copy_piece=copy_piece,  # GPU legs only (spread): no NVMe slot is split
         )
 
     def work(self) -> None:
