@@ -22,7 +22,7 @@ queued one to the crew as well (when no other lane of the queue is idle), so a
 helper that runs out of blocks in this chunk goes on into the next instead of
 sleeping until the lane gets there. The lane moves on to its next chunk once
 nothing of this one is left to take, and whichever thread copies a chunk's
-last block reports it. A LOW copy thread, before each block (each 256 KiB
+last block reports it. A LOW copy thread, before each block (each 512 KiB
 piece of a GPU leg's block), yields while any HIGH chunk is pending or
 running, so on the shared memory bus / disk a swap-in waits for at most one
 LOW piece (an NVMe leg: one block) per copy thread.
