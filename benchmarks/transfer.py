@@ -10,19 +10,10 @@ stream runs. Then brings back a resuming sequence (`--resume-blocks` blocks in
 and with 2 prefetch streams taking turns on the same pools. Prints a table,
 then (last line) one JSON object.
 
-The baseline is the fastest contiguous copy of the same bytes between the same
-pools that this machine does: torch's `copy_` (on torch's intra-op threads),
-and, with the device pool in host memory, one numpy memcpy of the whole pool
-(one thread; glibc streams a copy that big past the caches with non-temporal
-stores, which no block-sized copy gets: see README). `swap_*_vs_memcpy` is
-the ratio to torch's `copy_` (the figure this script always printed);
-`swap_*_vs_fastest_copy` the ratio to the faster of the two.
-
-It runs as every `kvswap` command runs: the command's entry point sets
-OMP_WAIT_POLICY=PASSIVE before torch loads (`kvswap.model.openmp_env`), and so
-does this script, unless the caller chose a policy; the policy is printed.
-Code that imports the engine into a process whose torch is already loaded
-keeps that process's policy (GNU OpenMP's default: idle threads spin for a few
+The baseline is the fastest contiguous copy of the same bytes (copy_baselines.py).
+It runs as every `kvswap` command does: OMP_WAIT_POLICY=PASSIVE set before
+torch loads, unless the caller chose a policy (printed). A program that loads
+torch itself keeps its own (GNU OpenMP's default: idle threads spin for a few
 milliseconds after every torch op, on the cores the copy threads need).
 
 Each measured section is a function `section_*(bench) -> dict`; add one to
@@ -53,6 +44,11 @@ cap_onednn_caches()
 import numpy as np  # noqa: E402 - after the OpenMP policy is chosen
 import torch  # noqa: E402
 
+from copy_baselines import (  # noqa: E402 - a sibling script in benchmarks/
+    baseline_report,
+    timed_numpy_copy,
+    timed_torch_copy,
+)
 from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult  # noqa: E402
 from kvswap.data.copy_engine import LocalCopyEngine  # noqa: E402
 from kvswap.data.device_pool import DevicePool  # noqa: E402
@@ -228,14 +224,14 @@ def section_throughput(bench: Bench) -> dict[str, Any]:
     for _ in range(bench.args.repeats):
         device_slots = bench.rng.permutation(num_blocks)
         host_slots = bench.rng.permutation(num_blocks)
-        times["memcpy_out"].append(timed_copy(bench, host, dev))
+        times["memcpy_out"].append(timed_torch_copy(host, dev, bench.sync))
         if dev_rows is not None:
             times["numpy_out"].append(timed_numpy_copy(host_rows, dev_rows))
         swap_out = make_chunks(
             bench, Direction.GPU_TO_CPU, Priority.LOW, device_slots, host_slots, chunk_blocks
         )
         times["swap_out"].append(run_chunks(bench, swap_out))
-        times["memcpy_in"].append(timed_copy(bench, dev, host))  # host holds a permutation
+        times["memcpy_in"].append(timed_torch_copy(dev, host, bench.sync))  # a permutation
         if dev_rows is not None:
             times["numpy_in"].append(timed_numpy_copy(dev_rows, host_rows))
         dev.zero_()  # so the swap-in must bring every byte back
@@ -250,45 +246,11 @@ def section_throughput(bench: Bench) -> dict[str, Any]:
         for name, values in times.items()
         if values
     }
-    report: dict[str, Any] = {
-        "memcpy_gb_per_s": rates["memcpy_out"],
-        "memcpy_out_gb_per_s": rates["memcpy_out"],
-        "memcpy_in_gb_per_s": rates["memcpy_in"],
-        "numpy_memcpy_out_gb_per_s": rates.get("numpy_out"),
-        "numpy_memcpy_in_gb_per_s": rates.get("numpy_in"),
+    return baseline_report(rates) | {
+        "swap_out_gb_per_s": rates["swap_out"],
+        "swap_in_gb_per_s": rates["swap_in"],
+        "round_trip_verified": verified,
     }
-    for way in ("out", "in"):
-        candidates = {"torch_copy": rates[f"memcpy_{way}"]}
-        if f"numpy_{way}" in rates:
-            candidates["numpy_memcpy"] = rates[f"numpy_{way}"]
-        fastest = max(candidates, key=lambda name: candidates[name])
-        report[f"fastest_copy_{way}"] = fastest
-        report[f"fastest_copy_{way}_gb_per_s"] = candidates[fastest]
-    report.update(
-        {
-            "swap_out_gb_per_s": rates["swap_out"],
-            "swap_in_gb_per_s": rates["swap_in"],
-            "round_trip_verified": verified,
-        }
-    )
-    return report
-
-
-def timed_copy(bench: Bench, dst: torch.Tensor, src: torch.Tensor) -> float:
-    """Seconds for one plain contiguous copy src -> dst (both [num_blocks, block_bytes])."""
-    bench.sync()
-    start_s = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    bench.sync()
-    return time.perf_counter() - start_s
-
-
-def timed_numpy_copy(dst: np.ndarray, src: np.ndarray) -> float:
-    """Seconds for one numpy copy of the whole pool src -> dst (host memory, both
-    [num_blocks, block_bytes] and contiguous): a single memcpy on this thread."""
-    start_s = time.perf_counter()
-    np.copyto(dst.reshape(-1), src.reshape(-1))
-    return time.perf_counter() - start_s
 
 
 def section_swap_in_latency(bench: Bench) -> dict[str, Any]:
