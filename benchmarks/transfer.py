@@ -10,6 +10,12 @@ stream runs. Then brings back a resuming sequence (`--resume-blocks` blocks in
 and with 2 prefetch streams taking turns on the same pools. Prints a table,
 then (last line) one JSON object.
 
+The baseline is the fastest contiguous copy of the same bytes (copy_baselines.py).
+It runs as every `kvswap` command does: OMP_WAIT_POLICY=PASSIVE set before
+torch loads, unless the caller chose a policy (printed). A program that loads
+torch itself keeps its own (GNU OpenMP's default: idle threads spin for a few
+milliseconds after every torch op, on the cores the copy threads need).
+
 Each measured section is a function `section_*(bench) -> dict`; add one to
 SECTIONS to report more keys.
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 import zlib
@@ -28,16 +35,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
+from kvswap.model.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
 
-from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult
-from kvswap.data.copy_engine import LocalCopyEngine
-from kvswap.data.device_pool import DevicePool
-from kvswap.data.host_pool import HostPool
-from kvswap.data.layout import KVLayout
-from kvswap.units import format_bytes, parse_size_bytes
-from policy_cost import section_policy_cost  # a sibling script in benchmarks/
+# As the `kvswap` entry point does for every command, before anything loads torch.
+prefer_passive_openmp_wait()
+cap_onednn_caches()
+
+import numpy as np  # noqa: E402 - after the OpenMP policy is chosen
+import torch  # noqa: E402
+
+from copy_baselines import (  # noqa: E402 - a sibling script in benchmarks/
+    baseline_report,
+    timed_numpy_copy,
+    timed_torch_copy,
+)
+from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult  # noqa: E402
+from kvswap.data.copy_engine import LocalCopyEngine  # noqa: E402
+from kvswap.data.device_pool import DevicePool  # noqa: E402
+from kvswap.data.host_pool import HostPool  # noqa: E402
+from kvswap.data.layout import KVLayout  # noqa: E402
+from kvswap.units import format_bytes, parse_size_bytes  # noqa: E402
+from policy_cost import section_policy_cost  # noqa: E402 - a sibling script in benchmarks/
 
 
 @dataclass
@@ -183,30 +201,39 @@ def gb_per_s(num_bytes: int, seconds: float) -> float:
 
 
 def section_throughput(bench: Bench) -> dict[str, Any]:
-    """Every block out (LOW) to scattered host slots, then back in (HIGH), and a
-    plain contiguous copy of the whole pool each way, interleaved in each repeat
-    so both see the same machine. Every swap-in is checked block by block."""
+    """Every block out (LOW) to scattered host slots, then back in (HIGH), and the
+    contiguous copies of the whole pool each way (torch's `copy_`, and one numpy
+    memcpy where the device pool is host memory), interleaved in each repeat so
+    all see the same machine. Every swap-in is checked block by block."""
     num_blocks, chunk_blocks = bench.args.num_blocks, bench.args.chunk_blocks
     dev, host = device_bytes(bench), host_bytes(bench)
+    dev_rows = bench.device_pool.host_byte_rows()  # None on a GPU
+    host_rows = bench.host_pool.byte_rows()
     total_bytes = num_blocks * bench.block_bytes
     fill_blocks(bench)
     expected = block_digests(dev)
     times: dict[str, list[float]] = {
         "memcpy_out": [],
+        "numpy_out": [],
         "swap_out": [],
         "memcpy_in": [],
+        "numpy_in": [],
         "swap_in": [],
     }
     verified = True
     for _ in range(bench.args.repeats):
         device_slots = bench.rng.permutation(num_blocks)
         host_slots = bench.rng.permutation(num_blocks)
-        times["memcpy_out"].append(timed_copy(bench, host, dev))
+        times["memcpy_out"].append(timed_torch_copy(host, dev, bench.sync))
+        if dev_rows is not None:
+            times["numpy_out"].append(timed_numpy_copy(host_rows, dev_rows))
         swap_out = make_chunks(
             bench, Direction.GPU_TO_CPU, Priority.LOW, device_slots, host_slots, chunk_blocks
         )
         times["swap_out"].append(run_chunks(bench, swap_out))
-        times["memcpy_in"].append(timed_copy(bench, dev, host))  # host holds a permutation
+        times["memcpy_in"].append(timed_torch_copy(dev, host, bench.sync))  # a permutation
+        if dev_rows is not None:
+            times["numpy_in"].append(timed_numpy_copy(dev_rows, host_rows))
         dev.zero_()  # so the swap-in must bring every byte back
         bench.sync()
         swap_in = make_chunks(
@@ -215,25 +242,15 @@ def section_throughput(bench: Bench) -> dict[str, Any]:
         times["swap_in"].append(run_chunks(bench, swap_in))
         verified &= block_digests(dev) == expected
     rates = {
-        name: gb_per_s(total_bytes, statistics.median(values)) for name, values in times.items()
+        name: gb_per_s(total_bytes, statistics.median(values))
+        for name, values in times.items()
+        if values
     }
-    return {
-        "memcpy_gb_per_s": rates["memcpy_out"],
-        "memcpy_out_gb_per_s": rates["memcpy_out"],
-        "memcpy_in_gb_per_s": rates["memcpy_in"],
+    return baseline_report(rates) | {
         "swap_out_gb_per_s": rates["swap_out"],
         "swap_in_gb_per_s": rates["swap_in"],
         "round_trip_verified": verified,
     }
-
-
-def timed_copy(bench: Bench, dst: torch.Tensor, src: torch.Tensor) -> float:
-    """Seconds for one plain contiguous copy src -> dst (both [num_blocks, block_bytes])."""
-    bench.sync()
-    start_s = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    bench.sync()
-    return time.perf_counter() - start_s
 
 
 def section_swap_in_latency(bench: Bench) -> dict[str, Any]:
@@ -410,6 +427,10 @@ def derive_ratios(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "swap_out_vs_memcpy": report["swap_out_gb_per_s"] / report["memcpy_out_gb_per_s"],
         "swap_in_vs_memcpy": report["swap_in_gb_per_s"] / report["memcpy_in_gb_per_s"],
+        "swap_out_vs_fastest_copy": (
+            report["swap_out_gb_per_s"] / report["fastest_copy_out_gb_per_s"]
+        ),
+        "swap_in_vs_fastest_copy": report["swap_in_gb_per_s"] / report["fastest_copy_in_gb_per_s"],
     }
 
 
@@ -436,6 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "chunk_blocks": args.chunk_blocks,
             "num_blocks": args.num_blocks,
             "host_pool_pinned": bench.host_pool.is_pinned,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
         }
         pool_bytes = bench.host_pool.configured_bytes
         print(
@@ -445,6 +467,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         if not bench.device_pool.is_cuda:
             print("  no GPU: the device pool is host memory, so every rate is a host memcpy rate")
+        print(
+            f"  OMP_WAIT_POLICY={report['omp_wait_policy']} (what every `kvswap` command runs "
+            "with unless the caller chose a policy)"
+        )
         for section in SECTIONS:
             report.update(section(bench))
         report.update(section_policy_cost())

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvswap.control.transfer import Direction, TransferChunk
-from kvswap.data import block_copy
+from kvswap.data import block_copy, copy_workers
+from kvswap.data.block_copy import Job
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
@@ -333,3 +334,92 @@ def test_the_lane_starts_its_next_chunk_while_a_helper_finishes_this_one(
         assert torch.equal(host.slots[:4], device.kv[:4])
     assert results[1].success and results[2].success
     assert results[2].start_s < results[1].end_s  # the two chunks overlapped
+
+
+def held_first_chunk(
+    monkeypatch: pytest.MonkeyPatch, release: threading.Event, then: Any = None
+) -> None:
+    """Hook the block copy: chunk 0's block (source slot 7) waits for `release`, so
+    the chunks submitted after it are all queued when the lane comes back; `then`
+    runs (under the hook) before every other block copy."""
+    real_copy_block = block_copy.copy_block
+
+    def hooked(pools: Any, direction: Direction, src: int, dst: int, **kwargs: Any) -> None:
+        if src == 7:
+            assert release.wait(HANG_TIMEOUT_S)
+        elif then is not None:
+            then(src)
+        real_copy_block(pools, direction, src, dst, **kwargs)
+
+    monkeypatch.setattr(block_copy, "copy_block", hooked)
+
+
+def test_a_helper_goes_on_into_the_next_queued_chunk_before_the_lane_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two queued 2-block swap-outs, 2 copy threads. The lane's block of chunk 1 is
+    held until a helper has started a block of chunk 2: only a chunk opened to
+    the crew before its lane works on it lets that happen."""
+    layout = LAYOUTS["raw-8KiB"]
+    device = DevicePool(layout, NUM_SLOTS, device="cpu")
+    cond = threading.Condition()
+    started: list[tuple[bool, int]] = []  # (on a helper, source slot)
+    release = threading.Event()
+    first, second = (0, 1), (2, 3)
+
+    def then(src: int) -> None:
+        on_crew = threading.current_thread().name.startswith(CREW_PREFIX)
+        with cond:
+            started.append((on_crew, src))
+            cond.notify_all()
+            if src in first and not on_crew:
+                assert cond.wait_for(
+                    lambda: any(crew and s in second for crew, s in started), HANG_TIMEOUT_S
+                )
+
+    held_first_chunk(monkeypatch, release, then)
+    with HostPool(layout, NUM_SLOTS) as host, spread_engine(device, host, 2) as engine:
+        fill_random(device.kv.view(torch.uint8), seed=15)
+        engine.submit(chunk(10, Direction.GPU_TO_CPU, (7,), (7,)))
+        engine.submit(chunk(1, Direction.GPU_TO_CPU, first, first))
+        engine.submit(chunk(2, Direction.GPU_TO_CPU, second, second))
+        release.set()
+        results = within_timeout(engine.wait_all)
+        assert all(result.success for result in results)
+        assert torch.equal(host.slots[[0, 1, 2, 3, 7]], device.kv[[0, 1, 2, 3, 7]])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_lane_that_dies_opening_its_next_chunk_leaves_no_chunk_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug kills the LOW lane as it opens chunk 2 ahead of chunk 1, which is open
+    to the helpers but never worked on by its lane. Both are reported: chunk 2
+    failed; chunk 1 with every block the helpers did not copy marked failed and
+    every other one holding its bytes. Nothing hangs."""
+    layout = LAYOUTS["raw-8KiB"]
+    device = DevicePool(layout, NUM_SLOTS, device="cpu")
+    real_start = copy_workers.QueueWorker._start
+    release = threading.Event()
+
+    def dying_start(self: copy_workers.QueueWorker, job: Job, lane: Any) -> Any:
+        if job.chunk.transfer_id == 2:
+            raise RuntimeError("bug in a lane")
+        return real_start(self, job, lane)
+
+    held_first_chunk(monkeypatch, release)
+    monkeypatch.setattr(copy_workers.QueueWorker, "_start", dying_start)
+    with HostPool(layout, NUM_SLOTS) as host, spread_engine(device, host, 2) as engine:
+        fill_random(device.kv.view(torch.uint8), seed=16)
+        engine.submit(chunk(10, Direction.GPU_TO_CPU, (7,), (7,)))
+        engine.submit(chunk(1, Direction.GPU_TO_CPU, (0, 1, 2), (0, 1, 2)))
+        engine.submit(chunk(2, Direction.GPU_TO_CPU, (3, 4), (3, 4)))
+        release.set()
+        results = {r.transfer_id: r for r in within_timeout(engine.wait_all)}
+        within_timeout(engine.close)
+        assert results[10].success
+        assert not results[2].success and results[2].failed_dst_slots == (3, 4)
+        assert results[2].error == "copy worker exited (RuntimeError)"
+        assert results[1].success == (results[1].failed_dst_slots == ())
+        for slot in {0, 1, 2} - set(results[1].failed_dst_slots):
+            assert torch.equal(host.slots[slot], device.kv[slot])

@@ -42,9 +42,17 @@ class Job:
 
 
 def copy_block(
-    pools: Pools, direction: Direction, src_slot: int, dst_slot: int, *, non_blocking: bool = False
+    pools: Pools,
+    direction: Direction,
+    src_slot: int,
+    dst_slot: int,
+    *,
+    non_blocking: bool = False,
+    byte_range: tuple[int, int] | None = None,
 ) -> None:
-    """Copy one block (block_bytes) from `src_slot` to `dst_slot`.
+    """Copy one block (block_bytes) from `src_slot` to `dst_slot`; with `byte_range`
+    (start, stop), only those bytes of it (GPU legs with the device pool in host
+    memory only: the CPU path's LOW pieces).
 
     GPU legs with the device pool in host memory (no GPU): one memcpy between
     numpy rows of the two pools, which releases the GIL, so copy threads run
@@ -58,14 +66,24 @@ def copy_block(
     `non_blocking` on CUDA they are queued on the current stream. NVMe legs are
     synchronous file I/O and raise `DiskSlotError` for a slot that failed."""
     host = _host(pools)
+    if byte_range is not None and direction not in GPU_DIRECTIONS:
+        raise ValueError(f"a byte range is for GPU legs only, not {direction.value}")
     if direction in GPU_DIRECTIONS:
         device_rows = pools.device.host_byte_rows()
         if device_rows is not None:
             host_rows = host.byte_rows()
             if direction is Direction.GPU_TO_CPU:
-                np.copyto(_row(host_rows, dst_slot, "host"), _row(device_rows, src_slot, "device"))
+                np.copyto(
+                    _row(host_rows, dst_slot, "host", byte_range),
+                    _row(device_rows, src_slot, "device", byte_range),
+                )
             else:
-                np.copyto(_row(device_rows, dst_slot, "device"), _row(host_rows, src_slot, "host"))
+                np.copyto(
+                    _row(device_rows, dst_slot, "device", byte_range),
+                    _row(host_rows, src_slot, "host", byte_range),
+                )
+        elif byte_range is not None:
+            raise ValueError("a byte range needs the device pool in host memory")
         elif direction is Direction.GPU_TO_CPU:
             src = pools.device.byte_view(src_slot)
             host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
@@ -80,12 +98,21 @@ def copy_block(
         raise ValueError(f"unknown direction {direction!r}")
 
 
-def _row(rows: npt.NDArray[np.uint8], slot: int, tier: str) -> npt.NDArray[np.uint8]:
-    """rows[slot], refusing what numpy would wrap around (a negative slot)."""
+def _row(
+    rows: npt.NDArray[np.uint8], slot: int, tier: str, byte_range: tuple[int, int] | None = None
+) -> npt.NDArray[np.uint8]:
+    """rows[slot] (or its bytes [start, stop)), refusing what numpy would wrap
+    around (a negative slot)."""
     if not 0 <= slot < rows.shape[0]:
         raise ValueError(f"{tier} slot {slot} out of range [0, {rows.shape[0]})")
-    row: npt.NDArray[np.uint8] = rows[slot]
-    return row
+    if byte_range is None:
+        row: npt.NDArray[np.uint8] = rows[slot]
+        return row
+    start_byte, stop_byte = byte_range
+    if not 0 <= start_byte <= stop_byte <= rows.shape[1]:
+        raise ValueError(f"byte range {byte_range} out of a {rows.shape[1]}-byte block")
+    piece: npt.NDArray[np.uint8] = rows[slot, start_byte:stop_byte]
+    return piece
 
 
 def _host(pools: Pools) -> HostPool:

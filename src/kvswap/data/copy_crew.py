@@ -1,14 +1,15 @@
 """Copy threads that share one chunk's block copies, so a chunk uses every core.
 
     lane thread (owns the batch)             helper threads (copy_threads - 1)
-    start(batch): post --------------------> wake, join the batch
+    open(batch k): post -------------------> wake, join batch k
+    open(batch k+1): post (if queued)
+    work(batch k):
       take pair 0, copy                      take pair 1, copy
       take pair 2, copy                      take pair 3, copy
       ...                                    ...
-      nothing left to take: withdraw the     last pair done, last one out:
-      batch, return (the lane starts its     on_done(outcome) reports the
-      next chunk: the helper joins it        chunk, then joins the next batch
-      without going to sleep)                if one is open
+      nothing left to take: withdraw the     nothing left in k: join batch k+1
+      batch, return (the lane opens k+2,     without going to sleep; the last
+      then works on k+1)                     one out of k reports it (on_done)
 
 A batch is one chunk's (src_slot, dst_slot) pairs. Every thread takes the
 next pair from one cursor, so the pairs go to whichever threads the OS runs:
@@ -16,15 +17,20 @@ a helper that is not scheduled delays the chunk by at most the one pair it
 holds, and the owner never waits for a pair nobody took. The last thread to
 leave a batch calls its `on_done`, so the owner need not wait for a helper's
 last pair: it returns to its lane, which starts the next chunk meanwhile, and
-a stream of chunks keeps every thread copying. A batch smaller than
+a stream of chunks keeps every thread copying. A batch may be opened before
+its owner works on it (`open`, then `work`), so helpers go from one chunk into
+the next while the lane does a chunk's bookkeeping. A batch smaller than
 `min_spread_bytes` (or with one pair) stays on its lane: waking a helper
 costs more than it saves.
 
 Priority: a LOW batch's owner waits (`LinkArbiter.wait_until_no_high`)
 before taking each pair while any HIGH chunk is pending or running; a helper
 in a LOW batch leaves instead and helps the HIGH batch. So a HIGH chunk waits
-at most for the LOW pairs already in flight, one per copy thread, and the
-LOW batch gets its helpers back once the HIGH chunks are done.
+at most for the LOW copies already in flight, one per copy thread, and the
+LOW batch gets its helpers back once the HIGH chunks are done. A LOW batch
+given a `copy_piece` takes its blocks in pieces of at most `low_piece_bytes`
+(a block is copied once all its pieces are), so what a HIGH chunk waits for
+is a piece, not a block.
 
 Failures: a copy that returns an error text loses that block alone (an NVMe
 slot); a copy that raises stops the batch: that block and every one not yet
@@ -40,9 +46,13 @@ from dataclasses import dataclass
 
 from kvswap.data.block_copy import error_text
 from kvswap.data.link_arbiter import LinkArbiter
+from kvswap.units import ceil_div
 
 # copy(src_slot, dst_slot) -> None, or why that one block is lost (the batch goes on).
 PairCopy = Callable[[int, int], "str | None"]
+# copy_piece(src_slot, dst_slot, piece, num_pieces): bytes [piece / num_pieces,
+# (piece + 1) / num_pieces) of the block, the same contract as PairCopy.
+PieceCopy = Callable[[int, int, int, int], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -67,17 +77,23 @@ class Batch:
         copy: PairCopy,
         yield_to: LinkArbiter | None,
         on_done: OnDone | None,
+        copy_piece: PieceCopy | None = None,
+        num_pieces: int = 1,
     ) -> None:
         self.pairs = pairs
         self.copy = copy
+        self.copy_piece = copy_piece
+        self.num_pieces = num_pieces  # each pair copied as this many pieces (units)
+        self.num_units = len(pairs) * num_pieces
         self.yield_to = yield_to  # LOW: the arbiter it yields to; HIGH: None
         self.on_done = on_done
         self.done = threading.Event()  # set after on_done, once no thread touches the batch
         self.result: tuple[BatchOutcome, float] | None = None  # (outcome, end_s) once done
         self.owner_left = False  # the owner is out; the last helper out completes it
-        self.next_index = 0
-        self.stopped = False  # a copy raised: take nothing more
-        self.copied = [False] * len(pairs)
+        self.shared = False  # open to the helpers
+        self.next_index = 0  # the next unit to take: pair next_index // num_pieces
+        self.stopped = False  # a copy raised, or the owner left: take nothing more
+        self.pieces_copied = [0] * len(pairs)
         self.errors: list[str] = []
         self.lost_alone: set[int] = set()
         self.num_helpers = 0  # helpers inside now
@@ -91,13 +107,13 @@ class Batch:
         return self.result
 
     def has_untaken(self) -> bool:
-        return not self.stopped and self.next_index < len(self.pairs)
+        return not self.stopped and self.next_index < self.num_units
 
     def outcome(self) -> BatchOutcome:
         failed = tuple(
             dst
             for index, (_src, dst) in enumerate(self.pairs)
-            if not self.copied[index] or index in self.lost_alone
+            if self.pieces_copied[index] < self.num_pieces or index in self.lost_alone
         )
         return BatchOutcome(failed, tuple(self.errors))
 
@@ -106,13 +122,23 @@ class CopyCrew:
     """`num_helpers` threads that join the lanes' batches, HIGH ones first."""
 
     def __init__(
-        self, num_helpers: int, *, min_spread_bytes: int, name: str = "kvswap-crew"
+        self,
+        num_helpers: int,
+        *,
+        min_spread_bytes: int,
+        low_piece_bytes: int = 0,
+        name: str = "kvswap-crew",
     ) -> None:
-        if num_helpers < 0 or min_spread_bytes < 0:
+        """`low_piece_bytes`: a LOW batch given a `copy_piece` copies its blocks in
+        pieces of at most this many bytes, so a HIGH chunk waits for less (0: whole
+        blocks)."""
+        if num_helpers < 0 or min_spread_bytes < 0 or low_piece_bytes < 0:
             raise ValueError(
-                f"num_helpers {num_helpers} and min_spread_bytes {min_spread_bytes} must be >= 0"
+                f"num_helpers {num_helpers}, min_spread_bytes {min_spread_bytes} and "
+                f"low_piece_bytes {low_piece_bytes} must be >= 0"
             )
         self.min_spread_bytes = min_spread_bytes
+        self.low_piece_bytes = low_piece_bytes
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # helpers wait here for a batch
         self._open: list[Batch] = []
@@ -137,30 +163,75 @@ class CopyCrew:
         yield_to: LinkArbiter | None,
         spread: bool = True,
         on_done: OnDone | None = None,
+        copy_piece: PieceCopy | None = None,
     ) -> Batch:
-        """Copy pairs on the calling thread (and, if `spread` and the batch is big
-        enough, on the helpers) until none is left to take; return the batch, whose
-        last pairs may still be in a helper's hands. `on_done` runs once all are
-        copied or lost, on whichever thread leaves last. `yield_to`: for a LOW
-        batch, the arbiter whose HIGH chunks go first."""
-        batch = Batch(pairs, copy, yield_to, on_done)
+        """`open`, then `work` on the calling thread: copy pairs until none is left to
+        take; return the batch, whose last pairs may still be in a helper's hands."""
+        batch = self.open(
+            pairs,
+            copy,
+            num_bytes=num_bytes,
+            yield_to=yield_to,
+            spread=spread,
+            on_done=on_done,
+            copy_piece=copy_piece,
+        )
+        self.work(batch)
+        return batch
+
+    def open(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        copy: PairCopy,
+        *,
+        num_bytes: int,
+        yield_to: LinkArbiter | None,
+        spread: bool = True,
+        on_done: OnDone | None = None,
+        copy_piece: PieceCopy | None = None,
+    ) -> Batch:
+        """A batch owned by the calling thread, open to the helpers if `spread` and it
+        is big enough: they may start on it before its owner calls `work` (a lane
+        opens its next chunk before working on this one, so a helper that runs out
+        of pairs moves on without going to sleep). The owner must `work` or `leave`
+        it. `on_done` runs once all pairs are copied or lost, on whichever thread
+        leaves last. `yield_to`: for a LOW batch, the arbiter whose HIGH chunks go
+        first; with `copy_piece`, a LOW batch that may be spread copies its blocks
+        in pieces of at most `low_piece_bytes`."""
+        num_pieces = 1
+        pieces = bool(self.low_piece_bytes and pairs and copy_piece is not None)
+        if pieces and yield_to is not None and spread:
+            num_pieces = max(1, ceil_div(num_bytes // len(pairs), self.low_piece_bytes))
+        batch = Batch(pairs, copy, yield_to, on_done, copy_piece, num_pieces)
         shared = spread and bool(self._threads) and len(pairs) > 1
-        shared = shared and num_bytes >= self.min_spread_bytes
-        if shared:
+        batch.shared = shared and num_bytes >= self.min_spread_bytes
+        if batch.shared:
             with self._lock:
                 self._open.append(batch)
                 self._work.notify(min(len(pairs) - 1, len(self._threads)))
+        return batch
+
+    def work(self, batch: Batch) -> None:
+        """The owner copies the batch's pairs until none is left to take, then leaves."""
         try:
             self._work_on(batch, owner=True)
         finally:
-            with self._lock:
-                if shared:
-                    self._open.remove(batch)  # nothing left to take: no helper joins now
-                batch.owner_left = True
-                last_out = batch.num_helpers == 0
-            if last_out:
-                self._complete(batch)
-        return batch
+            self.leave(batch)
+
+    def leave(self, batch: Batch) -> None:
+        """The owner is done with the batch (a second call does nothing): no helper
+        joins it any more, and pairs nobody took are lost (a lane that exits
+        without working on a batch it opened)."""
+        with self._lock:
+            if batch.owner_left:
+                return
+            if batch.shared:
+                self._open.remove(batch)  # nothing left to take: no helper joins now
+            batch.owner_left = True
+            batch.stopped = True  # whatever is still untaken stays so
+            last_out = batch.num_helpers == 0
+        if last_out:
+            self._complete(batch)
 
     def run(
         self,
@@ -170,9 +241,17 @@ class CopyCrew:
         num_bytes: int,
         yield_to: LinkArbiter | None,
         spread: bool = True,
+        copy_piece: PieceCopy | None = None,
     ) -> BatchOutcome:
         """`start`, then wait until no thread touches the batch."""
-        batch = self.start(pairs, copy, num_bytes=num_bytes, yield_to=yield_to, spread=spread)
+        batch = self.start(
+            pairs,
+            copy,
+            num_bytes=num_bytes,
+            yield_to=yield_to,
+            spread=spread,
+            copy_piece=copy_piece,
+        )
         return batch.wait()[0]
 
     def close(self) -> None:
@@ -201,11 +280,15 @@ class CopyCrew:
                 done_index = None
                 if not batch.has_untaken():
                     return
-                index = batch.next_index
+                unit = batch.next_index
                 batch.next_index += 1
+            index, piece = divmod(unit, batch.num_pieces)
             src_slot, dst_slot = batch.pairs[index]
             try:
-                lost = batch.copy(src_slot, dst_slot)
+                if batch.copy_piece is not None and batch.num_pieces > 1:
+                    lost = batch.copy_piece(src_slot, dst_slot, piece, batch.num_pieces)
+                else:
+                    lost = batch.copy(src_slot, dst_slot)
             except Exception as exc:
                 with self._lock:
                     batch.stopped = True
@@ -219,8 +302,9 @@ class CopyCrew:
 
     @staticmethod
     def _mark_copied(batch: Batch, index: int | None) -> None:
+        """One more piece of pair `index` landed (None: nothing did)."""
         if index is not None:
-            batch.copied[index] = True
+            batch.pieces_copied[index] += 1
 
     def _recall_helpers(self, batch: Batch) -> None:
         """After a LOW batch's owner yielded: wake the helpers that left it."""

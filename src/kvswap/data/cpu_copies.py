@@ -13,7 +13,8 @@ chunk's result is set by whichever thread copies last, at that moment, so it
 is reported as early as if the lane had waited. `wait()` is the lane's check
 that no thread touches the chunk any more (before it exits, or drops it from
 what it holds). GPU legs (the device pool in host memory) spread over the
-crew; NVMe legs stay on the lane, block by block. Errors are per block:
+crew (a LOW one's blocks in pieces, see copy_crew); NVMe legs stay on the lane,
+block by block. Errors are per block:
 `DiskSlotError` loses that block; anything else stops the chunk (copy_crew).
 """
 
@@ -33,8 +34,9 @@ _MAX_ERRORS_IN_TEXT = 3
 
 
 class CpuChunk:
-    """One chunk started on `crew`; `report(job, result)` runs once, when its last
-    block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
+    """One chunk opened on `crew` (its helpers may start on it at once); its lane
+    then calls `work()` (or `abandon()`). `report(job, result)` runs once, when its
+    last block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
 
     def __init__(
         self,
@@ -58,14 +60,36 @@ class CpuChunk:
                 return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
             return None
 
-        self._batch = crew.start(
+        block_bytes = chunk.num_bytes // chunk.num_blocks
+
+        def copy_piece(src_slot: int, dst_slot: int, piece: int, num_pieces: int) -> str | None:
+            start_byte = piece * block_bytes // num_pieces
+            stop_byte = (piece + 1) * block_bytes // num_pieces
+            block_copy.copy_block(
+                pools, direction, src_slot, dst_slot, byte_range=(start_byte, stop_byte)
+            )
+            return None
+
+        self._crew = crew
+        self._batch = crew.open(
             list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
             copy,
             num_bytes=chunk.num_bytes,
             yield_to=yield_to,
             spread=direction in GPU_DIRECTIONS,
             on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
+            copy_piece=copy_piece,  # GPU legs only (spread): no NVMe slot is split
         )
+
+    def work(self) -> None:
+        """Copy the chunk's blocks on the calling thread (its lane) until none is left
+        to take; the helpers may still be copying the last ones."""
+        self._crew.work(self._batch)
+
+    def abandon(self) -> None:
+        """The lane will not work on the chunk (it exits): the blocks nobody took are
+        lost. Nothing happens if it already worked on it."""
+        self._crew.leave(self._batch)
 
     @property
     def done(self) -> bool:

@@ -30,11 +30,15 @@ class LinkArbiter:
                 self._cond.notify_all()
 
     def has_high(self) -> bool:
-        """True while a HIGH chunk is pending or running (a check, never a wait)."""
-        with self._cond:
-            return self._num_high > 0
+        """True while a HIGH chunk is pending or running (a check, never a wait).
+        One read of the count, without the lock: a copy thread asks before every
+        block or piece, and a HIGH chunk counted in a moment after the read
+        finds that copy in flight, as it would a moment later with the lock."""
+        return self._num_high > 0
 
     def wait_until_no_high(self) -> None:
+        if self._num_high == 0:  # the common case, read as in has_high
+            return
         with self._cond:
             while self._num_high > 0:
                 self._cond.wait()
