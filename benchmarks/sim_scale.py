@@ -7,7 +7,7 @@ on an H200 with the GPU tier sized from its memory, 100k CPU blocks and 200k
 NVMe blocks (8B model, 16-token blocks). Prints simulated seconds per wall
 second and steps per second, then one JSON line.
 
-    .venv/bin/python benchmarks/sim_scale.py                    # over 20 minutes on 2 cores
+    .venv/bin/python benchmarks/sim_scale.py                    # about 15 minutes on 2 cores
     .venv/bin/python benchmarks/sim_scale.py --max-requests 1000
 """
 
