@@ -42,6 +42,10 @@ from kvswap.control.store_records import StoreLayout
 from kvswap.control.swap_in import SwapIn, WaitResult
 from kvswap.control.transfer import CopyEngine, Direction, Priority, Tier
 
+# Module constants: a member read off an Enum class is several times slower than
+# a global in Python 3.11, and these are read per block.
+_GPU, _CPU, _REMOTE = Tier.GPU, Tier.CPU, Tier.REMOTE
+
 
 @dataclass(frozen=True)
 class TierOccupancy:
@@ -128,7 +132,7 @@ class Swapper:
         for block in hits:
             tier = block.fastest_copy_tier()
             assert tier is not None, "the prefix index holds no lost block"
-            if tier is Tier.REMOTE:
+            if tier is _REMOTE:
                 # Counted once its fetch lands: a fetch that fails is recomputed.
                 self._remote_hits_due[block.block_id] += 1
             else:
@@ -144,7 +148,7 @@ class Swapper:
         if needed and not self.ensure_gpu_slots(needed):
             return False
         for block in self.store.append_tokens(seq_id, token_ids):
-            copy = self.store.place(block, Tier.GPU, ready=True)
+            copy = self.store.place(block, _GPU, ready=True)
             assert copy is not None, "slots were reserved above"
         return True
 
@@ -152,7 +156,7 @@ class Swapper:
         self.swap_in.forget(seq_id)
         if not running and self.options.sink_protection:
             protected = self.store.sequence_blocks(seq_id)[: self.store.layout.protected_blocks]
-            self.metrics.protected_block_saves += sum(Tier.GPU in b.copies for b in protected)
+            self.metrics.protected_block_saves += sum(_GPU in b.copies for b in protected)
         self.store.set_running(seq_id, running)
 
     def release(self, seq_id: int, *, reason: str | None = None) -> None:
@@ -179,13 +183,13 @@ class Swapper:
         released = self.store.close_sequence(seq_id)
         pairs = []
         for block in released:
-            gpu = block.ready_copy(Tier.GPU)
-            if gpu is None or block.has_ready_copy_below(Tier.GPU) or Tier.CPU in block.copies:
+            gpu = block.ready_copy(_GPU)
+            if gpu is None or block.has_ready_copy_below(_GPU) or _CPU in block.copies:
                 continue
             cpu = self.evictor.cpu_slot(block)
             if cpu is None:
                 break
-            pairs.append(self.mover.reserve(block, Tier.GPU, cpu))
+            pairs.append(self.mover.reserve(block, _GPU, cpu))
         # Slots went head first (a prefix's head is worth most); the copies land tail
         # first, so the head is the most recent on the CPU: a chain leaves the pinned
         # pool (and NVMe after it) from its tail, and what stays is a usable prefix.
@@ -221,9 +225,9 @@ class Swapper:
         return self.evictor.ensure_gpu_slots(num_blocks)
 
     def _arrived(self, block: Block, tier: Tier) -> None:
-        if tier is Tier.CPU and block.block_id in self._remote_hits_due:
+        if tier is _CPU and block.block_id in self._remote_hits_due:
             hits = self._remote_hits_due.pop(block.block_id)
-            self.metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] += hits
+            self.metrics.prefix_hit_blocks_by_tier[_REMOTE] += hits
         self.swap_in.arrived(block, tier)
         if self.remote is not None:
             self.remote.arrived(block, tier)
@@ -236,7 +240,7 @@ class Swapper:
 
     @property
     def num_gpu_blocks(self) -> int:
-        return self.store.tiers[Tier.GPU].num_slots
+        return self.store.tiers[_GPU].num_slots
 
     @property
     def protected_blocks(self) -> int:
@@ -265,8 +269,8 @@ class Swapper:
         to grow, so a resumed sequence is not preempted again a few tokens later.
         The first sequence may always run if it fits at all (no idle deadlock).
         """
-        gpu = self.store.tiers[Tier.GPU]
-        room = gpu.num_free_slots + self.store.num_eviction_candidates(Tier.GPU)
+        gpu = self.store.tiers[_GPU]
+        room = gpu.num_free_slots + self.store.num_eviction_candidates(_GPU)
         if batch_is_empty:
             return num_blocks <= room
         pinned_blocks = gpu.num_slots - room
@@ -276,7 +280,7 @@ class Swapper:
         """Whether the sequence's missing blocks fit free GPU slots with the
         swap-out headroom left over: a prefetched block that has to leave again
         before use is a wasted transfer."""
-        gpu = self.store.tiers[Tier.GPU]
+        gpu = self.store.tiers[_GPU]
         headroom = math.ceil((1.0 - self.settings.swap_out_high_watermark) * gpu.num_slots)
         return self.num_missing_gpu_blocks(seq_id) + headroom <= gpu.num_free_slots
 
@@ -324,7 +328,7 @@ class Swapper:
             state = self.store.sequences.get(seq_id)
             assert state is not None and state.running, f"resident sequence {seq_id} is not running"
             for block in self.store.sequence_blocks(seq_id):
-                assert block.ready_copy(Tier.GPU) is not None, (
+                assert block.ready_copy(_GPU) is not None, (
                     f"block {block.block_id} of resident sequence {seq_id} is not ready on the GPU"
                 )
         busy_slots = {
