@@ -56,6 +56,27 @@ class Block:
     num_protected_refs: int = 0  # sequences holding it among their first protected blocks
     copies: dict[Tier, Copy] = field(default_factory=dict)
     lost: bool = False  # every copy failed: the owner must recompute it
+    # Derived from `parent` at construction: the position in its chain (0: a first
+    # block) and a farther ancestor, so that `is_ancestor` takes O(log depth) steps
+    # (skew-binary jump pointers, Myers 1983) instead of a walk down the chain.
+    depth: int = field(init=False, repr=False, compare=False)
+    jump: Block | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        parent = self.parent
+        if parent is None:
+            self.depth, self.jump = 0, None
+            return
+        self.depth = parent.depth + 1
+        far = parent.jump
+        if (
+            far is not None
+            and far.jump is not None
+            and (parent.depth - far.depth == far.depth - far.jump.depth)
+        ):
+            self.jump = far.jump
+        else:
+            self.jump = parent
 
     def is_full(self, block_tokens: int) -> bool:
         return len(self.token_ids) == block_tokens
@@ -111,3 +132,17 @@ def same_prefix(a: Block, b: Block) -> bool:
             return a.parent is None and b.parent is None and a.parent_key == b.parent_key
         a, b = a.parent, b.parent
     return True
+
+
+def is_ancestor(ancestor: Block, block: Block) -> bool:
+    """Whether `ancestor` is one of the blocks `block`'s chain extends (not `block`
+    itself). O(log depth): the jump pointers skip down the chain."""
+    depth = ancestor.depth
+    node = block.parent
+    if node is None or node.depth < depth:
+        return False
+    while node.depth > depth:
+        jump, parent = node.jump, node.parent
+        assert jump is not None and parent is not None, "a block past the first has both"
+        node = jump if jump.depth >= depth else parent
+    return node is ancestor

@@ -8,7 +8,7 @@ first hop (NVMe or remote -> CPU).
 
 from __future__ import annotations
 
-from kvswap.control.blocks import Block, Copy
+from kvswap.control.blocks import Block, Copy, is_ancestor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.store import BlockStore
 from kvswap.control.transfer import Tier
@@ -36,7 +36,7 @@ def make_room(
         if victim is None:
             return None
         if not victim.has_ready_copy_below(tier) and victim.ref_count == 0:
-            if block.ref_count == 0 and (not displace_cache or _is_prefix_of(victim, block)):
+            if block.ref_count == 0 and (not displace_cache or is_ancestor(victim, block)):
                 # Stays: one cache entry for another is no gain; nor is a prefix's head
                 # for its own tail (the tail is found only through the head).
                 store.return_victim(tier, victim)
@@ -48,13 +48,3 @@ def make_room(
             metrics.evictions_by_reason[f"{tier.value}_drop"] += 1
         copy = store.place(block, tier, ready=False)
     return copy
-
-
-def _is_prefix_of(victim: Block, block: Block) -> bool:
-    """Whether `victim` is one of the blocks `block`'s chain extends."""
-    parent = block.parent
-    while parent is not None:
-        if parent is victim:
-            return True
-        parent = parent.parent
-    return False
