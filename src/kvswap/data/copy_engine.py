@@ -56,7 +56,9 @@ MIN_SPREAD_BYTES = 1 << 20
 # shared cores with 1 MiB blocks: 512 KiB pieces took the 4-block swap-in's
 # slowdown under a swap-out from 1.24x to 1.08x at no measurable swap-out cost;
 # 256 KiB did no better (1.10x) and cost ~5% of the swap-out's rate (each piece
-# is ~4 us of Python).
+# is ~4 us of Python). On a quiet machine (6 runs each, taking turns) they did not
+# help (1.54x against 1.45x whole) and cost ~4% of the swap-out's rate; kept for
+# the loaded case, where the engine's copies run beside its model threads.
 LOW_PIECE_BYTES = 512 << 10
 
 # More parallel swap-ins than this only add contention: a PCIe link has one or
