@@ -40,73 +40,71 @@ POLICY_TIERS = (Tier.GPU, Tier.CPU, Tier.NVME)
 # Module constants: an Enum member read off its class costs ~0.2 us in Python 3.11,
 # several times per re-rank.
 _GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
+#: Where each tier's facts stand in a `TierFacts` triple.
+_POSITION = {tier: position for position, tier in enumerate(POLICY_TIERS)}
 # BlockFacts is a NamedTuple: built from a tuple without its Python-level __new__,
 # since the store makes one for every re-rank.
 _new_facts = tuple.__new__
 
 
-# The builders the store calls for every re-rank are written out tier by tier
-# (no loops, no calls): they are most of what a re-rank costs.
+#: The facts of a block's GPU, CPU and NVMe copies (None: no copy on that tier).
+TierFacts = tuple[BlockFacts | None, BlockFacts | None, BlockFacts | None]
 
 
-def gpu_facts(block: Block, copy: Copy, brought_back: bool = False) -> BlockFacts:
-    """The facts of `block`'s GPU copy `copy`."""
+def tier_facts(
+    block: Block, brought_back: bool = False, skip: Tier | None = None, only: Tier | None = None
+) -> TierFacts:
+    """The facts of each of `block`'s copies, as each tier's policy sees it:
+
+        tier   clean (a ready copy below)      ready_above
+        GPU    CPU, NVMe or remote              -
+        CPU    NVMe or remote                   GPU
+        NVMe   remote                           CPU or GPU
+
+    `brought_back`: the GPU copy just arrived from a slower tier. `skip` / `only`:
+    no facts (None) for that tier / for the others, when the caller needs none.
+    Written out in one body, no loops or calls: a re-rank is the store's most
+    frequent call, and each copy's readiness is read once for all tiers."""
     copies = block.copies
-    clean = False
-    if len(copies) > 1:  # most GPU blocks have no other copy
-        below = copies.get(_CPU)
-        if below is None or not below.ready or below.stale:
-            below = copies.get(_NVME)
-            if below is None or not below.ready or below.stale:
-                below = copies.get(_REMOTE)
-        clean = below is not None and below.ready and not below.stale
-    return _new_facts(BlockFacts, (
-        block.ref_count > 0, block.num_running_refs > 0, block.num_protected_refs > 0,
-        not copy.ready or copy.num_readers > 0, clean, False, block.lost, brought_back,
-        block.key,
-    ))  # fmt: skip
-
-
-def cpu_facts(block: Block, copy: Copy) -> BlockFacts:
-    """The facts of `block`'s CPU copy `copy` (no `running`, `sink`: GPU facts)."""
-    copies = block.copies
-    clean = above = False
-    if len(copies) > 1:
-        below = copies.get(_NVME)
-        if below is None or not below.ready or below.stale:
-            below = copies.get(_REMOTE)
-        clean = below is not None and below.ready and not below.stale
-        gpu = copies.get(_GPU)
-        above = gpu is not None and gpu.ready and not gpu.stale
-    return _new_facts(BlockFacts, (
-        block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False, block.key,
-    ))  # fmt: skip
-
-
-def nvme_facts(block: Block, copy: Copy) -> BlockFacts:
-    """The facts of `block`'s NVMe copy `copy`: `clean` is a ready remote copy,
-    `ready_above` a ready CPU or GPU copy."""
-    copies = block.copies
-    clean = above = False
-    if len(copies) > 1:
+    gpu = copies.get(_GPU)
+    cpu = copies.get(_CPU)
+    nvme = copies.get(_NVME)
+    if len(copies) == 1:  # most blocks: no other copy, so nothing clean or above
+        on_gpu = on_cpu = on_nvme = on_remote = False
+    else:
         remote = copies.get(_REMOTE)
-        clean = remote is not None and remote.ready and not remote.stale
-        up = copies.get(_CPU)
-        if up is None or not up.ready or up.stale:
-            up = copies.get(_GPU)
-        above = up is not None and up.ready and not up.stale
-    return _new_facts(BlockFacts, (
-        block.ref_count > 0, False, False, not copy.ready or copy.num_readers > 0,
-        clean, above, block.lost, False, block.key,
-    ))  # fmt: skip
+        on_gpu = gpu is not None and gpu.ready and not gpu.stale
+        on_cpu = cpu is not None and cpu.ready and not cpu.stale
+        on_nvme = nvme is not None and nvme.ready and not nvme.stale
+        on_remote = remote is not None and remote.ready and not remote.stale
+    referenced = block.ref_count > 0
+    lost = block.lost
+    key = block.key
+    want_gpu = skip is not _GPU and (only is None or only is _GPU)
+    want_cpu = skip is not _CPU and (only is None or only is _CPU)
+    want_nvme = skip is not _NVME and (only is None or only is _NVME)
+    return (
+        None if gpu is None or not want_gpu else _new_facts(BlockFacts, (
+            referenced, block.num_running_refs > 0, block.num_protected_refs > 0,
+            not gpu.ready or gpu.num_readers > 0, on_cpu or on_nvme or on_remote,
+            False, lost, brought_back, key,
+        )),
+        None if cpu is None or not want_cpu else _new_facts(BlockFacts, (
+            referenced, False, False, not cpu.ready or cpu.num_readers > 0,
+            on_nvme or on_remote, on_gpu, lost, False, key,
+        )),
+        None if nvme is None or not want_nvme else _new_facts(BlockFacts, (
+            referenced, False, False, not nvme.ready or nvme.num_readers > 0,
+            on_remote, on_cpu or on_gpu, lost, False, key,
+        )),
+    )  # fmt: skip
 
 
-def facts_of(block: Block, tier: Tier, copy: Copy) -> BlockFacts:
-    """The facts of `block`'s copy `copy` on `tier` (a tier with a policy)."""
-    if tier is _GPU:
-        return gpu_facts(block, copy)
-    return cpu_facts(block, copy) if tier is _CPU else nvme_facts(block, copy)
+def facts_of(block: Block, tier: Tier) -> BlockFacts:
+    """The facts of `block`'s copy on `tier` (a tier with a policy, where it has one)."""
+    facts = tier_facts(block, only=tier)[_POSITION[tier]]
+    assert facts is not None, f"block {block.block_id} has no {tier.value} copy"
+    return facts
 
 
 class TierPolicies:
@@ -126,63 +124,38 @@ class TierPolicies:
         if block.copies and block.block_id in self._blocks:
             self._rerank(block, None if gpu else _GPU)
 
-    def _rerank(self, block: Block, skip: Tier | None) -> None:
-        """Every tier's policy but `skip`'s hears the facts of `block`'s copy there.
-
-        The three builders written out in one body: a re-rank is the store's most
-        frequent call, and the readiness of each copy is read once for all tiers."""
-        copies = block.copies
-        gpu = copies.get(_GPU)
-        cpu = copies.get(_CPU)
-        nvme = copies.get(_NVME)
-        if len(copies) == 1:  # most blocks: no other copy, so nothing clean or above
-            on_gpu = on_cpu = on_nvme = on_remote = False
-        else:
-            remote = copies.get(_REMOTE)
-            on_gpu = gpu is not None and gpu.ready and not gpu.stale
-            on_cpu = cpu is not None and cpu.ready and not cpu.stale
-            on_nvme = nvme is not None and nvme.ready and not nvme.stale
-            on_remote = remote is not None and remote.ready and not remote.stale
-        referenced = block.ref_count > 0
-        lost = block.lost
-        key = block.key
+    def _rerank(self, block: Block, skip: Tier | None, facts: TierFacts | None = None) -> None:
+        """Every tier's policy but `skip`'s hears the facts of `block`'s copy there
+        (`facts`: `tier_facts(block)`, when the caller has them)."""
+        gpu, cpu, nvme = tier_facts(block, skip=skip) if facts is None else facts
         block_id = block.block_id
         if gpu is not None and skip is not _GPU:
-            self._gpu.update(block_id, _new_facts(BlockFacts, (
-                referenced, block.num_running_refs > 0, block.num_protected_refs > 0,
-                not gpu.ready or gpu.num_readers > 0, on_cpu or on_nvme or on_remote,
-                False, lost, False, key,
-            )))  # fmt: skip
+            self._gpu.update(block_id, gpu)
         if cpu is not None and skip is not _CPU:
-            self._cpu.update(block_id, _new_facts(BlockFacts, (
-                referenced, False, False, not cpu.ready or cpu.num_readers > 0,
-                on_nvme or on_remote, on_gpu, lost, False, key,
-            )))  # fmt: skip
+            self._cpu.update(block_id, cpu)
         if nvme is not None and skip is not _NVME:
-            self._nvme.update(block_id, _new_facts(BlockFacts, (
-                referenced, False, False, not nvme.ready or nvme.num_readers > 0,
-                on_remote, on_cpu or on_gpu, lost, False, key,
-            )))  # fmt: skip
+            self._nvme.update(block_id, nvme)
 
     def changed_gpu(self, block: Block) -> None:
         """A change only a GPU copy's facts hold (`running`, `sink`)."""
-        copy = block.copies.get(_GPU)
-        if copy is not None:
-            self._gpu.update(block.block_id, gpu_facts(block, copy))
+        gpu = tier_facts(block, only=_GPU)[0]
+        if gpu is not None:
+            self._gpu.update(block.block_id, gpu)
 
     def placed(self, block: Block, tier: Tier, copy: Copy) -> None:
         """`copy` was placed on `tier`: that tier's policy inserts it. A copy placed
         ready (a new block's) may change what the copies on the other tiers are ranked
         by; one being written changes nothing they see (`clean` and `ready_above` count
         ready copies) until it arrives (`BlockStore.finish_transfer` re-ranks it then)."""
-        if tier is _GPU:
-            self._gpu.insert(block.block_id, gpu_facts(block, copy))
-        elif tier is _CPU:
-            self._cpu.insert(block.block_id, cpu_facts(block, copy))
-        elif tier is _NVME:
-            self._nvme.insert(block.block_id, nvme_facts(block, copy))
-        if copy.ready and len(block.copies) > 1:  # a new block's only copy: nobody else to tell
-            self._rerank(block, tier)
+        tell_others = copy.ready and len(block.copies) > 1  # a new block's only copy: nobody
+        facts = tier_facts(block) if tell_others else tier_facts(block, only=tier)
+        policy = self.by_tier.get(tier)
+        if policy is not None:
+            placed = facts[_POSITION[tier]]
+            assert placed is not None, "the copy was just placed"
+            policy.insert(block.block_id, placed)
+        if tell_others:
+            self._rerank(block, tier, facts)
 
     def dropped(self, block: Block, tier: Tier) -> None:
         """`block`'s copy on `tier` is gone (the caller re-ranks the rest)."""
@@ -195,9 +168,9 @@ class TierPolicies:
             policy.remove(block.block_id)
 
     def swapped_in(self, block: Block) -> None:
-        copy = block.copies.get(_GPU)
-        if copy is not None:
-            self._gpu.update(block.block_id, gpu_facts(block, copy, brought_back=True))
+        gpu = tier_facts(block, brought_back=True, only=_GPU)[0]
+        if gpu is not None:
+            self._gpu.update(block.block_id, gpu)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         keys = list(keys)
@@ -224,11 +197,9 @@ class TierPolicies:
             or block.lost
             or (tier is _GPU and block.num_running_refs > 0)
             # An unreferenced block is droppable whatever its other facts: no facts built.
-            or (
-                droppable_only and block.ref_count > 0 and not facts_of(block, tier, copy).droppable
-            )
+            or (droppable_only and block.ref_count > 0 and not facts_of(block, tier).droppable)
         ):
-            facts = facts_of(block, tier, copy)
+            facts = facts_of(block, tier)
             raise RuntimeError(
                 f"{type(policy).__name__}.evict(1) returned block {block.block_id}, whose "
                 f"{tier.value} copy may not leave now ({facts})"
