@@ -45,7 +45,7 @@ from tests.vllm_support import ROOT, VLLM_VENV, VllmServer, run_script, vllm_ven
 
 from kvswap.commands.outputs import check_output_dir
 from kvswap.errors import KvSwapError
-from kvswap.signals import Terminated, report_stop, stop_signals_raise
+from kvswap.signals import run_stoppable
 
 #: The checkpoint: the `small` preset's shape (as benchmarks/engine_hf.py), or a
 #: quarter of it with --quick.
@@ -214,9 +214,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # A stop signal unwinds like Ctrl-C: servers stopped, temporary files removed.
-    with stop_signals_raise():
-        try:
-            code = main()
-        except (KeyboardInterrupt, Terminated) as stop:
-            code = report_stop(stop)
-    sys.exit(code)
+    sys.exit(run_stoppable(main))

@@ -63,7 +63,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-from kvswap.signals import Terminated, report_stop, stop_signals_raise  # noqa: E402
+from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.sim.policy_curve import CHAT, POLICIES  # noqa: E402
 from kvswap.units import ceil_div  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec  # noqa: E402
@@ -251,8 +251,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     # A stop signal unwinds like Ctrl-C: the engine closed, temporary files removed.
-    with stop_signals_raise():
-        try:
-            main()
-        except (KeyboardInterrupt, Terminated) as stop:
-            sys.exit(report_stop(stop))
+    sys.exit(run_stoppable(main))

@@ -69,7 +69,7 @@ from engine_support import (  # noqa: E402
 )
 from kvswap.commands.outputs import check_output_file  # noqa: E402
 from kvswap.errors import KvSwapError  # noqa: E402
-from kvswap.signals import Terminated, report_stop, stop_signals_raise  # noqa: E402
+from kvswap.signals import run_stoppable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.vllm_scripts.common import BLOCK_TOKENS as VLLM_BLOCK_TOKENS  # noqa: E402
@@ -372,9 +372,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # A stop signal unwinds like Ctrl-C: servers stopped, temporary files removed.
-    with stop_signals_raise():
-        try:
-            code = main()
-        except (KeyboardInterrupt, Terminated) as stop:
-            code = report_stop(stop)
-    sys.exit(code)
+    sys.exit(run_stoppable(main))

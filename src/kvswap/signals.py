@@ -149,3 +149,15 @@ def report_stop(exc: KeyboardInterrupt | Terminated) -> int:
     """Print the one stop line on stderr and return the exit code."""
     print(stop_message(exc), file=sys.stderr)
     return stop_exit_code(exc)
+
+
+def run_stoppable(main: Callable[[], int | None]) -> int:
+    """Run a script's `main` with the stop signals raising, so a SIGTERM unwinds every
+    `with` on the way out as Ctrl-C does; returns its exit code (None: 0), or after a
+    stop the one stop line's 128 + the signal number."""
+    try:
+        with stop_signals_raise():
+            code = main()
+    except (KeyboardInterrupt, Terminated) as stop:
+        return report_stop(stop)
+    return 0 if code is None else code

@@ -29,7 +29,13 @@ from kvswap.data.disk_pool import DiskPool
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.host_memory import available_host_bytes
-from kvswap.signals import Terminated, signals_deferred, stop_message, stop_signals_raise
+from kvswap.signals import (
+    Terminated,
+    run_stoppable,
+    signals_deferred,
+    stop_message,
+    stop_signals_raise,
+)
 
 BLOCK_BYTES = 4096
 DEADLINE_S = 60.0  # a bound on waiting for a child, not a performance figure
@@ -200,6 +206,26 @@ def test_a_stop_signal_is_held_until_a_deferred_block_ends() -> None:
     assert steps == ["signalled", "finished"]
     assert info.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_script_run_stoppable_unwinds_on_sigterm_and_exits_143(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    released: list[str] = []
+
+    def script() -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(DEADLINE_S)  # the handler raises here
+        finally:
+            released.append("server stopped")
+        return 0
+
+    assert run_stoppable(script) == 143
+    assert released == ["server stopped"]
+    assert capsys.readouterr().err.strip() == "kvswap: stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert run_stoppable(lambda: None) == 0 and run_stoppable(lambda: 3) == 3
 
 
 def test_a_deferred_block_without_a_signal_changes_nothing() -> None:
