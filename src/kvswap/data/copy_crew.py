@@ -191,13 +191,11 @@ class CopyCrew:
         copy_piece: PieceCopy | None = None,
     ) -> Batch:
         """A batch owned by the calling thread, open to the helpers if `spread` and it
-        is big enough: they may start on it before its owner calls `work` (a lane
-        opens its next chunk before working on this one, so a helper that runs out
-        of pairs moves on without going to sleep). The owner must `work` or `leave`
-        it. `on_done` runs once all pairs are copied or lost, on whichever thread
-        leaves last. `yield_to`: for a LOW batch, the arbiter whose HIGH chunks go
-        first; with `copy_piece`, a LOW batch that may be spread copies its blocks
-        in pieces of at most `low_piece_bytes`."""
+        is big enough: they may start on it before its owner calls `work`. The owner
+        must `work` or `leave` it. `on_done` runs once all pairs are copied or lost,
+        on whichever thread leaves last. `yield_to`: for a LOW batch, the arbiter
+        whose HIGH chunks go first; with `copy_piece`, a LOW batch that may be spread
+        copies its blocks in pieces of at most `low_piece_bytes`."""
         num_pieces = 1
         pieces = bool(self.low_piece_bytes and pairs and copy_piece is not None)
         if pieces and yield_to is not None and spread:

@@ -17,11 +17,8 @@ CPU path (no GPU, and every NVMe leg): a lane runs its chunk as one batch on
 the engine's `CopyCrew` (`CpuChunk`, cpu_copies.py). With the device pool on
 the CPU, the crew's helper threads take blocks of the same chunk too, each
 block one memcpy that releases the GIL, so a chunk moves on every core; NVMe
-legs stay on their lane. Before a lane works on a chunk it opens its next
-queued one to the crew as well (when no other lane of the queue is idle), so a
-helper that runs out of blocks in this chunk goes on into the next instead of
-sleeping until the lane gets there. The lane moves on to its next chunk once
-nothing of this one is left to take, and whichever thread copies a chunk's
+legs stay on their lane. The lane moves on to its next chunk once nothing of
+this one is left to take, and whichever thread copies a chunk's
 last block reports it. A LOW copy thread, before each block (each 512 KiB
 piece of a GPU leg's block), yields while any HIGH chunk is pending or
 running, so on the shared memory bus / disk a swap-in waits for at most one
@@ -113,7 +110,6 @@ class QueueWorker:
         self._lock = threading.Lock()
         self._report_lock = threading.Lock()  # one report per job, whichever thread
         self._num_running = len(lanes)
-        self._num_idle = 0  # lanes blocked on the queue (a hint for starting ahead)
         name = priority.name.lower()
         self._threads = [
             threading.Thread(
@@ -166,7 +162,7 @@ class QueueWorker:
         for started in in_flight:
             if isinstance(started, CpuChunk):
                 # Its helpers still write its slots: let them land first. A chunk this
-                # lane started ahead but never worked on loses what nobody took.
+                # lane opened but never worked on loses what nobody took.
                 with contextlib.suppress(BaseException):
                     started.abandon()
                     started.wait()
@@ -205,81 +201,37 @@ class QueueWorker:
     def _run(
         self, lane: torch.cuda.Stream | None, held: list[Job], in_flight: deque[_Started]
     ) -> None:
-        taken: deque[Job | None] = deque()  # taken from the queue early, not yet started
-        ahead: _Started | None = None  # the next chunk, started (opened) before its turn
-        try:
-            while True:
-                if ahead is not None:
-                    started, ahead = ahead, None
-                else:
-                    try:
-                        # Block for new work only when nothing is in flight.
-                        job = taken.popleft() if taken else self._take(block=not in_flight)
-                    except queue.Empty:
-                        self._finish(in_flight.popleft(), held)
-                        continue
-                    if job is None:
-                        while in_flight:
-                            self._finish(in_flight.popleft(), held)
-                        return
-                    held.append(job)
-                    if not _runs_on_stream(job, lane):
-                        # Report earlier stream chunks before a long synchronous one (a
-                        # crew chunk has reported itself, or will when its last block lands).
-                        while in_flight and not isinstance(in_flight[0], CpuChunk):
-                            self._finish(in_flight.popleft(), held)
-                    started = self._start(job, lane)
-                in_flight.append(started)
-                if isinstance(started, CpuChunk):
-                    ahead = self._start_ahead(lane, held, taken)
-                    started.work()
-                    if not started.done:
-                        # Only it stays in flight: the next chunk starts while a helper
-                        # copies its last blocks, and the helper moves on to that one.
-                        while len(in_flight) > 1:
-                            self._finish(in_flight.popleft(), held)
-                        continue
-                while len(in_flight) >= self._max_in_flight or (
-                    in_flight and isinstance(in_flight[-1], (_Finished, CpuChunk))
-                ):
+        while True:
+            try:
+                # Block for new work only when nothing is in flight.
+                job = self._jobs.get(block=not in_flight)
+            except queue.Empty:
+                self._finish(in_flight.popleft(), held)
+                continue
+            if job is None:
+                while in_flight:
                     self._finish(in_flight.popleft(), held)
-        finally:
-            if ahead is not None:  # leaving before its turn: _exit settles it
-                in_flight.append(ahead)
-
-    def _take(self, *, block: bool) -> Job | None:
-        """The next job from the queue (queue.Empty if none and not `block`); counts
-        this lane idle while it blocks."""
-        if not block:
-            return self._jobs.get(block=False)
-        with self._lock:
-            self._num_idle += 1
-        try:
-            return self._jobs.get()
-        finally:
-            with self._lock:
-                self._num_idle -= 1
-
-    def _start_ahead(
-        self, lane: torch.cuda.Stream | None, held: list[Job], taken: deque[Job | None]
-    ) -> _Started | None:
-        """Before a lane works on a crew chunk: start (open) its next queued one too,
-        so a helper that finds nothing left in this chunk goes on into the next
-        without sleeping, and copies while the lane does a chunk's bookkeeping. Only
-        a CPU lane's GPU legs (what the crew spreads), only with helpers, and only
-        when no other lane of this queue is idle (it would take the chunk itself).
-        Anything else taken early waits in `taken` for its turn."""
-        if lane is not None or self._crew.num_helpers == 0 or taken or self._num_idle > 0:
-            return None
-        try:
-            job = self._jobs.get(block=False)
-        except queue.Empty:
-            return None
-        if job is None or job.chunk.direction not in GPU_DIRECTIONS:
-            taken.append(job)
-            return None
-        held.append(job)
-        return self._start(job, lane)
+                return
+            held.append(job)
+            if not _runs_on_stream(job, lane):
+                # Report earlier stream chunks before a long synchronous one (a
+                # crew chunk has reported itself, or will when its last block lands).
+                while in_flight and not isinstance(in_flight[0], CpuChunk):
+                    self._finish(in_flight.popleft(), held)
+            started = self._start(job, lane)
+            in_flight.append(started)
+            if isinstance(started, CpuChunk):
+                started.work()
+                if not started.done:
+                    # Only it stays in flight: the next chunk starts while a helper
+                    # copies its last blocks.
+                    while len(in_flight) > 1:
+                        self._finish(in_flight.popleft(), held)
+                    continue
+            while len(in_flight) >= self._max_in_flight or (
+                in_flight and isinstance(in_flight[-1], (_Finished, CpuChunk))
+            ):
+                self._finish(in_flight.popleft(), held)
 
     def _start(self, job: Job, lane: torch.cuda.Stream | None) -> _Started:
         start_s = time.perf_counter()
