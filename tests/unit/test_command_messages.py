@@ -271,6 +271,33 @@ def test_simulate_nan_length_scale_is_one_line_before_simulating(
     assert "--length-scale = nan" in one_error_line(err)
 
 
+@pytest.mark.parametrize("command", ["simulate", "tune", "run"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_requests_below_one_is_one_line_with_or_without_a_trace(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    value: str,
+) -> None:
+    """A synthetic workload used to ignore --max-requests, whatever its value."""
+    forbid(monkeypatch, simulate_command, "Simulator")
+    forbid(monkeypatch, run_command, "Engine")
+    extra = ("--model", "tiny") if command == "run" else ()
+    code, out, err = cli(capsys, command, *SMALL_SIM, *extra, "--max-requests", value)
+    assert code == 2 and out == ""
+    assert f"--max-requests {value}: allowed: an integer >= 1" in one_error_line(err)
+
+
+def test_simulate_max_requests_keeps_the_first_synthetic_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sessions = ("--num-sessions", "3", "--turns", "2")
+    code, out, _err = cli(
+        capsys, "simulate", *SMALL_SIM, *sessions, "--max-requests", "4", "--json"
+    )
+    assert code == 0 and json.loads(out)["requests_completed"] == 4
+
+
 def test_tune_with_zero_completed_requests_writes_no_config(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -151,6 +151,16 @@ def test_follow_ups_chain_and_resolve() -> None:
     )
 
 
+def test_first_requests_keep_every_turn_they_follow() -> None:
+    workload = generate_synthetic(small_spec())
+    first = workload.first(7)
+    assert first.requests == workload.requests[:7] and len(first) == 7
+    for request in first:  # built again, so every follow-up's turn is inside
+        if request.follow_up is not None:
+            assert request.follow_up.previous_request_id < 7
+    assert workload.first(len(workload)) is workload
+
+
 def test_resolve_prompt_before_previous_finished_is_an_error() -> None:
     workload = generate_synthetic(small_spec())
     follow_up = next(r for r in workload if r.follow_up is not None)

@@ -105,10 +105,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_workload_arguments(args)
     if args.synthetic and args.trace is not None:
         raise KvSwapError("--synthetic and --trace: give one workload, not both")
-    for flag, value in (("--max-requests", args.max_requests),
-                        ("--max-concurrency", args.max_concurrency)):  # fmt: skip
-        if value is not None and value < 1:
-            raise KvSwapError(f"{flag} {value}: allowed: an integer >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise KvSwapError(f"--max-concurrency {args.max_concurrency}: allowed: an integer >= 1")
     for flag, number in (("--duration-s", args.duration_s), ("--timeout-s", args.timeout_s),
                          ("--slo-ttft-ms", args.slo_ttft_ms),
                          ("--slo-tpot-ms", args.slo_tpot_ms)):  # fmt: skip

@@ -112,6 +112,8 @@ def check_workload_arguments(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
             raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a finite number > 0")
+    if args.max_requests is not None and args.max_requests < 1:
+        raise KvSwapError(f"--max-requests {args.max_requests}: allowed: an integer >= 1")
 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
@@ -124,7 +126,7 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
             length_scale=args.length_scale,
             max_requests=args.max_requests,
         )
-    return generate_synthetic(
+    workload = generate_synthetic(
         SyntheticSpec(
             num_sessions=args.num_sessions,
             turns_per_session=args.turns,
@@ -138,6 +140,7 @@ def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
             seed=args.seed,
         )
     )
+    return workload if args.max_requests is None else workload.first(args.max_requests)
 
 
 def engine_model(

@@ -156,6 +156,18 @@ class Workload:
     def __getitem__(self, request_id: int) -> Request:
         return self.requests[request_id]
 
+    def first(self, num_requests: int) -> Workload:
+        """The first `num_requests` requests (>= 1) in arrival order; a follow-up
+        always comes after the turn it extends, so the result is whole. The same
+        workload when it holds no more."""
+        if num_requests >= len(self.requests):
+            return self
+        return Workload(
+            requests=self.requests[:num_requests],
+            name=f"{self.name}, first {num_requests}",
+            vocab_size=self.vocab_size,
+        )
+
     def first_arrivals(self) -> tuple[Request, ...]:
         """Requests that arrive on their own clock (no follow-up), in arrival order."""
         return tuple(request for request in self.requests if request.follow_up is None)
