@@ -288,6 +288,30 @@ def test_max_requests_below_one_is_one_line_with_or_without_a_trace(
     assert f"--max-requests {value}: allowed: an integer >= 1" in one_error_line(err)
 
 
+@pytest.mark.parametrize("command", ["simulate", "run", "loadgen"])
+def test_a_workload_flag_that_cannot_apply_is_one_line_not_ignored(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    command: str,
+) -> None:
+    """--time-scale without a trace, and a synthetic shape with one, used to be dropped
+    silently. A flag given at its default value counts as given too."""
+    forbid(monkeypatch, simulate_command, "Simulator")
+    forbid(monkeypatch, run_command, "Engine")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(TRACE_LINE)
+    extra = {"run": ("--model", "tiny"), "loadgen": ("--url", "http://127.0.0.1:9")}.get(
+        command, ()
+    )
+    code, out, err = cli(capsys, command, *extra, "--quiet", "--time-scale", "1")
+    assert code == 2 and out == ""
+    assert "--time-scale applies only to --trace FILE" in one_error_line(err)
+    code, out, err = cli(capsys, command, *extra, "--quiet", "--trace", str(trace), "--turns", "3")
+    assert code == 2 and out == ""
+    assert "--turns shapes only a synthetic workload" in one_error_line(err)
+
+
 def test_simulate_max_requests_keeps_the_first_synthetic_requests(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

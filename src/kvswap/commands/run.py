@@ -63,43 +63,71 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+#: Workload flags that shape only a synthetic workload, and only a trace's.
+SYNTHETIC_ONLY = ("num_sessions", "turns", "prompt_tokens", "output_tokens", "user_tokens",
+                  "system_prompt_tokens", "arrival_rate", "think_time_s")  # fmt: skip
+TRACE_ONLY = ("time_scale", "length_scale")
+_GIVEN = "given_workload_flags"  # the namespace attribute `_Given` fills
+
+
+class _Given(argparse.Action):
+    """Store the value and note that the user gave the flag (a value equal to the
+    default is given too): a flag that cannot apply is refused, not ignored."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        given = getattr(namespace, _GIVEN, None)
+        setattr(namespace, _GIVEN, (*(given or ()), self.dest))
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload (synthetic unless --trace)")
     group.add_argument(
-        "--num-sessions", type=int, default=8, metavar="N",
+        "--num-sessions", type=int, default=8, metavar="N", action=_Given,
         help="conversations (default %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--turns",
-        type=int,
-        default=2,
-        metavar="N",
+        "--turns", type=int, default=2, metavar="N", action=_Given,
         help="turns per conversation (default %(default)s)",
-    )
+    )  # fmt: skip
     group.add_argument(
-        "--prompt-tokens", type=int, default=160, metavar="N",
+        "--prompt-tokens", type=int, default=160, metavar="N", action=_Given,
         help="first prompt's tokens after the system prompt (default %(default)s)",
     )  # fmt: skip
     group.add_argument(
-        "--output-tokens", type=int, default=32, metavar="N",
+        "--output-tokens", type=int, default=32, metavar="N", action=_Given,
         help="tokens generated per turn (default %(default)s)",
     )  # fmt: skip
-    group.add_argument("--user-tokens", type=int, default=32, help="new tokens per later turn")
     group.add_argument(
-        "--system-prompt-tokens", type=int, default=32, metavar="N",
+        "--user-tokens", type=int, default=32, action=_Given, help="new tokens per later turn"
+    )
+    group.add_argument(
+        "--system-prompt-tokens", type=int, default=32, metavar="N", action=_Given,
         help="a system prompt every conversation shares (default %(default)s)",
     )  # fmt: skip
-    group.add_argument("--arrival-rate", type=float, default=math.inf, help="sessions per second")
     group.add_argument(
-        "--think-time-s", type=float, default=0.0, metavar="S",
+        "--arrival-rate", type=float, default=math.inf, action=_Given, help="sessions per second"
+    )
+    group.add_argument(
+        "--think-time-s", type=float, default=0.0, metavar="S", action=_Given,
         help="pause between a reply and the next turn (default %(default)s)",
     )  # fmt: skip
     group.add_argument(
         "--seed", type=int, default=0, metavar="N", help="the workload's seed (default %(default)s)"
     )
     group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
-    group.add_argument("--time-scale", type=float, default=1.0, help="trace timestamps x this")
-    group.add_argument("--length-scale", type=float, default=1.0, help="trace lengths x this")
+    group.add_argument(
+        "--time-scale", type=float, default=1.0, action=_Given, help="trace timestamps x this"
+    )
+    group.add_argument(
+        "--length-scale", type=float, default=1.0, action=_Given, help="trace lengths x this"
+    )
     group.add_argument(
         "--max-requests", type=int, default=None, metavar="N",
         help="stop after the first N requests (default: all)",
@@ -114,6 +142,18 @@ def check_workload_arguments(args: argparse.Namespace) -> None:
             raise KvSwapError(f"--{name.replace('_', '-')} = {value}: allowed: a finite number > 0")
     if args.max_requests is not None and args.max_requests < 1:
         raise KvSwapError(f"--max-requests {args.max_requests}: allowed: an integer >= 1")
+    given = getattr(args, _GIVEN, None) or ()
+    with_trace = args.trace is not None
+    for name in SYNTHETIC_ONLY if with_trace else TRACE_ONLY:
+        if name in given:
+            flag = "--" + name.replace("_", "-")
+            raise KvSwapError(
+                f"{flag} shapes only a synthetic workload; with --trace the trace does "
+                "(drop the flag)"
+                if with_trace
+                else f"{flag} applies only to --trace FILE; a synthetic workload is shaped by "
+                "--num-sessions, --turns, --prompt-tokens, ..."
+            )
 
 
 def workload_from_args(args: argparse.Namespace, vocab_size: int) -> Workload:
