@@ -304,8 +304,7 @@ WORKLOAD_FLAGS: dict[str, Flag] = {
     "--arrival-rate": choice("inf", "100", "1e6"),
     "--think-time-s": choice("0", "0.001"),
     "--seed": value(st.integers(0, 2**64)),
-    "--time-scale": choice("1", "0.5"),
-    "--length-scale": choice("1", "0.5"),
+    # --time-scale and --length-scale shape traces only (test_fuzz_trace_reader).
     "--max-requests": ints(1, 4),
 }
 MONITOR_FLAGS: dict[str, Flag] = {
