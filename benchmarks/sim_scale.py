@@ -4,8 +4,9 @@ Generates a seeded Mooncake-like trace (`kvswap.sim.tracegen`: ~12k requests in 
 hour, ~12k-token prompts, conversation-style prefix sharing; NOT the real
 Mooncake trace, which is not bundled) or reads `--trace FILE`, and simulates it
 on an H200 with the GPU tier sized from its memory, 100k CPU blocks and 200k
-NVMe blocks (8B model, 16-token blocks). Prints simulated seconds per wall
-second and steps per second, then one JSON line.
+NVMe blocks (8B model, 16-token blocks). Shows a progress bar on stderr
+(`--quiet`: none); prints simulated seconds per wall second and steps per
+second, then one JSON line.
 
     .venv/bin/python benchmarks/sim_scale.py                    # about 15 minutes on 2 cores
     .venv/bin/python benchmarks/sim_scale.py --max-requests 1000
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvswap.config import load_config
+from kvswap.obs.progress import ProgressBar
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.simulator import Simulator
 from kvswap.sim.trace import load_trace_workload
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--trace", metavar="FILE", help="a Mooncake-format trace to replay")
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--hardware", default="h200")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
     start_s = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +50,8 @@ def main() -> None:
     load_s = time.perf_counter() - start_s
     config = load_config(None, overrides=CONFIG)
     simulator = Simulator(config, hardware_preset(args.hardware))
-    summary = simulator.run(workload).to_json()
+    with ProgressBar("simulated requests", enabled=not args.quiet) as bar:
+        summary = simulator.run(workload, bar.update).to_json()
     wall_s = float(summary["wall_s"])  # type: ignore[arg-type]
     steps = int(summary["num_steps"])  # type: ignore[call-overload]
     figures = {
