@@ -361,14 +361,18 @@ class BlockStore:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
         copies = block.copies
+        marked = False
         for tier in _BELOW_GPU:
             copy = copies.get(tier)
             if copy is None:
                 continue
             if copy.is_busy:
                 copy.stale = True
+                marked = True
             else:
                 self.drop_copy(block, tier)
+        if marked:  # no longer a ready copy below: what the other copies are ranked by
+            self._policies.changed(block)
 
     def delete_block(self, block: Block) -> None:
         """Forget a block nobody references. Copies a transfer still uses are marked

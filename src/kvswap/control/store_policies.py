@@ -13,6 +13,7 @@ the block has a copy there, and only of changes that can alter the
     a copy placed being written, tier T     T: insert         T: insert
     a copy placed ready (a new block)       insert / update   insert / update
     a copy dropped from tier T              T: remove, the others: update
+    a copy below goes stale in use          update            update
     transfers start / end (the mover)       update            update
     a GPU copy brought back from below      update (brought_back)
     a read by a step                        touch             touch
