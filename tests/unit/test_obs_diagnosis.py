@@ -29,7 +29,7 @@ from kvswap.obs.diagnosis import (
     tail_attribution,
     too_much_swap_out,
 )
-from kvswap.obs.diagnosis_requests import remote_fetches_failing
+from kvswap.obs.diagnosis_requests import remote_fetches_failing, remote_store_down
 from kvswap.obs.finding import Finding
 from kvswap.obs.observer import StepSample
 from kvswap.obs.tail import PREFILL, SWAP_WAIT
@@ -342,3 +342,17 @@ def test_remote_hits_that_fail_to_arrive_are_named_with_the_stores_counters() ->
     assert finding.values["share"] == pytest.approx(0.3)
     summary["remote"] = {"found_blocks": 4, "fetch_failures": 4}
     assert remote_fetches_failing(summary, series) is None  # too few to judge
+
+
+def test_a_remote_store_that_was_down_is_named_even_with_nothing_found() -> None:
+    """Unreachable from the start: no lookup ever found a block, so rule 7 is silent;
+    the outage and the writes it cost are still a finding."""
+    summary, series = record(healthy())
+    assert remote_store_down(summary, series) is None  # no remote tier
+    summary["remote"] = {"outages": 0, "writes": 12, "lookups": 5}
+    assert remote_store_down(summary, series) is None
+    summary["remote"] = {"outages": 1, "writes": 0, "writes_skipped": 11, "lookups": 0}
+    finding = remote_store_down(summary, series)
+    assert finding is not None and finding.rule in rules(diagnose(summary, series))
+    assert finding.figure == "1 outage; 0 blocks written, 11 writes skipped, 0 lookups"
+    assert "remote_fetches_failing" not in rules(diagnose(summary, series))

@@ -286,6 +286,6 @@ def render(summary: dict[str, Any]) -> str:
     if not findings:
         lines.append(
             "diagnosis: no warning sign (swap-wait, link, latency, latency tail, pinned pool, "
-            "remote fetches, refused requests)"
+            "remote fetches, refused requests, remote outages)"
         )
     return "\n".join(lines)

@@ -37,6 +37,8 @@ None when the run does not show the symptom. The rules and their terms:
 8. Any request refused at admission (it could never run: longer than the GPU tier
    holds, or past the model's positions) -> the tiers are sized for shorter requests;
    the finding names the blocks the longest refused request needs.
+9. With a remote tier: the store was unreachable at least once (an outage) -> the
+   remote tier was off meanwhile (every lookup a miss, finished prefixes not written).
 
 Every percentile a finding quotes is the summary's own (`itl_ms`), so a finding
 never disagrees with the table above it.
@@ -48,7 +50,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.ledger import DEFAULT_LINK_GB_PER_S
-from kvswap.obs.diagnosis_requests import remote_fetches_failing, requests_refused
+from kvswap.obs.diagnosis_requests import (
+    remote_fetches_failing,
+    remote_store_down,
+    requests_refused,
+)
 from kvswap.obs.finding import Finding, Thresholds
 from kvswap.obs.jsonvalues import int_map, number, number_or
 from kvswap.obs.quantiles import LogHistogram
@@ -395,6 +401,7 @@ def diagnose(
         tail_attribution(summary, series, thresholds),
         remote_fetches_failing(summary, series, thresholds),
         requests_refused(summary, series, thresholds),
+        remote_store_down(summary, series, thresholds),
     ]
     return [f for f in found if f is not None]
 

@@ -1,5 +1,6 @@
 """The diagnosis's rules about requests and their KV's source: rule 7 (remote hits that
-failed to arrive) and rule 8 (requests refused at admission); `obs.diagnosis` runs them."""
+failed to arrive), rule 8 (requests refused at admission) and rule 9 (the remote store
+was down); `obs.diagnosis` runs them."""
 
 from __future__ import annotations
 
@@ -38,6 +39,34 @@ def remote_fetches_failing(
             "share": share,
             "corrupt": float(corrupt),
             "outages": float(outages),
+        },
+    )
+
+
+def remote_store_down(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    outages = integer_or(summary, "remote", "outages")
+    if outages < 1:
+        return None
+    written = integer_or(summary, "remote", "writes")
+    skipped = integer_or(summary, "remote", "writes_skipped")
+    lookups = integer_or(summary, "remote", "lookups")
+    return Finding(
+        rule="remote_store_down",
+        symptom="the remote store was unreachable",
+        metric='kvswap_remote_store_events_total{event="outage"} (remote.outages)',
+        figure=f"{outages} outage{'s' if outages > 1 else ''}; {written} blocks written, "
+        f"{skipped} writes skipped, {lookups} lookups",
+        cause="while the store is down the remote tier is off: every lookup is a miss and "
+        "finished prefixes are not written, so other engines cannot reuse them",
+        advice="check remote_url and that the store is running and reachable; the warning "
+        "logged at the first outage names the error",
+        values={
+            "outages": float(outages),
+            "writes": float(written),
+            "writes_skipped": float(skipped),
+            "lookups": float(lookups),
         },
     )
 
