@@ -336,19 +336,14 @@ def test_the_lane_starts_its_next_chunk_while_a_helper_finishes_this_one(
     assert results[2].start_s < results[1].end_s  # the two chunks overlapped
 
 
-def held_first_chunk(
-    monkeypatch: pytest.MonkeyPatch, release: threading.Event, then: Any = None
-) -> None:
+def held_first_chunk(monkeypatch: pytest.MonkeyPatch, release: threading.Event) -> None:
     """Hook the block copy: chunk 0's block (source slot 7) waits for `release`, so
-    the chunks submitted after it are all queued when the lane comes back; `then`
-    runs (under the hook) before every other block copy."""
+    the chunks submitted after it are all queued when the lane comes back."""
     real_copy_block = block_copy.copy_block
 
     def hooked(pools: Any, direction: Direction, src: int, dst: int, **kwargs: Any) -> None:
         if src == 7:
             assert release.wait(HANG_TIMEOUT_S)
-        elif then is not None:
-            then(src)
         real_copy_block(pools, direction, src, dst, **kwargs)
 
     monkeypatch.setattr(block_copy, "copy_block", hooked)

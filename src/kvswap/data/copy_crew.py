@@ -1,15 +1,14 @@
 """Copy threads that share one chunk's block copies, so a chunk uses every core.
 
     lane thread (owns the batch)             helper threads (copy_threads - 1)
-    open(batch k): post -------------------> wake, join batch k
-    open(batch k+1): post (if queued)
-    work(batch k):
+    start(batch): post --------------------> wake, join the batch
       take pair 0, copy                      take pair 1, copy
       take pair 2, copy                      take pair 3, copy
       ...                                    ...
-      nothing left to take: withdraw the     nothing left in k: join batch k+1
-      batch, return (the lane opens k+2,     without going to sleep; the last
-      then works on k+1)                     one out of k reports it (on_done)
+      nothing left to take: withdraw the     last pair done, last one out:
+      batch, return (the lane starts its     on_done(outcome) reports the
+      next chunk: the helper joins it        chunk, then joins the next batch
+      without going to sleep)                if one is open
 
 A batch is one chunk's (src_slot, dst_slot) pairs. Every thread takes the
 next pair from one cursor, so the pairs go to whichever threads the OS runs:
@@ -17,9 +16,7 @@ a helper that is not scheduled delays the chunk by at most the one pair it
 holds, and the owner never waits for a pair nobody took. The last thread to
 leave a batch calls its `on_done`, so the owner need not wait for a helper's
 last pair: it returns to its lane, which starts the next chunk meanwhile, and
-a stream of chunks keeps every thread copying. A batch may be opened before
-its owner works on it (`open`, then `work`), so helpers go from one chunk into
-the next while the lane does a chunk's bookkeeping. A batch smaller than
+a stream of chunks keeps every thread copying. A batch smaller than
 `min_spread_bytes` (or with one pair) stays on its lane: waking a helper
 costs more than it saves.
 
@@ -90,9 +87,8 @@ class Batch:
         self.done = threading.Event()  # set after on_done, once no thread touches the batch
         self.result: tuple[BatchOutcome, float] | None = None  # (outcome, end_s) once done
         self.owner_left = False  # the owner is out; the last helper out completes it
-        self.shared = False  # open to the helpers
         self.next_index = 0  # the next unit to take: pair next_index // num_pieces
-        self.stopped = False  # a copy raised, or the owner left: take nothing more
+        self.stopped = False  # a copy raised: take nothing more
         self.pieces_copied = [0] * len(pairs)
         self.errors: list[str] = []
         self.lost_alone: set[int] = set()
@@ -165,71 +161,35 @@ class CopyCrew:
         on_done: OnDone | None = None,
         copy_piece: PieceCopy | None = None,
     ) -> Batch:
-        """`open`, then `work` on the calling thread: copy pairs until none is left to
-        take; return the batch, whose last pairs may still be in a helper's hands."""
-        batch = self.open(
-            pairs,
-            copy,
-            num_bytes=num_bytes,
-            yield_to=yield_to,
-            spread=spread,
-            on_done=on_done,
-            copy_piece=copy_piece,
-        )
-        self.work(batch)
-        return batch
-
-    def open(
-        self,
-        pairs: Sequence[tuple[int, int]],
-        copy: PairCopy,
-        *,
-        num_bytes: int,
-        yield_to: LinkArbiter | None,
-        spread: bool = True,
-        on_done: OnDone | None = None,
-        copy_piece: PieceCopy | None = None,
-    ) -> Batch:
-        """A batch owned by the calling thread, open to the helpers if `spread` and it
-        is big enough: they may start on it before its owner calls `work`. The owner
-        must `work` or `leave` it. `on_done` runs once all pairs are copied or lost,
-        on whichever thread leaves last. `yield_to`: for a LOW batch, the arbiter
-        whose HIGH chunks go first; with `copy_piece`, a LOW batch that may be spread
-        copies its blocks in pieces of at most `low_piece_bytes`."""
+        """Copy pairs on the calling thread (and, if `spread` and the batch is big
+        enough, on the helpers) until none is left to take; return the batch, whose
+        last pairs may still be in a helper's hands. `on_done` runs once all are
+        copied or lost, on whichever thread leaves last. `yield_to`: for a LOW
+        batch, the arbiter whose HIGH chunks go first; with `copy_piece`, a LOW
+        batch that may be spread copies its blocks in pieces of at most
+        `low_piece_bytes`."""
         num_pieces = 1
         pieces = bool(self.low_piece_bytes and pairs and copy_piece is not None)
         if pieces and yield_to is not None and spread:
             num_pieces = max(1, ceil_div(num_bytes // len(pairs), self.low_piece_bytes))
         batch = Batch(pairs, copy, yield_to, on_done, copy_piece, num_pieces)
         shared = spread and bool(self._threads) and len(pairs) > 1
-        batch.shared = shared and num_bytes >= self.min_spread_bytes
-        if batch.shared:
+        shared = shared and num_bytes >= self.min_spread_bytes
+        if shared:
             with self._lock:
                 self._open.append(batch)
                 self._work.notify(min(len(pairs) - 1, len(self._threads)))
-        return batch
-
-    def work(self, batch: Batch) -> None:
-        """The owner copies the batch's pairs until none is left to take, then leaves."""
         try:
             self._work_on(batch, owner=True)
         finally:
-            self.leave(batch)
-
-    def leave(self, batch: Batch) -> None:
-        """The owner is done with the batch (a second call does nothing): no helper
-        joins it any more, and pairs nobody took are lost (a lane that exits
-        without working on a batch it opened)."""
-        with self._lock:
-            if batch.owner_left:
-                return
-            if batch.shared:
-                self._open.remove(batch)  # nothing left to take: no helper joins now
-            batch.owner_left = True
-            batch.stopped = True  # whatever is still untaken stays so
-            last_out = batch.num_helpers == 0
-        if last_out:
-            self._complete(batch)
+            with self._lock:
+                if shared:
+                    self._open.remove(batch)  # nothing left to take: no helper joins now
+                batch.owner_left = True
+                last_out = batch.num_helpers == 0
+            if last_out:
+                self._complete(batch)
+        return batch
 
     def run(
         self,

@@ -18,11 +18,11 @@ the engine's `CopyCrew` (`CpuChunk`, cpu_copies.py). With the device pool on
 the CPU, the crew's helper threads take blocks of the same chunk too, each
 block one memcpy that releases the GIL, so a chunk moves on every core; NVMe
 legs stay on their lane. The lane moves on to its next chunk once nothing of
-this one is left to take, and whichever thread copies a chunk's
-last block reports it. A LOW copy thread, before each block (each 512 KiB
-piece of a GPU leg's block), yields while any HIGH chunk is pending or
-running, so on the shared memory bus / disk a swap-in waits for at most one
-LOW piece (an NVMe leg: one block) per copy thread.
+this one is left to take, and whichever thread copies a chunk's last block
+reports it. A LOW copy thread, before each block (each 512 KiB piece of a GPU
+leg's block), yields while any HIGH chunk is pending or running, so on the
+shared memory bus / disk a swap-in waits for at most one LOW piece (an NVMe
+leg: one block) per copy thread.
 
 CUDA path (GPU legs when the device pool is on a GPU): a lane issues a chunk
 on its stream (`CudaChunk`) and keeps up to `max_in_flight` chunks queued
@@ -161,10 +161,8 @@ class QueueWorker:
     def _exit(self, held: list[Job], in_flight: deque[_Started], reason: str) -> None:
         for started in in_flight:
             if isinstance(started, CpuChunk):
-                # Its helpers still write its slots: let them land first. A chunk this
-                # lane opened but never worked on loses what nobody took.
+                # Its helpers still write its slots: let them land first.
                 with contextlib.suppress(BaseException):
-                    started.abandon()
                     started.wait()
         now_s = time.perf_counter()
         for job in list(held):
@@ -220,14 +218,12 @@ class QueueWorker:
                     self._finish(in_flight.popleft(), held)
             started = self._start(job, lane)
             in_flight.append(started)
-            if isinstance(started, CpuChunk):
-                started.work()
-                if not started.done:
-                    # Only it stays in flight: the next chunk starts while a helper
-                    # copies its last blocks.
-                    while len(in_flight) > 1:
-                        self._finish(in_flight.popleft(), held)
-                    continue
+            if isinstance(started, CpuChunk) and not started.done:
+                # Only it stays in flight: the next chunk starts while a helper
+                # copies its last blocks, and the helper moves on to that one.
+                while len(in_flight) > 1:
+                    self._finish(in_flight.popleft(), held)
+                continue
             while len(in_flight) >= self._max_in_flight or (
                 in_flight and isinstance(in_flight[-1], (_Finished, CpuChunk))
             ):

@@ -34,9 +34,8 @@ _MAX_ERRORS_IN_TEXT = 3
 
 
 class CpuChunk:
-    """One chunk opened on `crew` (its helpers may start on it at once); its lane
-    then calls `work()` (or `abandon()`). `report(job, result)` runs once, when its
-    last block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
+    """One chunk started on `crew`; `report(job, result)` runs once, when its last
+    block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH."""
 
     def __init__(
         self,
@@ -70,8 +69,7 @@ class CpuChunk:
             )
             return None
 
-        self._crew = crew
-        self._batch = crew.open(
+        self._batch = crew.start(
             list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
             copy,
             num_bytes=chunk.num_bytes,
@@ -80,16 +78,6 @@ class CpuChunk:
             on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
             copy_piece=copy_piece,  # GPU legs only (spread): no NVMe slot is split
         )
-
-    def work(self) -> None:
-        """Copy the chunk's blocks on the calling thread (its lane) until none is left
-        to take; the helpers may still be copying the last ones."""
-        self._crew.work(self._batch)
-
-    def abandon(self) -> None:
-        """The lane will not work on the chunk (it exits): the blocks nobody took are
-        lost. Nothing happens if it already worked on it."""
-        self._crew.leave(self._batch)
 
     @property
     def done(self) -> bool:
