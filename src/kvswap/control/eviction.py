@@ -19,11 +19,7 @@ from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.room import make_room
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import Direction, Priority, Tier
-
-# Module constants: a member read off an Enum class is several times slower than
-# a global in Python 3.11, and these are read per block.
-_GPU, _CPU = Tier.GPU, Tier.CPU
+from kvswap.control.transfer import CPU_TIER, GPU_TIER, Direction, Priority
 
 
 class Evictor:
@@ -39,18 +35,18 @@ class Evictor:
         self.mover = mover
         self.metrics = metrics
         self.demoter = demoter
-        self._to_cpu = demoter.pair_below[_GPU]
+        self._to_cpu = demoter.pair_below[GPU_TIER]
         self._clock_s = clock_s
 
     def ensure_gpu_slots(self, num_blocks: int) -> bool:
         """Make `num_blocks` GPU slots free now, evicting synchronously if needed."""
-        gpu = self.store.tiers[_GPU]
+        gpu = self.store.tiers[GPU_TIER]
         if gpu.num_free_slots >= num_blocks:
             return True
         victims: list[Block] = []
         expected_free = gpu.num_free_slots + self.mover.num_gpu_evictions_pending
         while expected_free < num_blocks:
-            victim = self.store.pop_victim(_GPU)
+            victim = self.store.pop_victim(GPU_TIER)
             if victim is None:
                 break
             victims.append(victim)
@@ -75,11 +71,11 @@ class Evictor:
 
     @staticmethod
     def evictable_now(block: Block) -> bool:
-        gpu = block.copies.get(_GPU)
+        gpu = block.copies.get(GPU_TIER)
         return gpu is not None and not gpu.is_busy and block.num_running_refs == 0
 
     def cpu_slot(self, block: Block) -> Copy | None:
         """A CPU copy for `block` (`make_room`): an unreferenced cache entry is
         discarded only to save a referenced block, never to make room for another
         cache entry (the GPU victim's own discard is as good)."""
-        return make_room(self.store, self.metrics, _CPU, block, displace_cache=False)
+        return make_room(self.store, self.metrics, CPU_TIER, block, displace_cache=False)

@@ -32,7 +32,11 @@ from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.store import BlockStore
 from kvswap.control.transfer import (
+    CPU_TO_REMOTE,
+    GPU_TIER,
+    HIGH_PRIORITY,
     REMOTE_DIRECTIONS,
+    REMOTE_TO_CPU,
     CopyEngine,
     Direction,
     Priority,
@@ -44,11 +48,6 @@ from kvswap.control.transfer import (
 #: Called with each chunk and its blocks as it is submitted (a read-only look: the
 #: simulator counts swap-ins per block through it).
 SubmitHook = Callable[[TransferChunk, Sequence[Block]], None]
-
-# Enum members as module constants: in Python 3.11 a member read off its class
-# (`Tier.GPU`) takes the metaclass's slow attribute path, ~0.4 us, per chunk here.
-_GPU, _HIGH = Tier.GPU, Priority.HIGH
-_CPU_TO_REMOTE, _REMOTE_TO_CPU = Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU
 
 
 @dataclass
@@ -103,7 +102,7 @@ class Mover:
     def chunk_blocks(self, direction: Direction, priority: Priority) -> int:
         """Swap-in and prefetch (up the hierarchy, HIGH) move in swap-in chunks;
         everything else in swap-out chunks."""
-        if priority is _HIGH and direction.upward:
+        if priority is HIGH_PRIORITY and direction.upward:
             return self.swap_in_chunk_blocks
         return self.swap_out_chunk_blocks
 
@@ -149,7 +148,7 @@ class Mover:
                 keys=keys,
             )
             self.inflight[transfer_id] = _InFlight(chunk, blocks, evict)
-            if evict and src_tier is _GPU:
+            if evict and src_tier is GPU_TIER:
                 self.num_gpu_evictions_pending += len(blocks)
             self.num_inflight_by_direction[direction] += 1
             if self._on_submit is not None:
@@ -177,21 +176,21 @@ class Mover:
         self.num_inflight_by_direction[direction] -= 1
         failed = set(result.failed_dst_slots)
         num_bytes = result.num_bytes
-        if direction is _CPU_TO_REMOTE:
+        if direction is CPU_TO_REMOTE:
             # Only the blocks the store took count as bytes to it: a write skipped
             # (never sent) or refused moved nothing there. (A local read that failed
             # its CRC did read its bytes; those directions count the chunk.)
             num_stored = 0 if not result.success else sum(s not in failed for s in chunk.dst_slots)
             num_bytes = num_stored * self.block_bytes
         self.metrics.record_transfer(direction, num_bytes, result.duration_s)
-        if not result.success and direction is not _CPU_TO_REMOTE:
+        if not result.success and direction is not CPU_TO_REMOTE:
             # A write the store failed or skipped loses nothing: it is counted as such.
             self.metrics.failed_transfers += 1
         num_ok = num_bad = 0
         # Read once per chunk, not per block: properties and attributes of the chunk.
         src_tier, dst_tier = direction.src_tier, direction.dst_tier
         evict, success, transfer_id = record.evict, result.success, chunk.transfer_id
-        gpu_eviction = evict and src_tier is _GPU
+        gpu_eviction = evict and src_tier is GPU_TIER
         writing, finish, metrics = self.writing, self.store.finish_transfer, self.metrics
         for block, dst_slot in zip(record.blocks, chunk.dst_slots, strict=True):
             key = (block.block_id, dst_tier)
@@ -207,10 +206,10 @@ class Mover:
             if outcome.arrived:
                 self._on_arrival(block, dst_tier)
             num_ok += outcome.ready
-        if direction is _CPU_TO_REMOTE:
+        if direction is CPU_TO_REMOTE:
             self.metrics.remote_writes += num_ok
             self.metrics.remote_write_failures += num_bad
-        elif direction is _REMOTE_TO_CPU:
+        elif direction is REMOTE_TO_CPU:
             self.metrics.remote_fetch_failures += num_bad
 
 

@@ -40,13 +40,12 @@ from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
+from kvswap.control.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
-# Read per copy placed or transfer finished: module constants, since a member read off
-# its Enum class or a property (`tier.spec`) costs several dict lookups in Python 3.11.
-_GPU = Tier.GPU
+# Read per copy placed or transfer finished: module constants, since a property
+# (`tier.spec`) costs several dict lookups in Python 3.11.
 _BELOW_GPU = TIERS_BELOW[Tier.GPU]
 _KEYED_TIERS = frozenset(t for t, spec in TIER_SPECS.items() if spec.addressing is Addressing.KEYS)
 _CHECKED_READS = frozenset(t for t, spec in TIER_SPECS.items() if spec.checked_reads)
@@ -277,7 +276,7 @@ class BlockStore:
         """GPU slots of the sequence's blocks, in order; all must be ready."""
         table = []
         for block in self.sequence_blocks(seq_id):
-            copy = block.ready_copy(_GPU)
+            copy = block.ready_copy(GPU_TIER)
             if copy is None or copy.slot is None:
                 raise AssertionError(f"block {block.block_id} of sequence {seq_id} is not on GPU")
             table.append(copy.slot)
@@ -443,7 +442,7 @@ class BlockStore:
             ok
             and evict
             and src.num_readers == 0
-            and not (src_tier is _GPU and block.num_running_refs > 0)
+            and not (src_tier is GPU_TIER and block.num_running_refs > 0)
         ):
             self.drop_copy(block, src_tier)
         else:

@@ -17,13 +17,17 @@ from kvswap.control.eviction import Evictor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import Direction, Priority, Tier
-
-# Enum members as module constants: in Python 3.11 a member read off its class
-# (`Tier.GPU`) takes the metaclass's slow attribute path, ~0.4 us, per block here.
-_GPU, _CPU, _NVME, _REMOTE = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
-_CPU_TO_GPU, _NVME_TO_CPU = Direction.CPU_TO_GPU, Direction.NVME_TO_CPU
-_REMOTE_TO_CPU, _HIGH = Direction.REMOTE_TO_CPU, Priority.HIGH
+from kvswap.control.transfer import (
+    CPU_TIER,
+    CPU_TO_GPU,
+    GPU_TIER,
+    HIGH_PRIORITY,
+    NVME_TIER,
+    NVME_TO_CPU,
+    REMOTE_TIER,
+    REMOTE_TO_CPU,
+    Tier,
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class SwapIn:
             self._fetch(pending, sync=True)
             waited = False
             for block in missing:
-                for tier in (_GPU, _CPU):
+                for tier in (GPU_TIER, CPU_TIER):
                     transfer_id = self.mover.writing.get((block.block_id, tier))
                     if transfer_id is not None:
                         self.mover.wait(transfer_id)
@@ -109,41 +113,41 @@ class SwapIn:
         return WaitResult(tuple(not_ready), wait_s)
 
     def num_missing_gpu_blocks(self, seq_id: int) -> int:
-        return sum(_GPU not in b.copies for b in self.store.sequence_blocks(seq_id))
+        return sum(GPU_TIER not in b.copies for b in self.store.sequence_blocks(seq_id))
 
     @staticmethod
     def _missing(block: Block) -> bool:
-        return not block.lost and block.ready_copy(_GPU) is None
+        return not block.lost and block.ready_copy(GPU_TIER) is None
 
     def _fetch(self, seq_ids: Iterable[int], *, sync: bool) -> None:
         to_gpu: list[tuple[Block, Copy]] = []
-        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {_NVME: [], _REMOTE: []}
+        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {NVME_TIER: [], REMOTE_TIER: []}
         for seq_id in seq_ids:
             for block in self.store.sequence_blocks(seq_id):
-                if block.lost or _GPU in block.copies:
+                if block.lost or GPU_TIER in block.copies:
                     continue
-                cpu_copy = block.ready_copy(_CPU)
+                cpu_copy = block.ready_copy(CPU_TIER)
                 if cpu_copy is not None:
                     # Hold the source first: making GPU room may drop cold CPU copies.
-                    self.mover.reserve(block, _CPU, cpu_copy)
+                    self.mover.reserve(block, CPU_TIER, cpu_copy)
                     room = not sync or self.evictor.ensure_gpu_slots(1)
-                    gpu = self.store.place(block, _GPU, ready=False) if room else None
+                    gpu = self.store.place(block, GPU_TIER, ready=False) if room else None
                     if gpu is None:
-                        self.mover.unreserve(block, _CPU)
+                        self.mover.unreserve(block, CPU_TIER)
                         continue
                     to_gpu.append((block, gpu))
                     self._note_fetch(block, sync)
-                elif _CPU not in block.copies and (source := _below_cpu(block)) is not None:
+                elif CPU_TIER not in block.copies and (source := _below_cpu(block)) is not None:
                     cpu = self.evictor.cpu_slot(block)
                     if cpu is not None:
                         to_cpu[source].append(self.mover.reserve(block, source, cpu))
                         self._wanted_on_gpu.add(block.block_id)
                         self._note_fetch(block, sync)
-                elif _CPU in block.copies:
+                elif CPU_TIER in block.copies:
                     self._wanted_on_gpu.add(block.block_id)  # on its way up to the CPU
-        self.mover.submit(_CPU_TO_GPU, _HIGH, to_gpu, evict=False)
-        self.mover.submit(_NVME_TO_CPU, _HIGH, to_cpu[_NVME], evict=False)
-        self.mover.submit(_REMOTE_TO_CPU, _HIGH, to_cpu[_REMOTE], evict=False)
+        self.mover.submit(CPU_TO_GPU, HIGH_PRIORITY, to_gpu, evict=False)
+        self.mover.submit(NVME_TO_CPU, HIGH_PRIORITY, to_cpu[NVME_TIER], evict=False)
+        self.mover.submit(REMOTE_TO_CPU, HIGH_PRIORITY, to_cpu[REMOTE_TIER], evict=False)
 
     def _note_fetch(self, block: Block, sync: bool) -> None:
         if sync:
@@ -154,19 +158,19 @@ class SwapIn:
 
     def arrived(self, block: Block, tier: Tier) -> None:
         """A copy of `block` became ready on `tier` (called by the mover)."""
-        if tier is _GPU:
+        if tier is GPU_TIER:
             self.store.swapped_in(block)
-        elif tier is _CPU and block.block_id in self._wanted_on_gpu:
+        elif tier is CPU_TIER and block.block_id in self._wanted_on_gpu:
             self._wanted_on_gpu.discard(block.block_id)
-            gpu = self.store.place(block, _GPU, ready=False)
+            gpu = self.store.place(block, GPU_TIER, ready=False)
             if gpu is not None:
-                pair = self.mover.reserve(block, _CPU, gpu)
-                self.mover.submit(_CPU_TO_GPU, _HIGH, [pair], evict=False)
+                pair = self.mover.reserve(block, CPU_TIER, gpu)
+                self.mover.submit(CPU_TO_GPU, HIGH_PRIORITY, [pair], evict=False)
 
 
 def _below_cpu(block: Block) -> Tier | None:
     """The tier to bring `block` up from when it has no CPU copy: NVMe (local) first."""
-    for tier in (_NVME, _REMOTE):
+    for tier in (NVME_TIER, REMOTE_TIER):
         if block.ready_copy(tier) is not None:
             return tier
     return None

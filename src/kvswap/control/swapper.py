@@ -40,11 +40,15 @@ from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store import BlockStore
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swap_in import SwapIn, WaitResult
-from kvswap.control.transfer import CopyEngine, Direction, Priority, Tier
-
-# Module constants: a member read off an Enum class is several times slower than
-# a global in Python 3.11, and these are read per block.
-_GPU, _CPU, _REMOTE = Tier.GPU, Tier.CPU, Tier.REMOTE
+from kvswap.control.transfer import (
+    CPU_TIER,
+    GPU_TIER,
+    REMOTE_TIER,
+    CopyEngine,
+    Direction,
+    Priority,
+    Tier,
+)
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ class Swapper:
         for block in hits:
             tier = block.fastest_copy_tier()
             assert tier is not None, "the prefix index holds no lost block"
-            if tier is _REMOTE:
+            if tier is REMOTE_TIER:
                 # Counted once its fetch lands: a fetch that fails is recomputed.
                 self._remote_hits_due[block.block_id] += 1
             else:
@@ -148,7 +152,7 @@ class Swapper:
         if needed and not self.ensure_gpu_slots(needed):
             return False
         for block in self.store.append_tokens(seq_id, token_ids):
-            copy = self.store.place(block, _GPU, ready=True)
+            copy = self.store.place(block, GPU_TIER, ready=True)
             assert copy is not None, "slots were reserved above"
         return True
 
@@ -156,7 +160,7 @@ class Swapper:
         self.swap_in.forget(seq_id)
         if not running and self.options.sink_protection:
             protected = self.store.sequence_blocks(seq_id)[: self.store.layout.protected_blocks]
-            self.metrics.protected_block_saves += sum(_GPU in b.copies for b in protected)
+            self.metrics.protected_block_saves += sum(GPU_TIER in b.copies for b in protected)
         self.store.set_running(seq_id, running)
 
     def release(self, seq_id: int, *, reason: str | None = None) -> None:
@@ -183,13 +187,13 @@ class Swapper:
         released = self.store.close_sequence(seq_id)
         pairs = []
         for block in released:
-            gpu = block.ready_copy(_GPU)
-            if gpu is None or block.has_ready_copy_below(_GPU) or _CPU in block.copies:
+            gpu = block.ready_copy(GPU_TIER)
+            if gpu is None or block.has_ready_copy_below(GPU_TIER) or CPU_TIER in block.copies:
                 continue
             cpu = self.evictor.cpu_slot(block)
             if cpu is None:
                 break
-            pairs.append(self.mover.reserve(block, _GPU, cpu))
+            pairs.append(self.mover.reserve(block, GPU_TIER, cpu))
         # Slots went head first (a prefix's head is worth most); the copies land tail
         # first, so the head is the most recent on the CPU: a chain leaves the pinned
         # pool (and NVMe after it) from its tail, and what stays is a usable prefix.
@@ -225,9 +229,9 @@ class Swapper:
         return self.evictor.ensure_gpu_slots(num_blocks)
 
     def _arrived(self, block: Block, tier: Tier) -> None:
-        if tier is _CPU and block.block_id in self._remote_hits_due:
+        if tier is CPU_TIER and block.block_id in self._remote_hits_due:
             hits = self._remote_hits_due.pop(block.block_id)
-            self.metrics.prefix_hit_blocks_by_tier[_REMOTE] += hits
+            self.metrics.prefix_hit_blocks_by_tier[REMOTE_TIER] += hits
         self.swap_in.arrived(block, tier)
         if self.remote is not None:
             self.remote.arrived(block, tier)
@@ -240,7 +244,7 @@ class Swapper:
 
     @property
     def num_gpu_blocks(self) -> int:
-        return self.store.tiers[_GPU].num_slots
+        return self.store.tiers[GPU_TIER].num_slots
 
     @property
     def protected_blocks(self) -> int:
@@ -269,8 +273,8 @@ class Swapper:
         to grow, so a resumed sequence is not preempted again a few tokens later.
         The first sequence may always run if it fits at all (no idle deadlock).
         """
-        gpu = self.store.tiers[_GPU]
-        room = gpu.num_free_slots + self.store.num_eviction_candidates(_GPU)
+        gpu = self.store.tiers[GPU_TIER]
+        room = gpu.num_free_slots + self.store.num_eviction_candidates(GPU_TIER)
         if batch_is_empty:
             return num_blocks <= room
         pinned_blocks = gpu.num_slots - room
@@ -280,7 +284,7 @@ class Swapper:
         """Whether the sequence's missing blocks fit free GPU slots with the
         swap-out headroom left over: a prefetched block that has to leave again
         before use is a wasted transfer."""
-        gpu = self.store.tiers[_GPU]
+        gpu = self.store.tiers[GPU_TIER]
         headroom = math.ceil((1.0 - self.settings.swap_out_high_watermark) * gpu.num_slots)
         return self.num_missing_gpu_blocks(seq_id) + headroom <= gpu.num_free_slots
 
@@ -328,7 +332,7 @@ class Swapper:
             state = self.store.sequences.get(seq_id)
             assert state is not None and state.running, f"resident sequence {seq_id} is not running"
             for block in self.store.sequence_blocks(seq_id):
-                assert block.ready_copy(_GPU) is not None, (
+                assert block.ready_copy(GPU_TIER) is not None, (
                     f"block {block.block_id} of resident sequence {seq_id} is not ready on the GPU"
                 )
         busy_slots = {
