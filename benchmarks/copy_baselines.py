@@ -5,9 +5,9 @@ two pools that this machine does: torch's `copy_` of the whole pool (on
 torch's intra-op threads, ordinary stores), and, with the device pool in host
 memory, one numpy memcpy of it on one thread. glibc streams a copy that big
 past the caches with non-temporal stores (above `x86_non_temporal_threshold`,
-114 MiB on the project's machine), which no block-sized copy gets, so on a
-CPU-only machine the numpy copy is usually the faster one (README, transfer
-table). `swap_*_vs_memcpy` is the ratio to torch's `copy_` (what transfer.py
+114 MiB on the project's machine), which no block-sized copy gets: on one
+CPU-only machine the numpy copy was the faster one, on another torch's (README,
+transfer section), hence both. `swap_*_vs_memcpy` is the ratio to torch's `copy_` (what transfer.py
 always printed); `swap_*_vs_fastest_copy` the ratio to the faster of the two.
 """
 
