@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -140,3 +141,23 @@ def test_a_generated_trace_round_trips_and_simulates(tmp_path: Path) -> None:
     assert read_trace_rows(path) == rows
     summary = small_sim().run(load_trace_workload(path)).to_json()
     assert summary["requests_completed"] == 12
+
+
+def test_a_run_leaves_no_cyclic_garbage_for_the_paused_collector(tmp_path: Path) -> None:
+    # `Simulator.run` pauses the cycle collector (`paused_gc`): safe only while a run
+    # makes no reference cycles, or a long run would keep every cycle until it ends.
+    # Every path runs here: swaps both ways, NVMe demotions, evictions on every tier.
+    sim = small_sim(gpu_kv_capacity_blocks=60, cpu_kv_capacity_blocks=80,
+                    nvme_kv_capacity_blocks=120, nvme_dir=str(tmp_path))  # fmt: skip
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
+    try:
+        summary = sim.run(chat(2)).to_json()
+        assert gc.isenabled()  # restored after the run
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("kvswap")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert summary["bytes_cpu_to_nvme"] != 0 and summary["bytes_cpu_to_gpu"] != 0
+    assert ours == []
