@@ -60,8 +60,8 @@ def paused_gc() -> Iterator[None]:
     (facts, copies, chunks): reference counting frees them all, since a run makes no
     reference cycles (a block points to its parent, never back; a test checks that a run
     leaves no cyclic garbage). The collector would only rescan the live blocks: 58 s of
-    the full `sim_scale.py` run's 692 even with its first generation collected 70x less
-    often; without it the run took 646 s at the same peak memory (2.4 GB). Changes no
+    a full `sim_scale.py` run's 692 even with its first generation collected 70x less
+    often; without it the run takes ~11% less wall time at the same peak memory. Changes no
     simulated figure: nothing depends on when garbage is collected. A caller that had
     disabled the collector keeps it disabled; cycles a user's own policy makes are
     collected after the run."""
