@@ -6,19 +6,24 @@ the remote tier, digest for digest. The store is the only thing that changes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from redis import Redis
+from safetensors.torch import save_file
 
 from kvswap.config import load_config
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
+from kvswap.model.loader import load_model
 from kvswap.workload.request import Request, Workload
 from tests.integration.remote_store_support import runs_sharing_a_prefix
 from tests.redis_server import RedisServer, redis_server_missing
+from tests.unit.test_llama import TINY_HF_CONFIG
 
 pytestmark = pytest.mark.skipif(redis_server_missing() is not None, reason="no redis-server")
 
@@ -149,3 +154,38 @@ def test_an_unreachable_store_is_an_error_only_when_required(tmp_path: Path) -> 
     assert "\n" not in str(refused.value)
     alone = run(workload(0), remote_url=url)  # one warning, the tier off
     assert alone["outputs_digest"] == run(workload(0))["outputs_digest"]
+
+
+def _checkpoint(directory: Path, **config: object) -> str:
+    """The tiny preset's weights saved as a checkpoint whose config.json differs from the
+    preset's only in `config`."""
+    model, _ = load_model("tiny", None, torch.device("cpu"))
+    directory.mkdir()
+    tensors = {name: t.clone() for name, t in model.state_dict().items()}
+    save_file(tensors, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, **config}))
+    return str(directory)
+
+
+def test_checkpoints_of_one_weights_and_another_config_field_share_no_block(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Issue 30, finding 2: the same weights under another norm epsilon compute other KV.
+    Through one store, the second model's output is its own, and it found nothing."""
+
+    def run_model(model: str, **settings: object) -> dict[str, Any]:
+        config = load_config(environ={}, overrides={**BASE, **settings})
+        with Engine(engine_settings(config, EngineOptions(model=model))) as engine:
+            return engine.run(workload(0)).to_json()
+
+    first = _checkpoint(tmp_path / "a", rms_norm_eps=1e-6)
+    other = _checkpoint(tmp_path / "a-eps", rms_norm_eps=1e-1)
+    alone = run_model(other)
+    assert alone["outputs_digest"] != run_model(first)["outputs_digest"]  # it matters
+    filled = run_model(first, remote_url=redis_server.url)
+    assert filled["remote"]["writes"] > 0
+    shared = run_model(other, remote_url=redis_server.url)
+    assert shared["prefix_hit_tokens"]["remote"] == 0
+    assert shared["outputs_digest"] == alone["outputs_digest"]
+    again = run_model(first, remote_url=redis_server.url)  # the same model still hits
+    assert again["prefix_hit_tokens"]["remote"] > 0

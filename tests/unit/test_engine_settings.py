@@ -14,8 +14,9 @@ from kvswap.data.layout import KVLayout
 from kvswap.drive.settings import control_settings
 from kvswap.engine.settings import EngineOptions, RemoteStoreSettings, engine_settings
 from kvswap.errors import KvSwapError
+from kvswap.model.kv_identity import kvswap_identity
 from kvswap.model.loader import PRESET_SEED
-from kvswap.model.weights_identity import block_fingerprint, weights_identity
+from kvswap.model.weights_identity import weights_identity
 
 TINY: dict[str, object] = {
     "kv_block_tokens": 8,
@@ -40,7 +41,10 @@ def test_the_record_holds_the_model_its_tiers_and_the_control_plane_settings() -
     weights = weights_identity("tiny", preset_seed=PRESET_SEED)
     assert settings.control == control_settings(
         config, settings.capacities, block_bytes=block_bytes,
-        model_fingerprint=block_fingerprint(arch.description, weights, batch_invariant=True),
+        model_fingerprint=kvswap_identity(
+            arch, weights, batch_invariant=True, device_type="cpu", block_tokens=8,
+            block_bytes=block_bytes,
+        ).fingerprint(),
         max_sequence_tokens=arch.max_position_tokens,
     )  # fmt: skip
     assert settings.nvme is None and settings.remote_store is None

@@ -10,9 +10,6 @@ test_hf_equivalence (copied here as plain dicts, so no transformers import).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ from kvswap.ledger import kv_bytes_per_block
 from kvswap.model.description import ModelDescription
 from kvswap.model.dtypes import DTYPE_BYTES
 from kvswap.model.hf_config import describe_hf_dict, describe_hf_file
+from kvswap.model.kv_identity import config_json
 from kvswap.model.loader import PRESETS as ENGINE_PRESETS
 from kvswap.model.loader import resolve_model
 from kvswap.model.presets import ENGINE_PRESET_NAMES, PRESET_NAMES, preset_description
@@ -158,53 +156,40 @@ def test_one_dtype_table_and_one_preset_table() -> None:
         assert ENGINE_PRESETS[name].description == preset_description(name)
 
 
-# --- the fingerprint ----------------------------------------------------------------
+# --- the identity fields (kvswap.model.kv_identity digests them) -------------------
 
 
-def test_fingerprint_is_a_sha256_hex_digest_that_follows_the_kv_dtype() -> None:
+def _identity(desc: ModelDescription, kv_dtype: str | None = None) -> str:
+    return config_json(desc.identity_fields(kv_dtype))
+
+
+def test_identity_fields_follow_the_kv_dtype() -> None:
     desc = preset_description("llama-3.1-8b")
-    fingerprint = desc.fingerprint()
-    assert len(fingerprint) == 64 and int(fingerprint, 16) >= 0
-    assert desc.kv_dtype == "bf16" and desc.fingerprint("bfloat16") == fingerprint
-    assert desc.fingerprint("fp8") == desc.with_kv_dtype("fp8").fingerprint() != fingerprint
+    fields = _identity(desc)
+    assert desc.kv_dtype == "bf16" and _identity(desc, "bfloat16") == fields
+    assert _identity(desc, "fp8") == _identity(desc.with_kv_dtype("fp8")) != fields
 
 
-def test_fingerprint_is_equal_across_processes() -> None:
-    code = (
-        "from kvswap.model.presets import preset_description as p;"
-        "print(p('llama-3.1-8b').fingerprint(), p('deepseek-v3').fingerprint('fp8'))"
-    )
-    expected = f"{preset_description('llama-3.1-8b').fingerprint()} " + preset_description(
-        "deepseek-v3"
-    ).fingerprint("fp8")
-    for seed in ("0", "12345"):  # str hashing differs per process; the digest must not
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        result = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
-            timeout=60,
-        )  # fmt: skip
-        assert result.stdout.strip() == expected
-
-
-def test_the_same_model_from_any_source_has_one_fingerprint(tmp_path: Path) -> None:
-    tiny = preset_description("tiny")
+def test_the_same_model_from_any_source_has_one_identity(tmp_path: Path) -> None:
+    tiny = _identity(preset_description("tiny"))
     # The preset, the checkpoint config the tests save for it, and the engine's view.
-    assert describe_hf_dict(TINY_HF_CONFIG, "elsewhere").fingerprint() == tiny.fingerprint()
-    assert resolve_model("tiny", None)[0].description.fingerprint() == tiny.fingerprint()
+    assert _identity(describe_hf_dict(TINY_HF_CONFIG, "elsewhere")) == tiny
+    assert _identity(resolve_model("tiny", None)[0].description) == tiny
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
-    assert resolve_model(str(tmp_path), None)[0].description.fingerprint() == tiny.fingerprint()
-    # Name, parameter estimate and decoder-only keys are not part of the identity.
+    assert _identity(resolve_model(str(tmp_path), None)[0].description) == tiny
+    # Name and parameter estimate are not part of it; the decoder-only keys (norm
+    # epsilon, positions) are the decoder config's (tests/unit/test_kv_identity.py).
     renamed = {**TINY_HF_CONFIG, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
-    assert describe_hf_dict(renamed, "other-name").fingerprint() == tiny.fingerprint()
+    assert _identity(describe_hf_dict(renamed, "other-name")) == tiny
     # transformers 4.x and 5.x spell RoPE differently; the model is the same.
     v4 = {**LLAMA_3_8B, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
     v5 = {**LLAMA_3_8B, "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5,
                                             "factor": 2.0}}  # fmt: skip
-    assert describe_hf_dict(v4).fingerprint() == describe_hf_dict(v5).fingerprint()
+    assert _identity(describe_hf_dict(v4)) == _identity(describe_hf_dict(v5))
 
 
-def test_every_identity_field_changes_the_fingerprint() -> None:
-    base = describe_hf_dict(DEEPSEEK_V3).fingerprint()
+def test_every_identity_field_changes_the_identity() -> None:
+    base = _identity(describe_hf_dict(DEEPSEEK_V3))
     variants: dict[str, dict[str, object]] = {
         "model_type": {"model_type": "deepseek_v2"},
         "architecture": {"architectures": ["DeepseekV2ForCausalLM"]},
@@ -217,26 +202,28 @@ def test_every_identity_field_changes_the_fingerprint() -> None:
         "kv_lora_rank": {"kv_lora_rank": 256},
         "qk_rope_head_dim": {"qk_rope_head_dim": 32},
     }
-    dense = describe_hf_dict(LLAMA_3_8B).fingerprint()
+    dense = _identity(describe_hf_dict(LLAMA_3_8B))
     dense_variants: dict[str, dict[str, object]] = {
         "num_kv_heads": {"num_key_value_heads": 4},
         "head_dim": {"head_dim": 64},
+        "intermediate_size": {"intermediate_size": 14000},
         "mla vs dense": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
     }
     seen = {base, dense}
     for field, change in variants.items():
-        fingerprint = describe_hf_dict({**DEEPSEEK_V3, **change}).fingerprint()
-        assert fingerprint not in seen, field
-        seen.add(fingerprint)
+        identity = _identity(describe_hf_dict({**DEEPSEEK_V3, **change}))
+        assert identity not in seen, field
+        seen.add(identity)
     for field, change in dense_variants.items():
-        fingerprint = describe_hf_dict({**LLAMA_3_8B, **change}).fingerprint()
-        assert fingerprint not in seen, field
-        seen.add(fingerprint)
+        identity = _identity(describe_hf_dict({**LLAMA_3_8B, **change}))
+        assert identity not in seen, field
+        seen.add(identity)
     for dtype in ("fp32", "fp16", "fp8"):  # LLAMA_3_8B's own is bf16
-        assert describe_hf_dict(LLAMA_3_8B).fingerprint(dtype) not in seen, dtype
-        seen.add(describe_hf_dict(LLAMA_3_8B).fingerprint(dtype))
+        assert _identity(describe_hf_dict(LLAMA_3_8B), dtype) not in seen, dtype
+        seen.add(_identity(describe_hf_dict(LLAMA_3_8B), dtype))
 
 
-def test_distinct_presets_have_distinct_fingerprints() -> None:
-    fingerprints = {preset_description(name).fingerprint() for name in PRESET_NAMES}
-    assert len(fingerprints) == len(PRESET_NAMES)
+def test_distinct_presets_have_distinct_identities() -> None:
+    identities = {_identity(preset_description(name)) for name in PRESET_NAMES}
+    assert len(identities) == len(PRESET_NAMES)
+

@@ -10,7 +10,7 @@ import pytest
 
 from kvswap.config import load_config
 from kvswap.errors import ConfigError, KvSwapError
-from kvswap.model.weights_identity import block_fingerprint
+from kvswap.model.kv_identity import kvswap_identity
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.hit_rate import hit_rate_curve, parse_capacities_tokens
 from kvswap.sim.simulator import Simulator
@@ -53,9 +53,10 @@ def test_the_simulator_names_its_blocks_with_the_engines_block_fingerprint() -> 
     sim = small_sim()
     namespace = sim.control.settings.layout.key_namespace()
     # No weights run in a simulation: the architecture in its KV dtype names the blocks.
-    assert namespace.model_fingerprint == block_fingerprint(
-        sim.setup.shape, None, batch_invariant=False
-    )
+    assert namespace.model_fingerprint == kvswap_identity(
+        sim.setup.shape, None, batch_invariant=False, device_type="simulated",
+        block_tokens=namespace.block_tokens, block_bytes=sim.setup.block_bytes,
+    ).fingerprint()  # fmt: skip
 
 
 def test_same_seed_same_run_and_the_engine_keys() -> None:

@@ -14,9 +14,7 @@ from safetensors.torch import save_file
 
 from kvswap.errors import KvSwapError
 from kvswap.model import weights_identity as wid
-from kvswap.model.presets import preset_description
 from kvswap.model.weights_identity import (
-    block_fingerprint,
     checkpoint_weights_identity,
     preset_weights_identity,
     weights_identity,
@@ -125,14 +123,6 @@ def test_a_large_checkpoint_is_named_from_a_bounded_sample(
     assert sum(read_bytes) == budget  # about 2 MiB of a 4 GiB file
 
 
-def test_the_fingerprint_names_the_weights() -> None:
-    tiny = preset_description("tiny")
-    seeded = tiny.fingerprint(weights=preset_weights_identity("tiny", 0))
-    assert seeded != tiny.fingerprint()  # unknown weights are not these weights
-    assert seeded != tiny.fingerprint(weights=preset_weights_identity("tiny", 1))
-    assert seeded == tiny.fingerprint("fp32", weights=preset_weights_identity("tiny", 0))
-
-
 def test_a_source_that_is_neither_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(KvSwapError, match="neither a preset"):
         weights_identity(str(tmp_path / "missing"), preset_seed=0)
@@ -141,20 +131,3 @@ def test_a_source_that_is_neither_is_a_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8)
     with pytest.raises(KvSwapError, match="no valid header"):
         weights_identity(str(tmp_path), preset_seed=0)
-
-
-def test_block_fingerprint_is_the_description_named_with_its_weights(tmp_path: Path) -> None:
-    tiny = preset_description("tiny")
-    seeded = weights_identity("tiny", preset_seed=0)
-    fast = block_fingerprint(tiny, seeded, batch_invariant=False)
-    assert fast == tiny.fingerprint(weights=preset_weights_identity("tiny", 0) + "/fast")
-    # The exact mode never reuses KV the fast path computed.
-    assert block_fingerprint(tiny, seeded, batch_invariant=True) != fast
-    # Two checkpoints of one architecture: one description, two fingerprints.
-    base = weights_identity(str(checkpoint(tmp_path / "base", tensors(0))), preset_seed=0)
-    tuned = weights_identity(str(checkpoint(tmp_path / "tuned", tensors(1))), preset_seed=0)
-    assert block_fingerprint(tiny, base, batch_invariant=False) != block_fingerprint(
-        tiny, tuned, batch_invariant=False
-    )
-    # Without weights (a simulation) the architecture alone names the blocks.
-    assert block_fingerprint(tiny, None, batch_invariant=True) == tiny.fingerprint() != fast

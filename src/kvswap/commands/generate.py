@@ -9,7 +9,7 @@ from typing import Any
 from kvswap.commands.engine_flags import add_model_arguments, dtype_flag, model_flag
 from kvswap.commands.run import engine_model
 from kvswap.config import load_config
-from kvswap.engine.engine import pick_device
+from kvswap.engine.settings import pick_device
 from kvswap.errors import KvSwapError
 from kvswap.model.generate import check_generation_length, generate_reference
 from kvswap.model.loader import load_model, resolve_model

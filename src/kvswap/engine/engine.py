@@ -37,7 +37,7 @@ from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
 from kvswap.drive.summary import RunSummary
 from kvswap.engine.runner import ModelRunner
-from kvswap.engine.settings import EngineSettings
+from kvswap.engine.settings import EngineSettings, pick_device
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.loader import load_model
@@ -50,14 +50,6 @@ from kvswap.workload.request import Workload
 
 #: The longest the loop sleeps while idle, so an arrival is noticed promptly.
 IDLE_SLICE_S = 0.05
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise KvSwapError("device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class Engine(Backend):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvswap.config import KvSwapConfig
 from kvswap.config_capacities import TierCapacities, validate_capacities
 from kvswap.data.layout import KVLayout
@@ -27,8 +29,9 @@ from kvswap.drive.settings import ControlSettings, control_settings
 from kvswap.engine.device_tier import device_tier_blocks
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
+from kvswap.model.kv_identity import kvswap_identity
 from kvswap.model.loader import PRESET_SEED, resolve_model
-from kvswap.model.weights_identity import block_fingerprint, weights_identity
+from kvswap.model.weights_identity import weights_identity
 
 if TYPE_CHECKING:
     from kvswap.data.remote_copy import TierFactory
@@ -106,12 +109,14 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
                 f"{arch.max_position_tokens} tokens; allowed: 1..{arch.max_position_tokens}"
             )
         max_sequence_tokens = options.max_model_len
-    weights = weights_identity(options.model, preset_seed=PRESET_SEED)
+    identity = kvswap_identity(
+        arch, weights_identity(options.model, preset_seed=PRESET_SEED),
+        batch_invariant=engine.batch_invariant, device_type=pick_device(engine.device).type,
+        block_tokens=layout.block_tokens, block_bytes=layout.block_bytes,
+    )  # fmt: skip
     control = control_settings(
         config, capacities, block_bytes=layout.block_bytes,
-        model_fingerprint=block_fingerprint(
-            arch.description, weights, batch_invariant=engine.batch_invariant
-        ),
+        model_fingerprint=identity.fingerprint(),
         max_sequence_tokens=max_sequence_tokens,
         shared_store=options.secondary_tier is not None,
     )  # fmt: skip
@@ -156,14 +161,18 @@ def _capacities(
             "--gpu-memory-utilization and a GPU tier size (gpu_kv_capacity_blocks/_bytes) "
             "both size the device tier; give one"
         )
-    cuda = config.engine.device == "cuda" or (config.engine.device == "auto" and _cuda_available())
-    num_gpu_blocks = device_tier_blocks(utilization, arch, block_bytes, cuda=cuda)
+    num_gpu_blocks = device_tier_blocks(
+        utilization, arch, block_bytes, cuda=pick_device(config.engine.device).type == "cuda"
+    )
     sized = dataclasses.replace(capacities, num_gpu_blocks=num_gpu_blocks, gpu_is_configured=True)
     validate_capacities(config, sized)
     return sized
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+def pick_device(name: str) -> torch.device:
+    """The device `engine.device` names ("auto": CUDA when present, else the CPU)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KvSwapError("device = 'cuda' but CUDA is not available here; use 'auto' or 'cpu'")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

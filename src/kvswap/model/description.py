@@ -23,8 +23,6 @@ Torch-free on purpose: `kvswap plan` and the simulator run without torch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,10 +31,6 @@ from kvswap.model.dtypes import DTYPE_BYTES, dtype_bytes, normalise_dtype
 AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
 #: A rope parameter as read from a config: numbers, names, or tuples of numbers.
 RopeValue = float | int | str | bool | tuple[float | int, ...]
-
-# Bump when the fingerprint's fields or encoding change: old keys must stop matching.
-# v2: the weights' identity joined the fields.
-_FINGERPRINT_VERSION = "kvswap-model-v2"
 
 
 def kv_bytes_per_token(
@@ -134,20 +128,18 @@ class ModelDescription:
         """The same model with its KV cache held in `dtype` (any accepted spelling)."""
         return dataclasses.replace(self, kv_dtype=normalise_dtype(dtype))
 
-    def identity_fields(
-        self, kv_dtype: str | None = None, *, weights: str | None = None
-    ) -> dict[str, object]:
-        """The fields `fingerprint` digests: everything that decides a block's bytes and
-        their meaning, and nothing that varies between copies of one model (its name,
-        where its config was read from, the parameter-count estimate). `weights` is
-        the weights' identity (`kvswap.model.weights_identity`); None: not known."""
+    def identity_fields(self, kv_dtype: str | None = None) -> dict[str, object]:
+        """The description's part of a block's identity (`kvswap.model.kv_identity`):
+        everything it holds that decides a block's bytes and their meaning, and nothing
+        that varies between copies of one model (its name, where its config was read
+        from, the parameter-count estimate)."""
         return {
-            "version": _FINGERPRINT_VERSION,
             "model_type": self.model_type,
             "architecture": self.architecture,
             "attention": self.attention,
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_attention_heads,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -155,17 +147,4 @@ class ModelDescription:
             "vocab_size": self.vocab_size,
             "mla": None if self.mla is None else dataclasses.asdict(self.mla),
             "kv_dtype": normalise_dtype(kv_dtype) if kv_dtype is not None else self.kv_dtype,
-            "weights": weights,
         }
-
-    def fingerprint(self, kv_dtype: str | None = None, *, weights: str | None = None) -> str:
-        """A stable sha256 hex digest of `identity_fields`, for block identity
-        (`KeyNamespace(model_fingerprint=...)`) and the remote store's default
-        namespace: equal for the same model in any process, different when any of
-        those fields differ. Pass the weights' identity (`weights_identity(source)`):
-        without it (None: a sizing or a simulation, which run no weights) two
-        checkpoints of one architecture share a fingerprint, and must not share a
-        store."""
-        fields = self.identity_fields(kv_dtype, weights=weights)
-        encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(encoded.encode("utf-8")).hexdigest()

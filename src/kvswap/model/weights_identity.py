@@ -2,12 +2,9 @@
 
 Two checkpoints of one architecture (a base model and its fine-tune) compute
 different KV for the same tokens, so they must never share a block key, and
-above all never a remote store's namespace. `ModelDescription.fingerprint`
-digests the architecture; this module names the weights, and the fingerprint
-takes it: `block_fingerprint(description, weights, batch_invariant=...)` is
-`description.fingerprint(weights=weights + "/" + mode)`, THE fingerprint of block
-keys and of the remote namespace, for the engine (`weights_identity(source, ...)`)
-and the simulator alike (no weights: the architecture alone).
+above all never a remote store's namespace. This module names the weights;
+`kvswap.model.kv_identity` joins them with the config, dtype, layout and shard
+into THE identity every engine roots its block keys in.
 
 * A built-in preset's weights are drawn from a seeded generator
   (`kvswap.model.loader`): its identity is the preset's name, the seed and the
@@ -39,7 +36,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvswap.errors import KvSwapError
-from kvswap.model.description import ModelDescription
 from kvswap.model.presets import ENGINE_PRESET_NAMES
 from kvswap.readers import (
     SAFETENSORS_FILE,
@@ -91,25 +87,6 @@ def weights_identity(source: str, *, preset_seed: int) -> str:
             "a directory with *.safetensors"
         )
     return checkpoint_weights_identity(directory)
-
-
-def block_fingerprint(
-    description: ModelDescription, weights: str | None, *, batch_invariant: bool
-) -> str:
-    """THE fingerprint of a model's blocks: what block keys are rooted in
-    (`KeyNamespace.model_fingerprint`) and the remote store's default namespace,
-    for the engine and the simulator alike. `description` is in the KV dtype.
-
-    `weights`: the identity of the weights that compute the KV
-    (`weights_identity`); their compute mode is part of it, as the exact mode's KV
-    is bit-identical whatever the batch and the fast path's is not, so an
-    exact-mode process never reuses KV the fast path computed. None: no weights run
-    (a simulation), so no KV is computed and the architecture alone names the
-    blocks (`batch_invariant` then names nothing)."""
-    if weights is None:
-        return description.fingerprint()
-    mode = "exact" if batch_invariant else "fast"
-    return description.fingerprint(weights=f"{weights}/{mode}")
 
 
 def checkpoint_files(directory: Path) -> list[str]:

@@ -41,7 +41,7 @@ from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import RunSummary
 from kvswap.model.description import ModelDescription
-from kvswap.model.weights_identity import block_fingerprint
+from kvswap.model.kv_identity import kvswap_identity
 from kvswap.obs.observer import StepObserver
 from kvswap.progress import RequestProgress
 from kvswap.sim.clock import VirtualClock
@@ -159,9 +159,11 @@ class Simulator(Backend):
             remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
         # No weights run here: the architecture (in the KV dtype) names the blocks.
-        fingerprint = block_fingerprint(
-            setup.shape, None, batch_invariant=config.engine.batch_invariant
-        )
+        fingerprint = kvswap_identity(
+            setup.shape, None, batch_invariant=config.engine.batch_invariant,
+            device_type="simulated", block_tokens=config.cache.kv_block_tokens,
+            block_bytes=setup.block_bytes,
+        ).fingerprint()  # fmt: skip
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
             model_fingerprint=fingerprint, policy=options.policy,
