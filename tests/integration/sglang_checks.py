@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 STUBS = Path(__file__).resolve().parent / "sglang_stubs"
 NAMESPACE = "kvswap-sglang"
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS, DEVICE_TOKENS = 2, 2, 8, 4, 64
+MODELS = Path(tempfile.mkdtemp(prefix="kvswap-sglang-models-"))
 
 
 def import_sglang() -> None:
@@ -82,15 +85,30 @@ def host_pool(layout: str = "page_first") -> Any:
     )  # fmt: skip
 
 
-def backend(pool: Any, url: str, **extra: Any) -> Any:
+def model_dir(seed: int) -> str:
+    """A checkpoint (config.json and weights drawn from `seed`) whose bytes name the pages:
+    the checks' engines serve no model, so each names one by `model_path`."""
+    from safetensors.torch import save_file
+
+    directory = MODELS / f"model-{seed}"
+    if not directory.exists():
+        directory.mkdir()
+        weights = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed))
+        save_file({"model.embed_tokens.weight": weights}, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(directory)
+
+
+def backend(pool: Any, url: str, *, model_name: str | None = "tiny/llama", **extra: Any) -> Any:
     """kvswap's backend exactly as `--hicache-storage-backend dynamic` builds it."""
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="tiny/llama",
+        model_name=model_name,
         extra_config={
             "backend_name": "kvswap", "module_path": "kvswap.integrations.sglang",
-            "class_name": "KvSwapStorage", "interface_v1": 1, "remote_url": url, **extra,
+            "class_name": "KvSwapStorage", "interface_v1": 1, "remote_url": url,
+            "model_path": model_dir(0), **extra,
         },
     )  # fmt: skip
     storage = StorageBackendFactory.create_backend("dynamic", config, pool)
@@ -153,6 +171,24 @@ def present_prefix(url: str, _pid: int) -> None:
     assert salted.batch_exists(hashes) == 0
     storage.close()
     salted.close()
+
+
+@check
+def the_served_name_is_no_part_of_a_page_s_key(url: str, _pid: int) -> None:
+    """Issue 30, finding 4: pages were keyed by the served name with "/" folded into "-"
+    ("org/m" read "org-m"'s pages; None read "unnamed"'s). Now by the model's bytes."""
+    pool = host_pool()
+    storage = backend(pool, url, model_name="org/m")
+    indices, hashes = filled_pages(pool, 2, seed=7)
+    assert storage.batch_set_v1(hashes, indices) == [True] * 2
+    for name in ("org-m", None, "unnamed"):  # another checkpoint under a colliding name
+        other = backend(host_pool(), url, model_name=name, model_path=model_dir(1))
+        assert other.batch_exists(hashes) == 0, name
+        other.close()
+    same = backend(host_pool(), url, model_name="another-name")  # the same checkpoint
+    assert same.batch_exists(hashes) == 2
+    for each in (storage, same):
+        each.close()
 
 
 @check
@@ -241,13 +277,16 @@ def killed_store_is_misses(url: str, pid: int) -> None:
 
 def main() -> int:
     url, pid = sys.argv[1], int(sys.argv[2])
-    for fn in CHECKS:
-        try:
-            fn(url, pid)
-            outcome = {"check": fn.__name__, "ok": True, "detail": ""}
-        except BaseException:
-            outcome = {"check": fn.__name__, "ok": False, "detail": traceback.format_exc()}
-        print(json.dumps(outcome), flush=True)
+    try:
+        for fn in CHECKS:
+            try:
+                fn(url, pid)
+                outcome = {"check": fn.__name__, "ok": True, "detail": ""}
+            except BaseException:
+                outcome = {"check": fn.__name__, "ok": False, "detail": traceback.format_exc()}
+            print(json.dumps(outcome), flush=True)
+    finally:
+        shutil.rmtree(MODELS, ignore_errors=True)
     return 0
 
 

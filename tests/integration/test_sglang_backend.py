@@ -24,6 +24,7 @@ SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 CHECKS = (
     "host_pool_round_trip",
     "present_prefix",
+    "the_served_name_is_no_part_of_a_page_s_key",
     "legacy_calls",
     "corrupted_value_is_a_miss",
     "value_under_the_wrong_key_is_a_miss",

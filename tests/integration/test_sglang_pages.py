@@ -4,6 +4,8 @@ the host pool as host slots, the NVMe slab as the tier, the extra-config checks.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +21,10 @@ from kvswap.integrations.sglang.pages import (
     half_page_slots,
     page_numbers,
     page_shape,
+    sglang_identity,
 )
+from tests.unit.test_llama import TINY_HF_CONFIG
+from tests.unit.test_weights_identity import checkpoint, tensors
 
 LAYERS, HEADS, HEAD_DIM, PAGE, PAGES = 2, 2, 8, 4, 8
 
@@ -36,8 +41,10 @@ def test_pages_round_trip_through_the_nvme_slab_and_the_slab_goes_at_close(
 ) -> None:
     pool = host_pool()
     shape = page_shape(pool)
-    options = StorageOptions(nvme_dir=tmp_path, nvme_pages=16)
-    store = open_page_store(options, shape, "m/tp0of1", half_page_slots(pool.kv_buffer, shape))
+    (tmp_path / "nvme").mkdir()
+    options = StorageOptions(nvme_dir=tmp_path / "nvme", nvme_pages=16)
+    identity = sglang_identity(storage_config(), shape, model_dir(tmp_path / "m"))
+    store = open_page_store(options, shape, identity, half_page_slots(pool.kv_buffer, shape))
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
     expected = pool.kv_buffer.clone()
     hashes = [f"{i:064x}" for i in range(3)]
@@ -50,21 +57,51 @@ def test_pages_round_trip_through_the_nvme_slab_and_the_slab_goes_at_close(
     assert not pool.kv_buffer[:, : 5 * PAGE].any()  # nothing else was written
     assert store.counters()["hits_blocks"] == 2  # a page is two halves
     store.close()
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "nvme").iterdir()) == []
 
 
-def test_page_keys_differ_by_shard_layout_and_salt() -> None:
+def storage_config(tp_rank: int = 0, tp_size: int = 1, model_name: str = "m") -> Any:
+    """What kvswap reads of SGLang's HiCacheStorageConfig."""
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                           attn_cp_rank=0, attn_cp_size=1, model_name=model_name)  # fmt: skip
+
+
+def model_dir(directory: Path, seed: int = 0) -> str:
+    checkpoint(directory, tensors(seed))
+    (directory / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    return str(directory)
+
+
+def test_page_keys_differ_by_model_shard_layout_and_salt(tmp_path: Path) -> None:
     shape = page_shape(host_pool())
     direct = page_shape(host_pool("page_first_direct"))
-    base = PageKeys("m/tp0of2", shape, None).halves("ab")
+    model, other_model = model_dir(tmp_path / "m"), model_dir(tmp_path / "other", seed=1)
+
+    def keys(model: str = model, shape: Any = shape, salt: str | None = None, **shard: Any) -> Any:
+        config = storage_config(**{"tp_size": 2, **shard})
+        return PageKeys(sglang_identity(config, shape, model), salt)
+
+    base = keys().halves("ab")
     assert len(set(base)) == 2  # K and V halves
     for other in (
-        PageKeys("m/tp1of2", shape, None),
-        PageKeys("m/tp0of2", direct, None),
-        PageKeys("m/tp0of2", shape, "tenant"),
+        keys(tp_rank=1),
+        keys(shape=direct),
+        keys(salt="tenant"),
+        keys(model=other_model),
     ):
         assert not set(other.halves("ab")) & set(base)
-    assert PageKeys("m/tp0of2", shape, None).halves("ab") == base  # stable
+    assert keys().halves("ab") == base  # stable
+    # Issue 30, finding 4: the served name is no part of a page's key; its bytes are.
+    same = [sglang_identity(storage_config(model_name=name), shape, model).fingerprint()
+            for name in ("org/m", "org-m", None, "unnamed")]  # fmt: skip
+    assert len(set(same)) == 1
+    copied = shutil.copytree(model, tmp_path / "copy")  # the same files anywhere: one model
+    assert keys(model=str(copied)).halves("ab") == base
+
+
+def test_a_model_kvswap_cannot_read_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read those of model 'org/not-cached'"):
+        sglang_identity(storage_config(), page_shape(host_pool()), "org/not-cached")
 
 
 def test_host_indices_must_be_whole_pages() -> None:

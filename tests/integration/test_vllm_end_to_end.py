@@ -131,3 +131,15 @@ def test_a_corrupt_nvme_value_costs_a_recomputation_not_the_output(
     assert nvme_only["again"] == {"tokens": reference, "cached": 96}  # from the slab
     assert nvme_only["nvme"]["corrupt_blocks"] == 3
     assert nvme_only["recomputed"] == {"tokens": reference, "cached": 0}
+
+
+def test_a_checkpoint_redeployed_at_the_same_path_reads_nothing_of_the_old_one(
+    first: dict[str, Any], store: RedisServer, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 30, finding 3: vLLM's chunks were named by the model's path, so model B
+    served from model A's directory got A's KV from the store (96 cached tokens)."""
+    result = run_script(VLLM_VENV, SCRIPT, "redeploy", str(tiny_llama_dir), store.url,
+                        str(tmp_path))["redeploy"]  # fmt: skip
+    assert result["served_a"]["tokens"] == first["baseline"]["tokens"]  # and now stored
+    assert result["b_alone"]["tokens"] != first["baseline"]["tokens"]  # B is another model
+    assert result["served_b"] == {"tokens": result["b_alone"]["tokens"], "cached": 0}

@@ -3,10 +3,13 @@ kvswap's copy engine, keys, and a package that imports without vLLM."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +19,12 @@ from kvswap.control.transfer import Direction, Priority, TransferChunk, Transfer
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.host_pool import HostPool
 from kvswap.errors import ConfigError, KvSwapError
-from kvswap.integrations.vllm.keys import VllmKeys
+from kvswap.integrations.vllm.keys import VllmKeys, vllm_identity
 from kvswap.integrations.vllm.pages import PageMap, VllmDevicePages
 from kvswap.integrations.vllm.settings import adapter_settings
 from kvswap.integrations.vllm.transfers import PagedTransfers
+from tests.unit.test_llama import TINY_HF_CONFIG
+from tests.unit.test_weights_identity import checkpoint, tensors
 
 PAGE_BYTES = 64
 NUM_TENSORS = 2  # layers
@@ -210,20 +215,73 @@ def test_a_job_with_a_failed_chunk_is_reported_failed_with_why() -> None:
 # --- keys and imports ---------------------------------------------------------------------
 
 
-def test_vllm_keys_differ_by_model_and_layout_and_fit_kvswap_s_tiers() -> None:
-    keys = VllmKeys("m", "float16", 32, 4096, 1)
+def _offload_config(model: str, **changes: object) -> SimpleNamespace:
+    """vLLM's OffloadingConfig, as far as kvswap's keys read it."""
+    parallel = {"world_size": 1, "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1}
+    parallel.update({k: v for k, v in changes.items() if k in parallel})
+    return SimpleNamespace(
+        model=SimpleNamespace(name=model, dtype=changes.get("dtype", "float16")),
+        parallel=SimpleNamespace(**parallel),
+        kv_cache_layout=changes.get("kv_cache_layout", "NHD"),
+    )
+
+
+def _keys(model: str, *, tokens: int = 32, row_bytes: int = 4096, **changes: object) -> VllmKeys:
+    return VllmKeys(
+        vllm_identity(
+            _offload_config(model, **changes), tokens_per_chunk=tokens, row_bytes=row_bytes,
+            shared=True, source="test",
+        )
+    )  # fmt: skip
+
+
+def _vllm_checkpoint(directory: Path, seed: int = 0, **config: object) -> str:
+    checkpoint(directory, tensors(seed))
+    (directory / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, **config}))
+    return str(directory)
+
+
+def test_vllm_keys_name_the_checkpoint_s_bytes_not_its_path(tmp_path: Path) -> None:
+    """Issue 30, finding 3: the model's path named vLLM's chunks, so a checkpoint
+    redeployed at the same path read the old one's KV."""
+    model = _vllm_checkpoint(tmp_path / "current")
+    keys = _keys(model)
     offload_key = bytes(36)
     assert len(keys.key(offload_key)) == KEY_BYTES
-    assert keys.key(offload_key) == VllmKeys("m", "float16", 32, 4096, 1).key(offload_key)
-    for other in (
-        VllmKeys("n", "float16", 32, 4096, 1),
-        VllmKeys("m", "bfloat16", 32, 4096, 1),
-        VllmKeys("m", "float16", 64, 4096, 1),
-        VllmKeys("m", "float16", 32, 8192, 1),
-    ):
+    assert keys.key(offload_key) == _keys(model).key(offload_key)
+    # The same files at another path are the same model.
+    copy = shutil.copytree(model, tmp_path / "copy")
+    assert _keys(str(copy)).key(offload_key) == keys.key(offload_key)
+    others = [
+        _keys(_vllm_checkpoint(tmp_path / "tuned", seed=1)),  # other weights
+        _keys(_vllm_checkpoint(tmp_path / "eps", rms_norm_eps=1e-5)),  # other config
+        _keys(model, dtype="bfloat16"),
+        _keys(model, tokens=64),
+        _keys(model, row_bytes=8192),
+        _keys(model, tp_size=2, world_size=2),
+        _keys(model, kv_cache_layout="HND"),
+    ]
+    for other in others:
         assert other.key(offload_key) != keys.key(offload_key)
         assert other.store_prefix != keys.store_prefix
     assert keys.store_prefix.startswith("kvswap-vllm-") and " " not in keys.store_prefix
+    # Redeployed at the same path: another model.
+    shutil.rmtree(model)
+    _vllm_checkpoint(tmp_path / "current", seed=2)
+    assert _keys(model).key(offload_key) != keys.key(offload_key)
+
+
+def test_a_shared_store_needs_weights_kvswap_can_read(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read those of model 'org/not-cached'"):
+        _keys("org/not-cached")
+    private = [
+        vllm_identity(
+            _offload_config("org/not-cached"), tokens_per_chunk=32, row_bytes=4096,
+            shared=False, source="test",
+        ).fingerprint()
+        for _ in range(2)
+    ]  # fmt: skip
+    assert private[0] != private[1]  # unknown weights share nothing, not even with themselves
 
 
 def test_kvswap_and_the_adapter_package_import_without_vllm() -> None:

@@ -2,6 +2,7 @@
 
     python llm_scenarios.py first MODEL_DIR NVME_DIR REDIS_URL
     python llm_scenarios.py restore MODEL_DIR REDIS_URL NVME_DIR
+    python llm_scenarios.py redeploy MODEL_DIR REDIS_URL WORK_DIR
 
 The scenario, every time: prompt A (100 tokens: 3 full blocks); three other
 prompts that push A's blocks out of vLLM's device pool (8 blocks); A again.
@@ -20,11 +21,16 @@ device blocks gone, they came through kvswap.
   computed again. Then, with an NVMe slab and no store: A comes back from NVMe;
   with the slab damaged, A is computed again (the test compares every output with
   `first`'s baseline).
+`redeploy` (a checkpoint replaced at its path, as a Kubernetes rollout does): model
+  A served from WORK_DIR/current with the store fills it with A's prompt; then the
+  directory holds model B (other weights) and B is served with the same store: it
+  must find nothing and answer as B alone does.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -150,6 +156,29 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
     }
 
 
+def redeploy(model: Path, redis_url: str, work_dir: Path) -> dict[str, Any]:
+    current = work_dir / "current"
+    shutil.copytree(model, current)
+    store_only = {
+        "cpu_bytes_to_use": 4 * CHUNK_BYTES, "remote_url": redis_url,
+        "remote_timeout_ms": STORE_TIMEOUT_MS,
+    }  # fmt: skip
+    llm = make_llm(current, store_only)
+    try:
+        served_a = generate(llm, PROMPT)
+    finally:
+        close(llm)
+    shutil.rmtree(current)
+    build(current, seed=1)  # model B, at A's path
+    b_alone = baseline(current)
+    llm = make_llm(current, store_only)
+    try:
+        served_b = generate(llm, PROMPT)
+    finally:
+        close(llm)
+    return {"served_a": served_a, "b_alone": b_alone, "served_b": served_b}
+
+
 def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
     from kvswap.integrations.vllm.manager import KvswapTieringManager
 
@@ -228,8 +257,10 @@ def main(argv: list[str]) -> None:
         )
     elif mode == "restore":
         emit({"restore": restore(model, argv[2]), "nvme_only": nvme_only(model, Path(argv[3]))})
+    elif mode == "redeploy":
+        emit({"redeploy": redeploy(model, argv[2], Path(argv[3]))})
     else:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: first, restore")
+        raise SystemExit(f"unknown mode {mode!r}; allowed: first, restore, redeploy")
 
 
 if __name__ == "__main__":

@@ -51,14 +51,17 @@ def vocabulary(vocab_size: int) -> dict[str, int]:
     return {word: i for i, word in enumerate(words)}
 
 
-def build(out: Path, shape: Mapping[str, int] = TINY_SHAPE, *, eos: bool = True) -> None:
-    """Save a random Llama of `shape` (LlamaConfig's names), fp32, and its tokenizer;
-    without `eos`, neither the tokenizer nor the configs name a stop token."""
+def build(
+    out: Path, shape: Mapping[str, int] = TINY_SHAPE, *, eos: bool = True, seed: int = 0
+) -> None:
+    """Save a random Llama of `shape` (LlamaConfig's names), fp32, its weights drawn from
+    `seed`, and its tokenizer; without `eos`, neither the tokenizer nor the configs name a
+    stop token."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["hidden_size"],

@@ -39,11 +39,14 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvswap.control.identity import KeyNamespace
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.description import ModelDescription
+from kvswap.model.weights_identity import checkpoint_weights_identity
+from kvswap.readers import MODEL_CONFIG_FILE, parse_json, read_user_file
 
 #: Hashed into every fingerprint: bump it when the fields or their encoding change.
 KV_IDENTITY_VERSION = "kvswap-kv-identity-v1"
@@ -94,8 +97,9 @@ class Shard:
 
 @dataclass(frozen=True)
 class KvIdentity:
-    """Everything that decides a block's bytes (module docstring). `weights` None:
-    no weights run (a simulation), so no byte is computed and none is shared."""
+    """Everything that decides a block's bytes (module docstring). `weights` None: not
+    known, where nothing is shared (a simulation computes no byte; a `TieredCache`
+    built from a bare config salts its keys per cache)."""
 
     compute: str
     weights: str | None
@@ -135,6 +139,46 @@ def hf_config_fields(config: Mapping[str, object]) -> dict[str, object]:
         for key, value in config.items()
         if not key.startswith("_") and key not in NOT_KV_CONFIG_KEYS
     }
+
+
+@dataclass(frozen=True)
+class CheckpointIdentity:
+    """What a Hugging Face checkpoint directory says of the KV it computes: its weights'
+    digest and its config's K/V fields as canonical JSON (`KvIdentity.config`)."""
+
+    weights: str
+    config: str
+
+
+def checkpoint_identity(directory: Path) -> CheckpointIdentity:
+    """The weights and config.json of the checkpoint in `directory`, as an engine that
+    reads the Hugging Face format (vLLM, SGLang) sees them; one line for what is not
+    a checkpoint."""
+    path = directory / "config.json"
+    try:
+        raw = parse_json(read_user_file(path, str(path), MODEL_CONFIG_FILE), str(path))
+    except OSError as error:
+        raise KvSwapError(f"cannot read {path}: {error.strerror}") from None
+    if not isinstance(raw, dict):
+        raise KvSwapError(f"{path}: allowed: a JSON object")
+    return CheckpointIdentity(
+        checkpoint_weights_identity(directory), config_json(hf_config_fields(raw))
+    )
+
+
+def find_checkpoint(model: str, revision: str | None = None) -> Path | None:
+    """The local directory of the checkpoint an engine names `model`: the directory itself,
+    or a Hugging Face hub id's snapshot in the local cache (nothing is downloaded).
+    None: neither is here."""
+    directory = Path(model).expanduser()
+    if directory.is_dir():
+        return directory
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # not installed, not an id, not cached: the weights are unknown here
+        return None
 
 
 def engine_config_fields(model: ModelArchConfig | ModelDescription) -> dict[str, object]:

@@ -14,6 +14,8 @@ are kvswap's:
     nvme_dir, nvme_pages the NVMe slab instead of the store: a directory, and how many
                          pages it holds
     nvme_eviction_policy which page leaves a full slab ("kvswap", "lru", "module:Class")
+    model_path           the checkpoint whose weights and config name the pages (default:
+                         the --model-path SGLang serves, from its published server args)
 
 Exactly one of `remote_url` and `nvme_dir`. A bad value is one `ConfigError` line
 naming the key, the value and what is allowed.
@@ -48,6 +50,7 @@ class StorageOptions:
     nvme_dir: Path | None = None
     nvme_pages: int = 0
     nvme_eviction_policy: str = "kvswap"
+    model_path: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> StorageOptions:
@@ -58,6 +61,7 @@ class StorageOptions:
             remote_timeout_ms=_positive_number(extra, "remote_timeout_ms", 500.0),
             remote_required=_bool(extra, "remote_required", False),
             tenant_salt=_optional_str(extra, "tenant_salt"),
+            model_path=_optional_str(extra, "model_path"),
             nvme_dir=None if (d := _optional_str(extra, "nvme_dir")) is None else Path(d),
             nvme_pages=_count(extra, "nvme_pages"),
             nvme_eviction_policy=_str(extra, "nvme_eviction_policy", "kvswap"),

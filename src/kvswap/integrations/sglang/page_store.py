@@ -30,6 +30,7 @@ from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.redis_tier import RedisTier
 from kvswap.integrations.sglang.options import StorageOptions
 from kvswap.integrations.sglang.pages import PageKeys, PageShape
+from kvswap.model.kv_identity import KvIdentity
 
 
 class PageStore:
@@ -84,10 +85,10 @@ class PageStore:
 
 
 def open_page_store(
-    options: StorageOptions, shape: PageShape, shard: str, host_slots: HostSlots
+    options: StorageOptions, shape: PageShape, identity: KvIdentity, host_slots: HostSlots
 ) -> PageStore:
     """The tier `options` name (the shared store, or the NVMe slab) over `host_slots`."""
-    keys = PageKeys(shard, shape, options.tenant_salt)
+    keys = PageKeys(identity, options.tenant_salt)
     if options.remote_url is not None:
         client = RemoteStoreClient(
             parse_remote_url(options.remote_url), namespace=options.remote_namespace,

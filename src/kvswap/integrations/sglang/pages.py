@@ -14,10 +14,11 @@ the NVMe slab) and a page is two of them, moved in the same job, loaded only
 when both arrive (as SGLang's Mooncake backend keeps K and V apart).
 
 Keys: SGLang names a page by its hash string (a chain over the page's tokens).
-`PageKeys` roots it in a kvswap namespace (`identity.foreign_key`): the model
-and its shard (name, TP / PP / context-parallel rank and size), the host layout,
-dtype and shape, and the tenant salt. The same hash under another model, shard,
-layout or salt is another key, so nothing is shared across them.
+`PageKeys` roots it in THE identity of the page's bytes (`kvswap.model.kv_identity`:
+the checkpoint's weights and config, never its path or served name; the shard's
+TP / PP / context-parallel rank and size; the host layout, dtype and shape) and
+the tenant salt (`identity.foreign_key`). The same hash under another model,
+shard, layout or salt is another key, so nothing is shared across them.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Any
 
 import torch
 
-from kvswap.control.identity import KeyNamespace, foreign_key
+from kvswap.control.identity import foreign_key
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots
 from kvswap.errors import ConfigError
+from kvswap.model.kv_identity import KvIdentity, Shard, checkpoint_identity, find_checkpoint
 
 #: Host layouts whose page halves are contiguous (the zero-copy path needs one).
 PAGE_FIRST_LAYOUTS = ("page_first", "page_first_direct")
@@ -71,9 +73,8 @@ class PageShape:
 class PageKeys:
     """SGLang page hashes -> the kvswap keys of their K and V halves (module docstring)."""
 
-    def __init__(self, shard: str, shape: PageShape, tenant_salt: str | None) -> None:
-        namespace = KeyNamespace(f"sglang/{shard}/{shape.describe()}", shape.page_size)
-        self._root = namespace.root_key(tenant_salt)
+    def __init__(self, identity: KvIdentity, tenant_salt: str | None) -> None:
+        self._root = identity.namespace().root_key(tenant_salt)
 
     def halves(self, page_hash: str) -> tuple[bytes, bytes]:
         """The keys of the page's K half and V half."""
@@ -84,6 +85,48 @@ class PageKeys:
     def flat(self, page_hashes: Sequence[str]) -> list[bytes]:
         """K, V, K, V, ... for the pages in order (a lookup's prefix counts halves)."""
         return [key for page_hash in page_hashes for key in self.halves(page_hash)]
+
+
+def sglang_identity(storage_config: Any, shape: PageShape, model_path: str | None) -> KvIdentity:
+    """THE identity of the pages of SGLang's `storage_config` (its shard) in `shape`,
+    computed by the checkpoint at `model_path` (None: the one SGLang serves, from its
+    published server args); one line when no checkpoint can be read."""
+    revision = None
+    if model_path is None:
+        model_path, revision = _served_model()
+    directory = None if model_path is None else find_checkpoint(model_path, revision)
+    if directory is None:
+        raise ConfigError(
+            f"kvswap's HiCache backend names pages by the checkpoint's weights and config and "
+            f"cannot read those of model {model_path!r}; allowed: model_path in "
+            "--hicache-storage-backend-extra-config, a local checkpoint directory or a hub id "
+            "in the local Hugging Face cache"
+        )
+    found = checkpoint_identity(directory)
+    c = storage_config
+    return KvIdentity(
+        compute="sglang", weights=found.weights, config=found.config,
+        kv_dtype=str(shape.dtype).removeprefix("torch."),
+        layout=f"sglang-half-page/{shape.describe()}",
+        block_tokens=shape.page_size, block_bytes=shape.half_bytes,
+        shard=Shard(
+            tp_rank=int(c.tp_rank), tp_size=int(c.tp_size), pp_rank=int(c.pp_rank),
+            pp_size=int(c.pp_size), cp_rank=int(getattr(c, "attn_cp_rank", 0)),
+            cp_size=int(getattr(c, "attn_cp_size", 1)),
+        ),
+    )  # fmt: skip
+
+
+def _served_model() -> tuple[str | None, str | None]:
+    """The model path and revision SGLang serves, from its published server args."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception:  # an older SGLang, or no server in this process: not published
+        return None, None
+    path = getattr(args, "model_path", None)
+    return (None if path is None else str(path)), getattr(args, "revision", None)
 
 
 def page_shape(host_pool: Any) -> PageShape:

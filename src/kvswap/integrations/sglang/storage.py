@@ -19,8 +19,9 @@ SGLang builds it as `KvSwapStorage(storage_config, kwargs)` and then calls
 Every byte is moved and checked by kvswap's tier (`page_store.open_page_store`:
 `RedisTier` values are self-checking and bound to their key, a value that fails
 is a miss and is deleted; a store that is down answers misses). This class only
-translates SGLang's arguments. Pages are keyed by SGLang's hashes inside a kvswap
-namespace of the model shard, layout and tenant salt (`pages.PageKeys`).
+translates SGLang's arguments. Pages are keyed by SGLang's hashes under THE identity
+of their bytes (the checkpoint's weights and config, never its served name; the
+shard, layout and tenant salt: `pages.PageKeys`, `pages.sglang_identity`).
 
 MHA models with a page_first host layout; an MLA model or another layout is
 refused in one line when the host pool registers.
@@ -43,7 +44,9 @@ from kvswap.integrations.sglang.pages import (
     half_page_slots,
     page_numbers,
     page_shape,
+    sglang_identity,
 )
+from kvswap.model.kv_identity import KvIdentity
 
 #: Pages the legacy calls move at once through their staging buffer.
 LEGACY_STAGING_PAGES = 8
@@ -61,6 +64,7 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
             )
         self.storage_config = storage_config
         self._shape: PageShape | None = None
+        self._identity: KvIdentity | None = None  # of the pages, once the host pool is known
         self._pages: PageStore | None = None  # over the registered host pool (v1)
         self._staged: PageStore | None = None  # over the legacy calls' staging buffer
         self._staging = torch.empty(0, dtype=torch.uint8)
@@ -77,16 +81,8 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
             if self._pages is not None:
                 self._pages.close()
             self._shape = shape
-            self._pages = open_page_store(self.options, shape, self._shard(), slots)
-
-    def _shard(self) -> str:
-        """Which part of which model this process's pages hold."""
-        c = self.storage_config
-        model = "-".join((c.model_name or "unnamed").split("/"))
-        return (
-            f"{model}/tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/"
-            f"cp{c.attn_cp_rank}of{c.attn_cp_size}"
-        )
+            self._identity = sglang_identity(self.storage_config, shape, self.options.model_path)
+            self._pages = open_page_store(self.options, shape, self._identity, slots)
 
     def _store(self) -> PageStore:
         if self._pages is None:
@@ -192,11 +188,11 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
         self._store()  # the host pool registered: the page shape is known
         with self._build:
             if self._staged is None:
-                assert self._shape is not None
+                assert self._shape is not None and self._identity is not None  # registered
                 staging = torch.zeros((2 * LEGACY_STAGING_PAGES, self._shape.half_bytes),
                                       dtype=torch.uint8)  # fmt: skip
                 self._staged = open_page_store(
-                    self.options, self._shape, self._shard(), staging.numpy()
+                    self.options, self._shape, self._identity, staging.numpy()
                 )
                 self._staging = staging
             return self._staged

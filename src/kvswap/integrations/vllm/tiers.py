@@ -12,7 +12,7 @@ kvswap's `SecondaryTier` (`kvswap.data.tiers`), which does the work:
     get_finished_jobs()                    get_finished_jobs(): success, the keys that did
     drain_jobs() / shutdown()              drain() / close()
 
-Keys become kvswap keys under the model's namespace (`keys.py`). Values check
+Keys become kvswap keys under the identity of the model's chunks (`keys.py`). Values check
 themselves (the slab's CRC per slot; the store's header, key digest and CRC),
 so a corrupt or missing value is a key left out of a promotion's
 `successful_keys`: vLLM drops that chunk and the request recomputes it.
@@ -42,7 +42,7 @@ from kvswap.data.tiers.base import SecondaryTier, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.redis_tier import RedisTier
 from kvswap.errors import ConfigError
-from kvswap.integrations.vllm.keys import VllmKeys
+from kvswap.integrations.vllm.keys import VllmKeys, vllm_identity
 from kvswap.integrations.vllm.settings import SOURCE, AdapterSettings, adapter_settings
 
 #: What a tier tells the host tier's ranking: these chunks now have a copy below.
@@ -53,6 +53,9 @@ _T = TypeVar("_T")
 class _KvswapTier(SecondaryTierManager):
     """One kvswap `SecondaryTier` behind vLLM's interface (module docstring)."""
 
+    #: Whether the tier's keys leave this process (`vllm_identity`'s `shared`).
+    shared: ClassVar[bool] = False
+
     def __init__(
         self,
         offloading_spec: Any,
@@ -62,14 +65,14 @@ class _KvswapTier(SecondaryTierManager):
         **config: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        spec_config = offloading_spec.config
         self.keys = VllmKeys(
-            model=spec_config.model.name,
-            kv_dtype=spec_config.model.dtype,
-            tokens_per_chunk=offloading_spec.tokens_per_block[0] * offloading_spec.blocks_per_chunk,
-            row_bytes=self.block_size_bytes,
-            world_size=spec_config.parallel.world_size,
-        )
+            vllm_identity(
+                offloading_spec.config,
+                tokens_per_chunk=offloading_spec.tokens_per_block[0]
+                * offloading_spec.blocks_per_chunk,
+                row_bytes=self.block_size_bytes, shared=self.shared, source=SOURCE,
+            )
+        )  # fmt: skip
         self.copied_below: CopiedBelow | None = None  # set by KvswapOffloadingSpec
         self.tier = self._open(adapter_settings(config), primary_kv_view)
         # job id -> (its vLLM keys in order, is a load)
@@ -163,6 +166,7 @@ class KvswapRedisTier(_KvswapTier):
 
     medium: ClassVar[Any] = Medium.STORAGE
     cache_hit_source: ClassVar[Any] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    shared: ClassVar[bool] = True
 
     def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
         self.locality = Locality.REMOTE
