@@ -5,6 +5,7 @@ the store. Jobs in, results out, exactly as a vLLM adapter will drive it."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -125,6 +126,71 @@ def test_a_corrupt_value_and_a_value_under_another_key_are_failed_keys(
     assert tier.counters()["corrupt"] == 2
     assert plain.exists(store_name(keys[0]), store_name(keys[1])) == 0  # deleted: misses now
     assert tier.lookup(keys) == 0 and tier.lookup(keys[2:]) == 2
+
+
+def test_keys_of_another_type_are_deleted_and_counted_never_refusals(
+    redis_server: RedisServer, open_tier: Callable[[str], RedisTier], host: np.ndarray,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    # Regression: a list, hash, set or sorted set under a block key answered GET with
+    # WRONGTYPE, a miss on every run (and a "refused" line), and was never deleted.
+    tier = open_tier(redis_server.url)
+    original = host.copy()
+    keys = keys_of(5)
+    store(tier, 1, keys[4:], (4,))
+    assert tier.wait(1).success
+    plain = redis_server.client()
+    plain.rpush(store_name(keys[0]), b"a list")
+    plain.hset(store_name(keys[1]), b"field", b"a hash")
+    plain.sadd(store_name(keys[2]), b"a set")
+    plain.zadd(store_name(keys[3]), {b"a sorted set": 1.0})
+
+    with caplog.at_level(logging.WARNING, logger="kvswap.remote"):
+        host[:] = 0
+        result = load(tier, 2, keys, (0, 1, 2, 3, 5))
+    assert result.successful_keys == keys[4:] and np.array_equal(host[5], original[4])
+    assert result.error == "0 blocks missing, failed checks: type x4"
+    assert plain.exists(*(store_name(key) for key in keys[:4])) == 0  # deleted
+    assert [record.getMessage() for record in caplog.records] == []  # no refusal, no outage
+    counters = tier.counters()
+    assert (counters["corrupt"], counters["outages"], counters["hits_blocks"]) == (4, 0, 1)
+    # Later reads miss cleanly, and the blocks can be stored there again.
+    assert tier.lookup(keys) == 0
+    again = load(tier, 3, keys[:4], (0, 1, 2, 3))
+    assert again.successful_keys == () and again.error == "4 blocks missing"
+    assert tier.counters()["corrupt"] == 4
+    store(tier, 4, keys[:4], (4, 5, 6, 7))
+    assert tier.wait(4).success
+    assert load(tier, 5, keys[:4], (0, 1, 2, 3)).success
+
+
+def test_an_oversized_value_is_read_only_one_value_long_then_deleted(
+    redis_server: RedisServer, open_tier: Callable[[str], RedisTier], host: np.ndarray
+) -> None:
+    # Regression: GET read a value of any size whole (200 MB under a block key ran into
+    # the timeout: an outage on every read, and the value was never deleted).
+    tier = open_tier(redis_server.url)
+    keys = keys_of(3)
+    store(tier, 1, keys[1:], (1, 2))
+    assert tier.wait(1).success
+    plain = redis_server.client()
+    huge_bytes = 32 * 1024 * 1024
+    plain.setrange(store_name(keys[0]), huge_bytes - 1, b"x")  # built on the server
+    plain.append(store_name(keys[1]), b"+")  # a good value and one byte more
+
+    sent_before = int(plain.info("stats")["total_net_output_bytes"])
+    result = load(tier, 2, keys, (5, 6, 7))
+    sent_bytes = int(plain.info("stats")["total_net_output_bytes"]) - sent_before
+    assert result.successful_keys == keys[2:]
+    assert result.error == "0 blocks missing, failed checks: length x1, magic x1"
+    # What the server sent for the three values: about three blocks, never 32 MiB.
+    assert sent_bytes < 4 * (HEADER_BYTES + BLOCK_BYTES) + 16 * 1024, sent_bytes
+    assert plain.exists(store_name(keys[0]), store_name(keys[1])) == 0  # deleted
+    counters = tier.counters()
+    assert (counters["corrupt"], counters["outages"], counters["hits_blocks"]) == (2, 0, 1)
+    again = load(tier, 3, keys, (5, 6, 7))
+    assert again.successful_keys == keys[2:] and again.error == "2 blocks missing"
+    assert tier.counters()["corrupt"] == 2
 
 
 def test_a_killed_store_is_a_miss_never_an_exception(

@@ -108,7 +108,7 @@ def test_a_store_killed_mid_run_misses_then_comes_back(
         assert run(engine, read(6, keys, (3, 2))).success
     assert torch.equal(host.byte_view(3), data[0]) and torch.equal(host.byte_view(2), data[1])
     stats = engine.stats()
-    assert (stats.outages, stats.misses_blocks, stats.hits_blocks) == (1, 4, 2)
+    assert (stats.outages, stats.reconnects, stats.misses_blocks, stats.hits_blocks) == (1, 1, 4, 2)
     lines = remote_lines(caplog)
     assert len(lines) == 2
     assert "is unreachable" in lines[0] and "is reachable again" in lines[1]

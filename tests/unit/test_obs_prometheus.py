@@ -201,11 +201,12 @@ def test_the_remote_tier_is_exported_live_and_brought_up_to_the_summary() -> Non
     assert value(first, "kvswap_remote_lookup_blocks_total", result="hit") == 0
     assert value(first, "kvswap_transfer_bytes_total", direction="remote_to_cpu") == 0
     assert value(first, "kvswap_prefix_hit_tokens_total", tier="remote") == 0
+    assert value(first, "kvswap_remote_store_events_total", event="reconnect") == 0
     kv.remote_lookups, kv.remote_lookup_blocks, kv.remote_found_blocks = 3, 10, 4
     kv.remote_lookup_misses, kv.remote_fetch_failures = 1, 1
     kv.remote_writes, kv.remote_write_failures, kv.remote_writes_skipped = 6, 1, 2
     kv.prefix_hit_blocks_by_tier[Tier.REMOTE] = 4
-    store_counters["outages"] = 1
+    store_counters["outages"] = store_counters["reconnects"] = 1
     steps = [Step(moved={"remote_to_cpu": 256, "cpu_to_remote": 64})] * 2
     record(steps, observers=[exporter])
     live = scrape_now()
@@ -217,6 +218,7 @@ def test_the_remote_tier_is_exported_live_and_brought_up_to_the_summary() -> Non
     assert value(live, "kvswap_prefix_hit_tokens_total", tier="remote") == 64
     assert value(live, "kvswap_transfer_bytes_total", direction="remote_to_cpu") == 512
     assert value(live, "kvswap_remote_store_events_total", event="outage") == 1
+    assert value(live, "kvswap_remote_store_events_total", event="reconnect") == 1
     # The summary's remote object has the last word (the data plane's final counters).
     exporter.on_finish({"remote": {"writes": 7, "corrupt": 2, "outages": 1}})
     final = scrape_now()

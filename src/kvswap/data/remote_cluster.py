@@ -1,7 +1,7 @@
 """A Redis (or Valkey) Cluster as the remote store: redis-py's `RedisCluster`, built lazily.
 
 `RemoteStoreClient` talks to a cluster exactly as to one server (pipelined
-EXISTS / GET / SET NX, DEL, PING, INFO); redis-py splits each pipeline by node
+EXISTS / TYPE + GETRANGE / SET NX, UNLINK, PING, INFO); redis-py splits each pipeline by node
 and sends every node its part before reading any answer. What differs lives here:
 
   - Built at the first call that needs it, not at start: redis-py's constructor

@@ -5,25 +5,31 @@ redis-py connection pool (every socket operation bounded by
 `remote_timeout_ms`, no driver-level retries) and turns every store problem
 into a miss, never an exception for its callers:
 
-    state    UP ----- a connection error / timeout ----> DOWN   (logged once, outage += 1)
+    state    UP ----- a connection error / timeout ----> DOWN   (logged, outage += 1)
              ^                                             |
              +-- a call made when the backoff is due -----+   (0.5 s, doubling to 30 s;
-                 succeeds (logged once)                        failed probes are silent)
+                 succeeds (logged, reconnect += 1)             failed probes are silent)
     OFF: the start-up check failed for good (password refused, not a Redis
     server): every call is a miss, no reconnects.
 
 While DOWN, calls return misses at once without touching the network; the
 first call after the backoff delay is the reconnect probe (one at a time).
 `available` is True when UP or when a probe is due, so the caller's next
-write or read is that probe. A command the store refuses while up (OOM under
+write or read is that probe. A store that flaps (a cluster master dead with no
+replica) logs at most one outage a minute (`remote_outage_log.py`); every change
+is counted. A command the store refuses while up (OOM under
 `maxmemory` with noeviction, READONLY on a replica) fails that block only;
 its first occurrence of each kind is logged.
 
 Commands (one round trip each, pipelined, never a transaction):
     lookup(keys)        EXISTS per key    -> length of the present prefix
-    get_many(keys)      GET per key       -> value or None per key
+    get_many(keys, n)   TYPE, GETRANGE 0 n per key
+                                          -> value (at most n + 1 bytes), None
+                                             (absent), or WrongType per key
     put_many(items)     SET k v NX [PX]   -> stored / already present / failed
-    delete(key)         DEL               (a value that failed its checks)
+    delete(key)         UNLINK            (a value that failed its checks, or a key
+                                          of another type; freed off the server's
+                                          main thread, whatever its size)
 
 Every message names the store by `RemoteUrl.shown` (password masked) and
 passes foreign text (a driver's exception) through `RemoteUrl.scrub`.
@@ -50,6 +56,7 @@ from kvswap.data import remote_cluster
 from kvswap.data.redis_options import connection_options
 from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace
 from kvswap.data.remote_format import check_namespace, key_name
+from kvswap.data.remote_outage_log import OutageLog
 from kvswap.data.remote_url import PASSWORD_ENV, RemoteUrl
 from kvswap.errors import KvSwapError
 from kvswap.units import MIB
@@ -91,6 +98,13 @@ class _Go(enum.Enum):
     RUN = enum.auto()
     PROBE = enum.auto()
     SKIP = enum.auto()
+
+
+@dataclass(frozen=True)
+class WrongType:
+    """A key that holds no string (a list, a hash, a set...): no block's value."""
+
+    type_name: str
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,8 @@ class RemoteStoreClient(RemoteIndex):
         self._next_probe_s = 0.0
         self._down_since_s = 0.0
         self._num_outages = 0
+        self._num_reconnects = 0
+        self._outage_log = OutageLog()
         self._logged_refusals: set[str] = set()
         self.server_version: str | None = None
         # One server: its client now (it connects on first use). A cluster: built by
@@ -175,6 +191,12 @@ class RemoteStoreClient(RemoteIndex):
         """Times the store went from up to down (a failed start counts once)."""
         return self._num_outages
 
+    @property
+    def num_reconnects(self) -> int:
+        """Times the store came back after an outage (a flapping store: about
+        `num_outages`, logged or not)."""
+        return self._num_reconnects
+
     def connect(self, *, required: bool) -> bool:
         """Check the store at start: PING, and INFO server names a Redis or Valkey
         version. True: up. Otherwise one line: a `KvSwapError` if `required`, else a
@@ -189,7 +211,7 @@ class RemoteStoreClient(RemoteIndex):
             raise KvSwapError(f"{problem}; tiers.remote_required is true")
         with self._lock:
             if retryable:
-                self._enter_down_locked()
+                self._enter_down_locked()  # logged below: the first outage always is
             else:
                 self._state = _State.OFF
         until = f", retrying in {self._backoff.delay_s:g} s" if retryable else ""
@@ -231,20 +253,42 @@ class RemoteStoreClient(RemoteIndex):
             count += 1
         return count
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's stored value, or None (absent, the store down, a refused GET)."""
+    def get_many(
+        self, keys: Sequence[bytes], max_value_bytes: int
+    ) -> list[bytes | WrongType | None]:
+        """Each key's stored value; None (absent, the store down, a refused read); or
+        `WrongType` for a key that holds no string.
+
+        At most `max_value_bytes + 1` bytes of a value are read (GETRANGE): a longer
+        one arrives cut there, one byte too long for the caller's size check, and is
+        never moved whole (a 200 MB value under a block key would run into the
+        timeout and count as an outage on every read). TYPE, asked before it in the
+        same pipeline (one round trip, each key's two commands on its own node in a
+        cluster), tells an absent key from an empty value (GETRANGE answers both
+        with b"") and a key of another type from a refused read."""
+        if max_value_bytes < 0:
+            raise ValueError(f"max_value_bytes must be >= 0, got {max_value_bytes}")
 
         def op(client: Connection) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.get(self.key_name(key))
+                name = self.key_name(key)
+                pipe.type(name)
+                pipe.getrange(name, 0, max_value_bytes)  # both ends included
             return pipe.execute(raise_on_error=False)
 
-        values = self._call("get", op, None)
-        if values is None:
+        answers = self._call("get", op, None)
+        if answers is None:
             return [None] * len(keys)
-        self._note_refusals("get", values)
-        return [value if isinstance(value, bytes) else None for value in values]
+        kinds, values = answers[0::2], answers[1::2]
+        found = [_found(kind, value) for kind, value in zip(kinds, values, strict=True)]
+        # GETRANGE on a key of another type is refused (WRONGTYPE): expected, not noted.
+        self._note_refusals("get", [
+            answer
+            for kind, value, result in zip(kinds, values, found, strict=True)
+            for answer in (kind, value if not isinstance(result, WrongType) else None)
+        ])  # fmt: skip
+        return found
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer]], ttl_s: float = 0.0) -> PutOutcome:
         """SET each (key, value) unless present (NX: a stored block is never
@@ -271,8 +315,10 @@ class RemoteStoreClient(RemoteIndex):
         )
 
     def delete(self, key: bytes) -> None:
-        """Remove a value (one that failed its checks); a miss if the store is down."""
-        self._call("delete", lambda client: client.delete(self.key_name(key)), 0)
+        """Remove a key (a value that failed its checks, or a key of another type);
+        nothing if the store is down. UNLINK, not DEL: a key of any type or size is
+        freed off the server's main thread."""
+        self._call("delete", lambda client: client.unlink(self.key_name(key)), 0)
 
     # --- the state machine --------------------------------------------------------
 
@@ -310,22 +356,33 @@ class RemoteStoreClient(RemoteIndex):
 
     def _failed(self, exc: BaseException, go: _Go) -> None:
         with self._lock:
+            now_s = self._clock()
             if self._state is _State.UP:
-                self._enter_down_locked()
+                num_left_out = self._enter_down_locked()
                 went_down = True
             else:
-                went_down = False
+                went_down, num_left_out = False, None
                 if go is _Go.PROBE:
                     self._backoff.grow()
-                    self._next_probe_s = self._clock() + self._backoff.delay_s
+                    self._next_probe_s = now_s + self._backoff.delay_s
                     self._probing = False
+                    num_left_out = self._outage_log.down(now_s, began=False)
             delay_s = self._backoff.delay_s
-        if went_down:
-            LOGGER.warning(
-                "remote store at %s is unreachable (%s); the remote tier is off, "
-                "retrying in %g s",
-                self.url.shown, self._text(exc), delay_s,
-            )  # fmt: skip
+            down_s = now_s - self._down_since_s
+        if num_left_out is None:
+            return
+        lasting = "" if went_down else f" for {down_s:.1f} s"
+        left_out = ""
+        if num_left_out:
+            left_out = (
+                f" ({num_left_out} outages since the last such line were not logged: "
+                f"one line per {self._outage_log.interval_s:g} s)"
+            )
+        LOGGER.warning(
+            "remote store at %s is unreachable%s (%s); the remote tier is off, "
+            "retrying in %g s%s",
+            self.url.shown, lasting, self._text(exc), delay_s, left_out,
+        )  # fmt: skip
 
     def _succeeded(self, go: _Go) -> None:
         if go is not _Go.PROBE:
@@ -335,17 +392,24 @@ class RemoteStoreClient(RemoteIndex):
             if self._state is not _State.DOWN:  # closed meanwhile
                 return
             self._state = _State.UP
+            self._num_reconnects += 1
             self._backoff.reset()
             down_s = self._clock() - self._down_since_s
-        LOGGER.warning("remote store at %s is reachable again after %.1f s", self.url.shown, down_s)
+            logged = self._outage_log.up()
+        if logged:
+            LOGGER.warning(
+                "remote store at %s is reachable again after %.1f s", self.url.shown, down_s
+            )
 
-    def _enter_down_locked(self) -> None:
+    def _enter_down_locked(self) -> int | None:
+        """UP -> DOWN; what `OutageLog.down` says about logging it."""
         now_s = self._clock()
         self._state = _State.DOWN
         self._num_outages += 1
         self._down_since_s = now_s
         self._backoff.reset()
         self._next_probe_s = now_s + self._backoff.delay_s
+        return self._outage_log.down(now_s, began=True)
 
     def _note_refusals(self, what: str, answers: Sequence[object]) -> None:
         for answer in answers:
@@ -398,6 +462,15 @@ class RemoteStoreClient(RemoteIndex):
         """An exception as one line, this URL's password masked."""
         text = " ".join(str(exc).split()) or type(exc).__name__
         return self.url.scrub(f"{type(exc).__name__}: {text}")
+
+
+def _found(kind: object, value: object) -> bytes | WrongType | None:
+    """One key's answer from its TYPE and GETRANGE replies (either may be a refusal)."""
+    if isinstance(value, bytes) and (value or kind == b"string"):
+        return value  # a string, an empty one too (it fails the caller's size check)
+    if isinstance(kind, bytes) and kind not in (b"none", b"string"):
+        return WrongType(kind.decode("ascii", "replace"))
+    return None  # absent, or a refused read
 
 
 def _make_redis(url: RemoteUrl, timeout_s: float, socket_read_bytes: int) -> redis.Redis:

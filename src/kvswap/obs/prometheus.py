@@ -55,6 +55,7 @@ dashboard ports by renaming the prefix:
                                                (never sent: store down, CPU copy gone first)
     kvswap_remote_known_blocks                 (none)
     kvswap_remote_store_events_total{event}    the data plane's counters: corrupt, outages,
+                                               reconnects (a flapping store: both climb),
                                                skipped_writes, already_present
 
 The swapper's own counters (evictions, protected saves, prefetch, prefix hits)
@@ -98,6 +99,7 @@ TIERS = tuple(t.value for t in Tier)
 REMOTE_STORE_EVENTS = {
     "corrupt": "corrupt",
     "outages": "outage",
+    "reconnects": "reconnect",
     "skipped_writes": "skipped_write",
     "already_present": "already_present",
 }

@@ -3,7 +3,8 @@
 Over one `RemoteStoreClient` (owned: `close()` closes it) and the host pool's
 slots, each block one self-checking value (`remote_format`):
 
-    load   read lanes (2 threads)    GET the job's keys, check each value
+    load   read lanes (2 threads)    read the job's keys (at most one value's
+                                     bytes + 1 of each), check each value
                                      (remote_format.decode), copy the payload
                                      into its host slot
     store  write lanes (2 threads)   read the job's host slots into a lane's reused
@@ -18,8 +19,10 @@ and socket I/O release the GIL).
 
 What fails is a miss, never an exception or a hang:
   - a key that is absent, or whose value fails a check, is a failed key of its
-    load; a value that failed its checks (one found under another key
-    included) is deleted from the store and counted `corrupt_blocks`;
+    load; a value that failed its checks (one found under another key, one of
+    any other size, a key of another type than a string included) is deleted
+    from the store and counted `corrupt_blocks`: never read whole, never an
+    outage;
   - a store is SKIPPED, reported at once with every key failed and counted in
     `skipped_writes`, when `max_inflight_write_chunks` stores are already in
     flight, when the store is down, or for `SLOW_HOLD_S` after a write batch
@@ -47,7 +50,7 @@ from kvswap.data.remote_format import (
     decode,
     encode_into,
 )
-from kvswap.data.remote_store import RemoteStoreClient
+from kvswap.data.remote_store import RemoteStoreClient, WrongType
 from kvswap.data.tiers.base import HostSlots, JobResult, TransferJob, job_result
 from kvswap.data.tiers.lanes import LaneTier, Totals
 from kvswap.units import MIB
@@ -83,6 +86,7 @@ class RemoteStats:
     cpu_to_remote_bytes: int = 0
     cpu_to_remote_s: float = 0.0
     outages: int = 0
+    reconnects: int = 0
 
     def counters(self) -> dict[str, int]:
         """The integer counts by name, for a run summary's `remote` object and the
@@ -141,6 +145,7 @@ class RedisTier(LaneTier):
         )  # fmt: skip
         self._blocks_per_read = max(1, read_batch_bytes // self.block_bytes)
         self._blocks_per_write = max(1, write_batch_bytes // self.block_bytes)
+        self._value_bytes = HEADER_BYTES + self.block_bytes  # one block's stored value
 
     # --- SecondaryTier ----------------------------------------------------------------
 
@@ -155,7 +160,11 @@ class RedisTier(LaneTier):
         return self.stats().counters()
 
     def stats(self) -> RemoteStats:
-        return dataclasses.replace(self._totals.snapshot(), outages=self.client.num_outages)
+        return dataclasses.replace(
+            self._totals.snapshot(),
+            outages=self.client.num_outages,
+            reconnects=self.client.num_reconnects,
+        )
 
     # --- loads --------------------------------------------------------------------------
 
@@ -164,7 +173,7 @@ class RedisTier(LaneTier):
         failed: set[bytes] = set()
         reasons: Counter[str] = Counter()  # why blocks failed: "missing" or a check
         for batch in _batches(job.num_blocks, self._blocks_per_read):
-            values = self.client.get_many([job.keys[i] for i in batch])
+            values = self.client.get_many([job.keys[i] for i in batch], self._value_bytes)
             for index, value in zip(batch, values, strict=True):
                 reason = self._land(job.keys[index], value, job.host_slots[index])
                 if reason is not None:
@@ -189,10 +198,13 @@ class RedisTier(LaneTier):
             end_s=end_s, error=error,
         )  # fmt: skip
 
-    def _land(self, key: bytes, value: bytes | None, host_slot: int) -> str | None:
+    def _land(self, key: bytes, value: bytes | WrongType | None, host_slot: int) -> str | None:
         """Copy a fetched value's payload into `host_slot`; None, or why it was not."""
         if value is None:
             return "missing"
+        if isinstance(value, WrongType):
+            self.client.delete(key)  # not a block; the next write stores one there
+            return "type"
         # The value must name this very key: one found under another (renamed, swapped)
         # is rejected as "key", like any other failed check.
         payload = decode(value, self._fingerprint, self.block_bytes, self.client.key_name(key))
@@ -249,8 +261,7 @@ class RedisTier(LaneTier):
         fresh 1 MiB buffer per block costs more than its checksum (page faults)."""
         buffers: list[bytearray] | None = getattr(self._scratch, "buffers", None)
         if buffers is None:
-            value_bytes = HEADER_BYTES + self.block_bytes
-            buffers = [bytearray(value_bytes) for _ in range(self._blocks_per_write)]
+            buffers = [bytearray(self._value_bytes) for _ in range(self._blocks_per_write)]
             self._scratch.buffers = buffers
         return buffers
 
