@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from kvswap.config import load_config
+from kvswap.control.scheduler import StepPlan
 from kvswap.control.transfer import Tier
+from kvswap.drive.backend import StepOutput
 from kvswap.engine import runner as runner_module
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
@@ -256,3 +258,58 @@ def test_a_sampling_failure_aborts_only_that_request(
         for r in caplog.records
     )
     assert not service.engine.swapper.holds_kv(0)  # the doomed request (id 0) holds no KV
+
+
+def test_a_cache_salt_no_key_can_take_refuses_that_request_and_the_engine_lives_on(
+    service: EngineThreadService,
+) -> None:
+    """Issue 30, HIGH 1: a 257-character salt reached the engine thread, which raised in
+    the key namespace and stopped: /health 503, every request lost. Whatever fails while
+    admitting one request refuses it alone (the HTTP edge refuses it first too)."""
+
+    async def main() -> tuple[Finished, Finished]:
+        bad = service.submit(GenerationRequest(prompt(1, 8), 2, cache_salt="s" * 257))
+        good = service.submit(GenerationRequest(prompt(1, 8), 2, cache_salt="tenant"))
+        return (await collect(bad))[1], (await collect(good))[1]
+
+    refused, served = asyncio.run(main())
+    assert refused.reason is FinishReason.ABORT
+    assert refused.error is not None and "cache_salt" in refused.error
+    assert "256 characters" in refused.error
+    assert served.reason is FinishReason.LENGTH
+    assert service.healthy() and service.num_open_requests == 0
+
+
+def test_a_step_that_fails_for_one_request_aborts_it_alone_and_the_server_serves_on(
+    service: EngineThreadService,
+) -> None:
+    """The failure rule inside the server: a step the model cannot compute for one
+    request is run again a request at a time; that request ends with the error, the
+    others stream their reference tokens, /health stays up, later requests are served."""
+    execute = service.engine.execute
+
+    def failing(plan: StepPlan) -> StepOutput:
+        if any(item.seq_id == 0 for item in plan.seqs):  # the first request submitted
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(plan)
+
+    service.engine.execute = failing  # type: ignore[method-assign]
+
+    async def main() -> list[tuple[list[int], Finished]]:
+        doomed = service.submit(GenerationRequest(prompt(9, 12), 6))
+        others = [service.submit(GenerationRequest(prompt(s, 12), 6)) for s in (3, 4)]
+        return await asyncio.gather(*(collect(h) for h in (doomed, *others)))
+
+    (lost, aborted), *rest = asyncio.run(main())
+    assert aborted.reason is FinishReason.ABORT and lost == []
+    assert aborted.error == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    for (tokens, finished), seed in zip(rest, (3, 4), strict=True):
+        assert finished.reason is FinishReason.LENGTH
+        expected = generate_reference(service.engine.model, prompt(seed, 12), 6, block_tokens=8)
+        assert tokens == list(expected.token_ids)
+    assert service.healthy() and service.num_open_requests == 0
+
+    async def later() -> Finished:
+        return (await collect(service.submit(GenerationRequest(prompt(5, 12), 2))))[1]
+
+    assert asyncio.run(later()).reason is FinishReason.LENGTH

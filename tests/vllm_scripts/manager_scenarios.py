@@ -139,7 +139,7 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     spec = SimpleNamespace(
         config=SimpleNamespace(
             model=SimpleNamespace(name="scenario", dtype="float32"),
-            parallel=SimpleNamespace(world_size=1),
+            parallel=SimpleNamespace(world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1),
         ),
         tokens_per_block=(TOKENS_PER_CHUNK,),
         blocks_per_chunk=1,

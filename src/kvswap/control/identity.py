@@ -112,16 +112,26 @@ class KeyNamespace:
             struct.pack("<II", self.layout_version, self.block_tokens),
             _length_prefixed("model_fingerprint", self.model_fingerprint),
         ]
-        if cache_salt is None or cache_salt == "":
+        salt = check_cache_salt(cache_salt)
+        if salt is None:
             parts.append(b"\x00")
-        elif not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise KvSwapError(
-                f"cache_salt = {cache_salt!r:.60}; allowed: None or a string of at most "
-                f"{MAX_CACHE_SALT_CHARS} characters"
-            )
         else:
-            parts.append(b"\x01" + _length_prefixed("cache_salt", cache_salt))
+            parts.append(b"\x01" + _length_prefixed("cache_salt", salt))
         return hashlib.sha256(b"".join(parts)).digest()
+
+
+def check_cache_salt(cache_salt: object) -> str | None:
+    """`cache_salt` if a key can be salted with it, None for no salt (None or ""); one
+    line naming the rule otherwise. The scheduler refuses a request whose salt fails
+    this, so no sequence reaches `root_key` with one."""
+    if cache_salt is None or cache_salt == "":
+        return None
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise KvSwapError(
+            f"cache_salt = {cache_salt!r:.60}; allowed: None or a string of at most "
+            f"{MAX_CACHE_SALT_CHARS} characters"
+        )
+    return cache_salt
 
 
 @lru_cache(maxsize=64)

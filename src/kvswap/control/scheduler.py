@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvswap.control.identity import check_cache_salt
+from kvswap.control.request_fault import RequestFailed, blame, failure_reason
 from kvswap.control.swapper import Swapper
 from kvswap.sampling import LogitsContext, LogitsOptions, SamplingParams
 from kvswap.units import ceil_div
@@ -53,6 +55,7 @@ class RefusalReason(enum.Enum):
     EMPTY_PROMPT = "empty_prompt"
     PAST_MAX_POSITION = "past_max_position"  # longer than the model's maximum position
     EXCEEDS_GPU_TIER = "exceeds_gpu_tier"  # a running sequence must fit the GPU tier
+    INVALID = "invalid"  # a field no sequence can be opened with (its cache salt, say)
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,9 @@ class StepPlan:
     step: int
     seqs: tuple[ScheduledSeq, ...]
     swap_wait_s: float
+    # Requests whose serving failed while this step was planned: aborted alone, each
+    # with its `abort_reason` (`control.request_fault`); the step runs without them.
+    aborted: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -173,6 +179,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.tokens_generated = 0
         self.recomputed_tokens = 0
+        self._aborted: list[int] = []  # by the step being planned (`_contain`)
 
     # ----------------------------------------------------------------- intake
 
@@ -190,14 +197,18 @@ class Scheduler:
     ) -> Admission:
         """Queue a request with its sampling (None: greedy) and logits options (None:
         none); every step that samples it carries both to the backend. One that can
-        never run (see `admission`) is refused: recorded as finished (ABORT) with its
-        refusal; the others keep running."""
+        never run (see `admission`), or whose admission fails, is refused: recorded as
+        finished (ABORT) with its refusal; the others keep running."""
         run = SequenceRun(
             seq_id, tuple(prompt_ids), max_new_tokens, arrival_s, cache_salt, sampling,
             options, stop_token_ids=stop_token_ids,
         )  # fmt: skip
         self.runs[seq_id] = run
-        admission = self.admission(len(prompt_ids), max_new_tokens)
+        try:
+            check_cache_salt(cache_salt)
+            admission = self.admission(len(prompt_ids), max_new_tokens)
+        except Exception as error:  # whatever fails admitting one request refuses it
+            admission = Admission(Refusal(RefusalReason.INVALID, failure_reason(error)))
         run.refusal = admission.refusal
         if admission.accepted:
             self.waiting.append(seq_id)
@@ -277,6 +288,14 @@ class Scheduler:
         self.finished.append(seq_id)
         return True
 
+    def abort(self, seq_id: int, now_s: float, reason: str) -> bool:
+        """End a request whose serving failed (`RequestFailed`): ABORT with `reason`, its
+        KV freed on every tier; the others go on. Returns False if it had finished."""
+        if not self.end_request(seq_id, now_s, discard=True):
+            return False
+        self.runs[seq_id].abort_reason = reason
+        return True
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.preempted or self.running)
 
@@ -289,8 +308,8 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         # Each fallback drops one paused sequence's KV, so this ends.
         for _ in range(self.swapper.num_open_sequences + 1):
-            self._repair_lost()
-            self._resume_preempted()
+            self._repair_lost(now_s)
+            self._resume_preempted(now_s)
             self._admit(now_s)
             # Bring every running sequence's blocks up before growing any: running
             # blocks are never eviction candidates, so allocation cannot undo this.
@@ -300,11 +319,12 @@ class Scheduler:
                 self.swapper.set_running(seq_id, False)
                 self.preempted.appendleft(seq_id)
             wait_s += waited.wait_s
-            self._repair_lost()  # a failed NVMe read surfaces during the wait
-            seqs = self._allocate_running()
+            self._repair_lost(now_s)  # a failed NVMe read surfaces during the wait
+            seqs = self._allocate_running(now_s)
             if seqs or self.swapper.has_transfers_in_flight or not self._fall_back_to_recompute():
                 break
-        return StepPlan(self.step, tuple(seqs), wait_s)
+        aborted, self._aborted = tuple(self._aborted), []
+        return StepPlan(self.step, tuple(seqs), wait_s, aborted)
 
     def complete(
         self,
@@ -322,13 +342,13 @@ class Scheduler:
         done: list[int] = []
         aborted: list[int] = []
         for item in plan.seqs:
-            if not item.samples:
-                continue
             run = self.runs[item.seq_id]
             if failed and item.seq_id in failed:
                 run.finish_reason = FinishReason.ABORT
                 run.abort_reason = failed[item.seq_id]
                 aborted.append(item.seq_id)
+                continue
+            if not item.samples:
                 continue
             run.output_ids.append(sampled[item.seq_id])
             run.token_times_s.append(now_s)
@@ -343,10 +363,19 @@ class Scheduler:
                 done.append(item.seq_id)
         for seq_id in done:
             self.running.remove(seq_id)
-            self.swapper.finish(seq_id)
+            try:
+                with blame(seq_id):
+                    self.swapper.finish(seq_id)
+            except RequestFailed as failure:  # its offload failed: it ends alone, ABORT
+                self.runs[seq_id].finish_reason = FinishReason.ABORT
+                self.runs[seq_id].abort_reason = failure.reason
+                aborted.append(seq_id)
+                done.remove(seq_id)
         for seq_id in aborted:
-            self.running.remove(seq_id)
-            self.swapper.discard(seq_id)
+            if seq_id in self.running:
+                self.running.remove(seq_id)
+            if self.swapper.holds_kv(seq_id):
+                self.swapper.discard(seq_id)
         done += aborted
         for seq_id in done:
             self.runs[seq_id].finish_s = now_s
@@ -394,15 +423,19 @@ class Scheduler:
             self.waiting.popleft()
             if run.admitted_s is None:
                 run.admitted_s = now_s
-            hit_tokens = self.swapper.open_sequence(seq_id, ids, cache_salt=run.cache_salt)
-            run.prefix_hit_tokens += hit_tokens
-            self._count_recompute(run, max(0, run.tokens_to_recompute - hit_tokens))
-            run.tokens_to_recompute = 0
-            self.swapper.set_running(seq_id, True)
-            self.running.append(seq_id)
-            self.swapper.prefetch([seq_id])
+            try:
+                with blame(seq_id):
+                    hit_tokens = self.swapper.open_sequence(seq_id, ids, cache_salt=run.cache_salt)
+                    run.prefix_hit_tokens += hit_tokens
+                    self._count_recompute(run, max(0, run.tokens_to_recompute - hit_tokens))
+                    run.tokens_to_recompute = 0
+                    self.swapper.set_running(seq_id, True)
+                    self.running.append(seq_id)
+                    self.swapper.prefetch([seq_id])
+            except RequestFailed as failure:
+                self._contain(failure, now_s)
 
-    def _resume_preempted(self) -> None:
+    def _resume_preempted(self, now_s: float) -> None:
         while self.preempted and len(self.running) < self.settings.max_num_seqs:
             seq_id = self.preempted[0]
             if not self.swapper.holds_kv(seq_id):  # recompute mode: start over
@@ -412,11 +445,15 @@ class Scheduler:
             if not self._fits(self.swapper.num_missing_gpu_blocks(seq_id) + 1):
                 return
             self.preempted.popleft()
-            self.swapper.set_running(seq_id, True)
-            self.running.append(seq_id)
-            self.swapper.prefetch([seq_id])
+            try:
+                with blame(seq_id):
+                    self.swapper.set_running(seq_id, True)
+                    self.running.append(seq_id)
+                    self.swapper.prefetch([seq_id])
+            except RequestFailed as failure:
+                self._contain(failure, now_s)
 
-    def _allocate_running(self) -> list[ScheduledSeq]:
+    def _allocate_running(self, now_s: float) -> list[ScheduledSeq]:
         budget = self.settings.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         for seq_id in list(self.running):
@@ -427,11 +464,16 @@ class Scheduler:
             done = self.swapper.num_tokens_held(seq_id)
             count = min(num_tokens - done, max(1, budget))
             chunk = run.token_slice(done, done + count)
-            while not self.swapper.allocate(seq_id, chunk):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim == seq_id:
-                    break
+            try:
+                with blame(seq_id):
+                    while not self.swapper.allocate(seq_id, chunk):
+                        victim = self.running[-1]
+                        self._preempt(victim)
+                        if victim == seq_id:
+                            break
+            except RequestFailed as failure:  # this one's or its victim's: it waits a step
+                self._contain(failure, now_s)
+                continue
             if seq_id not in self.running:
                 continue
             budget -= len(chunk)
@@ -453,12 +495,13 @@ class Scheduler:
         run.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(seq_id)
-        if self.settings.preemption is Preemption.SWAP:
-            self.swapper.swap_out_sequence(seq_id)
-        else:
-            run.tokens_to_recompute = self.swapper.num_tokens_held(seq_id)
-            self.swapper.release(seq_id)
         self.preempted.append(seq_id)
+        with blame(seq_id):
+            if self.settings.preemption is Preemption.SWAP:
+                self.swapper.swap_out_sequence(seq_id)
+            else:
+                run.tokens_to_recompute = self.swapper.num_tokens_held(seq_id)
+                self.swapper.release(seq_id)
 
     def _fall_back_to_recompute(self) -> bool:
         """Nothing could run and nothing is moving: paused sequences hold GPU blocks
@@ -473,11 +516,17 @@ class Scheduler:
                 return True
         return False
 
+    def _contain(self, failure: RequestFailed, now_s: float) -> None:
+        """The failure rule (`control.request_fault`): the request whose serving failed
+        ends alone, reported with the plan being made; the pass goes on without it."""
+        if self.abort(failure.seq_id, now_s, failure.reason):
+            self._aborted.append(failure.seq_id)
+
     def _count_recompute(self, run: SequenceRun, num_tokens: int) -> None:
         run.recomputed_tokens += num_tokens
         self.recomputed_tokens += num_tokens
 
-    def _repair_lost(self) -> None:
+    def _repair_lost(self, now_s: float) -> None:
         """Blocks whose every copy failed are recomputed from the first lost one."""
         if not self.swapper.has_lost_blocks():
             return  # the usual case: no table to scan
@@ -488,4 +537,8 @@ class Scheduler:
             if first_lost is not None:
                 run = self.runs[seq_id]
                 self._count_recompute(run, self.swapper.num_tokens_held(seq_id) - first_lost)
-                self.swapper.truncate(seq_id, first_lost)
+                try:
+                    with blame(seq_id):
+                        self.swapper.truncate(seq_id, first_lost)
+                except RequestFailed as failure:
+                    self._contain(failure, now_s)

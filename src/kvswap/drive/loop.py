@@ -22,13 +22,23 @@ The retry rule: an empty plan with nothing moving and no arrival to wait for
 is retried while a retry can help (each `schedule` may have dropped a paused
 sequence's KV in its recompute fallback after its last attempt), then the
 run stops with a one-line error.
+
+The failure rule: whatever fails while admitting or serving one request ends
+that request alone, and the loop goes on. Admission refuses it
+(`Scheduler.add_request`); a failure the scheduler can name
+(`control.request_fault.RequestFailed`) aborts that request; a step the backend
+cannot compute is run again one request at a time, and only the requests that
+fail alone are aborted (the exact mode's outputs are the same in any batch).
+After an abort the control plane checks its invariants; a failure it cannot
+contain (a broken invariant, the machinery every request shares) stops the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
+from kvswap.control.request_fault import failure_reason
 from kvswap.control.scheduler import Scheduler, StepPlan
 from kvswap.drive.assembly import ControlPlane
 from kvswap.drive.backend import Backend, StepOutput
@@ -36,7 +46,7 @@ from kvswap.drive.summary import RunSummary, StepTotals, build_summary
 from kvswap.errors import KvSwapError
 from kvswap.obs.observer import StepObserver, sample_step
 from kvswap.progress import RequestProgress
-from kvswap.sampling import SamplingParams
+from kvswap.sampling import SamplingParams, TokenLogprobs
 from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
 
@@ -111,6 +121,8 @@ class Driver:
             return True
         step_start_s = backend.now_s()
         plan = scheduler.schedule(now_s)
+        if plan.aborted:
+            self._end_aborted(plan.aborted, now_s)
         if not plan.seqs:
             if swapper.wait_any():
                 return True  # a transfer finished: room may have appeared
@@ -125,9 +137,11 @@ class Driver:
                 "nothing can move; add CPU or NVMe capacity or lower max_num_seqs"
             )
         self._num_stalled = 0
-        output = backend.execute(plan)
+        output = self._execute(plan)
         done_s = backend.now_s()
         finished = scheduler.complete(plan, output.sampled, done_s, failed=output.failed)
+        if output.failed:
+            self._check_contained(output.failed)
         this_step_s = backend.now_s() - step_start_s
         self.step_s += this_step_s
         self.swap_wait_s += plan.swap_wait_s
@@ -145,6 +159,51 @@ class Driver:
             self.arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, done_s)
         self._report_progress()
         return True
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """The step's output; if the step fails, each request is run alone, and those that
+        fail alone are marked failed (`StepOutput.failed`: they abort, the rest go on)."""
+        try:
+            return self.backend.execute(plan)
+        except Exception as error:
+            if len(plan.seqs) == 1:
+                return StepOutput({}, failed={plan.seqs[0].seq_id: failure_reason(error)})
+        sampled: dict[int, int] = {}
+        failed: dict[int, str] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        for item in plan.seqs:
+            try:
+                alone = self.backend.execute(StepPlan(plan.step, (item,), 0.0))
+            except Exception as error:
+                failed[item.seq_id] = failure_reason(error)
+                continue
+            sampled.update(alone.sampled)
+            failed.update(alone.failed)
+            logprobs.update(alone.logprobs)
+        return StepOutput(sampled, failed, logprobs)
+
+    def _end_aborted(self, aborted: Sequence[int], now_s: float) -> None:
+        """Requests the scheduler aborted while planning (the failure rule): check that
+        it could, and tell whoever waits for them."""
+        scheduler = self.control.scheduler
+        self._check_contained(aborted)
+        if self._listener is not None:  # a step that produced nothing but these ends
+            self._listener(StepPlan(scheduler.step, (), 0.0), StepOutput({}), aborted)
+        for seq_id in aborted:
+            self.arrivals.finished(seq_id, scheduler.runs[seq_id].output_ids, now_s)
+
+    def _check_contained(self, failed: Collection[int]) -> None:
+        """Requests failed and were aborted: the run goes on only if the control plane's
+        invariants still hold (no block lost its owner, no count went wrong)."""
+        try:
+            self.control.swapper.check_integrity()
+        except AssertionError as broken:
+            first = min(failed)
+            reason = self.control.scheduler.runs[first].abort_reason
+            raise KvSwapError(
+                f"the run cannot go on after request {first} failed ({reason}): the KV "
+                f"store's state is inconsistent ({broken})"
+            ) from broken
 
     def _report_progress(self) -> None:
         if self._progress is not None:

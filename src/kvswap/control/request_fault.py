@@ -1,0 +1,51 @@
+"""A failure while serving one request is that request's: the rule the driver loop keeps.
+
+Most of a step works on one request at a time: admitting it, resuming it,
+growing its blocks, finishing it. What raises there is wrapped as
+`RequestFailed(seq_id)` (`blame`), so the loop (`kvswap.drive.loop`) aborts that
+request alone, checks that the control plane's invariants still hold, and goes
+on. A failure of the machinery every request shares (the copy engine's waits, a
+broken invariant) names no request: it stops the run, since going on could hand
+a request another's KV.
+
+Torch-free, like the rest of `control/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvswap.errors import KvSwapError
+
+
+class RequestFailed(Exception):
+    """Serving request `seq_id` raised `error`; `reason` says so in one line."""
+
+    def __init__(self, seq_id: int, error: BaseException) -> None:
+        self.seq_id = seq_id
+        self.error = error
+        super().__init__(f"request {seq_id}: {self.reason}")
+
+    @property
+    def reason(self) -> str:
+        return failure_reason(self.error)
+
+
+def failure_reason(error: BaseException) -> str:
+    """One line for what went wrong: kvswap's own message, else the error's type and text."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    if isinstance(error, KvSwapError):
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@contextmanager
+def blame(seq_id: int) -> Iterator[None]:
+    """What raises inside is request `seq_id`'s failure (an inner `blame` keeps its own)."""
+    try:
+        yield
+    except RequestFailed:
+        raise
+    except Exception as error:
+        raise RequestFailed(seq_id, error) from error
