@@ -23,6 +23,7 @@ from kvswap.data.disk_pool import SLOT_ALIGN_BYTES, DiskPool, DiskSlotError
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.pinned import PinnedBuffer
+from kvswap.data.shared_file import SharedFile
 from kvswap.errors import ConfigError, KvSwapError
 
 BLOCK_BYTES = 8192  # a multiple of 4096: the O_DIRECT-eligible case
@@ -402,9 +403,9 @@ def test_the_pinned_fill_goes_piece_by_piece(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_a_shared_buffer_is_one_file_for_two_parties_and_leaves_no_name(tmp_path: Path) -> None:
     path = tmp_path / "pool.host"
-    first = PinnedBuffer(2 * BLOCK_BYTES, shared_path=path)
-    assert first.created_file and path.stat().st_size == 2 * BLOCK_BYTES
-    second = PinnedBuffer(2 * BLOCK_BYTES, shared_path=path)
+    first = PinnedBuffer(2 * BLOCK_BYTES, shared=SharedFile(path, "worker"))
+    assert first.created_file and path.stat().st_size == 2 * BLOCK_BYTES + mmap.PAGESIZE
+    second = PinnedBuffer(2 * BLOCK_BYTES, shared=SharedFile(path, "scheduler"))
     assert not second.created_file
     assert not path.exists()  # the second party mapped it: nobody else can open it
     first.tensor[BLOCK_BYTES:] = 7  # one set of pages: what one writes, the other reads
@@ -415,14 +416,15 @@ def test_a_shared_buffer_is_one_file_for_two_parties_and_leaves_no_name(tmp_path
 
 def test_a_shared_buffer_nobody_joined_loses_its_name_at_close(tmp_path: Path) -> None:
     path = tmp_path / "pool.host"
-    with HostPool(KVLayout.from_block_bytes(BLOCK_BYTES), 2, shared_path=path) as pool:
+    shared = SharedFile(path, "worker")
+    with HostPool(KVLayout.from_block_bytes(BLOCK_BYTES), 2, shared=shared) as pool:
         assert path.exists() and pool.configured_bytes == 2 * BLOCK_BYTES
     assert not path.exists()
 
 
 def test_a_shared_buffer_of_another_size_is_a_one_line_error(tmp_path: Path) -> None:
     path = tmp_path / "pool.host"
-    with PinnedBuffer(2 * BLOCK_BYTES, shared_path=path):
-        with pytest.raises(KvSwapError, match="holds 16384 bytes, expected 8192") as info:
-            PinnedBuffer(BLOCK_BYTES, shared_path=path)
+    with PinnedBuffer(2 * BLOCK_BYTES, shared=SharedFile(path, "worker")):
+        with pytest.raises(KvSwapError, match="holds a pool of 16384 bytes, expected 8192") as info:
+            PinnedBuffer(BLOCK_BYTES, shared=SharedFile(path, "scheduler"))
         assert_one_line(info.value)

@@ -23,13 +23,13 @@ it dies, so at start-up a slab in the directory whose owner pid is gone and
 whose lock is free is known to be stale: it is removed (or, if persisted,
 reported). The lock is what protects a live slab whose owner is in another pid
 namespace (a container sharing the directory), where the pid alone would
-look dead.
+look dead. The scheme, and the sweep that skips anything but a regular file, are
+`owned_files`'s (the vLLM adapter's shared host pool uses them too).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import re
@@ -44,6 +44,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvswap.data.owned_files import create_locked, describe_os_error, sweep_stale
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
@@ -77,7 +78,10 @@ class DiskPool:
         *,
         persist: bool = False,
         direct_io: bool = True,
+        swept: bool = False,
     ) -> None:
+        """`swept`: the caller has just swept `directory` (`report_stale_slabs`), so
+        the slabs that sweep kept or could not remove are not reported a second time."""
         if isinstance(block_bytes, bool) or block_bytes < 1:
             raise KvSwapError(f"NVMe pool: block_bytes {block_bytes!r} is invalid; expected >= 1")
         if isinstance(num_slots, bool) or num_slots < 1:
@@ -88,8 +92,9 @@ class DiskPool:
         self.persist = persist
         self.slot_stride_bytes = ceil_div(block_bytes, SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
         self.configured_bytes = num_slots * self.slot_stride_bytes
-        # Before the free-space check: a stale slab's bytes are free once it is removed.
-        report_stale_slabs(self.directory)
+        if not swept:
+            # Before the free-space check: a stale slab's bytes are free once it is removed.
+            report_stale_slabs(self.directory)
         check_directory(self.directory, self.configured_bytes)
 
         suffix = ".persist.kvslab" if persist else ".kvslab"
@@ -121,7 +126,7 @@ class DiskPool:
         try:
             _pwrite_all(self._fd_for(address), view, slot * self.slot_stride_bytes)
         except OSError as exc:
-            raise DiskSlotError(slot, f"write failed: {_describe(exc)}") from exc
+            raise DiskSlotError(slot, f"write failed: {describe_os_error(exc)}") from exc
         self._checksums[slot] = checksum
 
     def read_slot(self, slot: int, dst: ByteSink) -> None:
@@ -136,7 +141,7 @@ class DiskPool:
         try:
             _pread_all(self._fd_for(address), view, slot * self.slot_stride_bytes)
         except OSError as exc:
-            raise DiskSlotError(slot, f"read failed: {_describe(exc)}") from exc
+            raise DiskSlotError(slot, f"read failed: {describe_os_error(exc)}") from exc
         if zlib.crc32(view) != expected:
             raise DiskSlotError(slot, "checksum mismatch: the bytes on disk are corrupt")
 
@@ -232,40 +237,18 @@ def sweep_stale_slabs(directory: Path) -> list[StaleSlab]:
     """Remove the slabs in `directory` whose owner is dead; persisted ones are kept.
 
     A slab is stale only when its owner pid does not exist here AND nobody holds its
-    lock; a live process's slab, in this pid namespace or another, is never touched."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []  # check_directory says what is wrong with the directory
-    found: list[StaleSlab] = []
-    for name in names:
-        match = SLAB_NAME.fullmatch(name)
-        if match is None:
-            continue
-        pid = int(match["pid"])
-        path = directory / name
-        if _process_exists(pid):
-            continue
-        lock_fd = _lock_if_free(path)
-        if lock_fd is None:
-            continue  # alive in another pid namespace, or just removed by someone else
-        try:
-            found.extend(_settle_stale(path, pid, persisted=match["persist"] is not None))
-        finally:
-            os.close(lock_fd)  # removed while locked, so no new owner can be between
-    return found
-
-
-def _settle_stale(path: Path, pid: int, *, persisted: bool) -> list[StaleSlab]:
-    if persisted:
-        return [StaleSlab(path, pid, persisted=True, removed=False)]
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return []  # another process starting up removed it first
-    except OSError as exc:
-        return [StaleSlab(path, pid, persisted=False, removed=False, error=_describe(exc))]
-    return [StaleSlab(path, pid, persisted=False, removed=True)]
+    lock (`owned_files`); a live process's slab, in this pid namespace or another, is
+    never touched, and nothing but a regular file is ever opened."""
+    return [
+        StaleSlab(
+            stale.path,
+            int(stale.name["pid"]),
+            persisted=stale.name["persist"] is not None,
+            removed=stale.removed,
+            error=stale.error,
+        )
+        for stale in sweep_stale(directory, SLAB_NAME, keep=lambda name: bool(name["persist"]))
+    ]
 
 
 def report_stale_slabs(directory: Path) -> None:
@@ -274,63 +257,20 @@ def report_stale_slabs(directory: Path) -> None:
         print(f"kvswap: {stale.describe()}", file=sys.stderr)
 
 
-def _process_exists(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process, alive
-    except OverflowError:
-        return False  # not a pid this system can have
-    return True
-
-
-def _lock_if_free(path: Path) -> int | None:
-    """A descriptor holding `path`'s lock if no process held it; None if one does
-    (or the file is gone or unreadable: not ours to judge)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _create_locked(directory: Path, suffix: str) -> tuple[Path, int]:
-    """Create a new slab file (O_EXCL, 0600) and take its lock, held until the
-    descriptor closes or the process dies however it dies: "this slab is alive".
-
-    Between the create and the lock a sweeper in another pid namespace may find the
-    file unlocked and remove it; then the name no longer leads to our file, and we
-    start again with a new one."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    """Create a new slab file (O_EXCL, 0600) holding its lock (`owned_files`): a new
+    name if a sweeper in another pid namespace removed it before the lock was taken."""
     for _attempt in range(3):
         path = directory / f"kvswap-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = create_locked(path)
         except OSError as exc:
             raise KvSwapError(
                 f"NVMe directory {directory}: cannot create {path.name}: "
-                f"{_describe(exc)}; point the NVMe tier at a writable directory"
+                f"{describe_os_error(exc)}; point the NVMe tier at a writable directory"
             ) from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper holds it for microseconds at most
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return path, fd
-        except FileNotFoundError:
-            pass
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        if fd is not None:
+            return path, fd
     raise KvSwapError(
         f"NVMe directory {directory}: another process keeps removing new slab files; "
         "give each machine or container its own NVMe directory"
@@ -369,7 +309,7 @@ def _preallocate(fd: int, num_bytes: int, directory: Path) -> None:
             return
         raise KvSwapError(
             f"NVMe directory {directory}: cannot preallocate {num_bytes} bytes: "
-            f"{_describe(exc)}; lower the NVMe tier capacity or free disk space"
+            f"{describe_os_error(exc)}; lower the NVMe tier capacity or free disk space"
         ) from exc
 
 
@@ -430,13 +370,3 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> None:
         if read <= 0:
             raise OSError(errno.EIO, "short read past the end of the slab")
         done += read
-
-
-def _describe(exc: OSError) -> str:
-    """'ENOSPC (No space left on device)' for an OSError, however it was built."""
-    code = exc.errno
-    if code is None and len(exc.args) == 1 and isinstance(exc.args[0], int):
-        code = exc.args[0]
-    if code is None:
-        return str(exc) or type(exc).__name__
-    return f"{errno.errorcode.get(code, str(code))} ({os.strerror(code)})"

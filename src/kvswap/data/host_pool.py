@@ -17,14 +17,13 @@ is what lets the NVMe slab read and write it with O_DIRECT.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvswap.data.layout import KVLayout
 from kvswap.data.pinned import PinnedBuffer
+from kvswap.data.shared_file import SharedFile
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 
@@ -38,10 +37,10 @@ class HostPool:
         num_slots: int,
         *,
         populate: bool = True,
-        shared_path: Path | None = None,
+        shared: SharedFile | None = None,
     ) -> None:
-        """`shared_path`: the pool is that file's pages, shared with one other process
-        (`PinnedBuffer`'s module docstring)."""
+        """`shared`: the pool is that file's pages, shared with one other process
+        (`shared_file`)."""
         if isinstance(num_slots, bool) or num_slots < 1:
             raise KvSwapError(f"host pool: num_slots {num_slots!r} is invalid; expected >= 1")
         self.layout = layout
@@ -54,7 +53,7 @@ class HostPool:
             f"{self.configured_bytes} bytes asked for",
         )
         self._buffer = PinnedBuffer(
-            self.configured_bytes, populate=populate, what="host pool", shared_path=shared_path
+            self.configured_bytes, populate=populate, what="host pool", shared=shared
         )
         # _bytes: [num_slots, block_bytes] uint8; slots: [num_slots, *block_shape] typed.
         self._bytes = self._buffer.tensor.view(num_slots, layout.block_bytes)

@@ -6,13 +6,9 @@ Here the bytes come from one anonymous `mmap` of exactly `num_bytes`, wrapped
 with `torch.frombuffer`, and are page-locked with `cudaHostRegister` when CUDA
 is present. Without CUDA the buffer is plain (pageable) host memory and says so.
 
-A buffer can also be the pages of a file (`shared_path`, in /dev/shm), for two
-processes that share one pool: vLLM's scheduler, whose secondary tiers read and
-write the host slots, and its worker, whose copies fill them. Exactly two
-parties: the first creates the file (exclusively, at exactly `num_bytes`) and
-populates it; the second maps it and removes its name at once, so nothing else
-can open it and the pages go with the last mapping. The creator removes the name
-at close as well (the second may never come).
+A buffer can also be the pages of a file (`shared`, in /dev/shm) that exactly two
+processes map: vLLM's scheduler and its worker. How the two meet, and what they
+refuse, is `shared_file`'s.
 """
 
 from __future__ import annotations
@@ -20,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvswap.data.shared_file import MappedFile, SharedFile, map_shared, release_name
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 
@@ -33,8 +28,6 @@ _PAGE_BYTES = mmap.PAGESIZE
 # The pool is touched in pieces of this size so that a stop signal is handled
 # between two of them (one MAP_POPULATE of 24 GiB blocks signals for seconds).
 FILL_CHUNK_BYTES = 64 << 20
-# How long the second party of a shared buffer waits for the first to size the file.
-SHARED_SIZE_WAIT_S = 10.0
 
 
 def _populate(tensor: torch.Tensor) -> None:
@@ -61,24 +54,27 @@ class PinnedBuffer:
         *,
         populate: bool = True,
         what: str = "pinned pool",
-        shared_path: Path | None = None,
+        shared: SharedFile | None = None,
     ):
-        """`shared_path`: map that file instead of anonymous memory (module docstring);
+        """`shared`: map that file instead of anonymous memory (module docstring);
         `created_file` says whether this buffer made it (and populated it)."""
         if num_bytes <= 0:
             raise KvSwapError(f"{what}: size must be > 0 bytes, got {num_bytes}")
         self.num_bytes = num_bytes
         self.is_pinned = False
-        self.shared_path = shared_path
+        self.shared = shared
         self.created_file = False
+        self._shared_map: MappedFile | None = None
         try:
-            if shared_path is None:
+            if shared is None:
                 require_host_bytes(num_bytes, f"{what}: {num_bytes} bytes asked for")
                 self._mmap: mmap.mmap | None = mmap.mmap(
                     -1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                 )
             else:
-                self._mmap, self.created_file = _map_shared(shared_path, num_bytes, what)
+                self._shared_map = map_shared(shared, num_bytes, what)
+                self._mmap = self._shared_map.mapping
+                self.created_file = self._shared_map.created
         except OSError as exc:  # ENOMEM: ulimit -v, overcommit rules, a cgroup
             raise KvSwapError(
                 f"{what}: mapping {num_bytes} bytes failed ({os.strerror(exc.errno or 0)}); "
@@ -87,7 +83,7 @@ class PinnedBuffer:
         # tensor: [num_bytes] uint8, sharing memory with the mmap.
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8, count=num_bytes)
         try:
-            if populate and (shared_path is None or self.created_file):
+            if populate and (shared is None or self.created_file):
                 _populate(self.tensor)
             if torch.cuda.is_available():
                 self._register(what)
@@ -122,10 +118,10 @@ class PinnedBuffer:
         self._release_mmap()
 
     def release_name(self) -> None:
-        """Remove a shared buffer's file name (its pages stay mapped); idempotent."""
-        if self.shared_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.shared_path.unlink()
+        """Remove a shared buffer's file name (its pages stay mapped) while it leads to
+        this buffer's file; idempotent."""
+        if self.shared is not None and self._shared_map is not None:
+            release_name(self._shared_map, self.shared.path)
 
     def _release_mmap(self) -> None:
         if self.created_file:
@@ -142,47 +138,6 @@ class PinnedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _map_shared(path: Path, num_bytes: int, what: str) -> tuple[mmap.mmap, bool]:
-    """Map `path` shared, creating it at `num_bytes` if nobody has: (the map, created).
-    The second party removes the name once mapped (module docstring)."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        created = True
-    except FileExistsError:
-        fd = os.open(path, os.O_RDWR)
-        created = False
-    try:
-        if created:
-            require_host_bytes(num_bytes, f"{what}: {num_bytes} bytes asked for")
-            os.ftruncate(fd, num_bytes)
-        else:
-            _wait_for_size(fd, num_bytes, path, what)
-        mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
-    except BaseException:
-        if created:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        raise
-    finally:
-        os.close(fd)  # the mapping keeps the file
-    if not created:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-    return mapped, created
-
-
-def _wait_for_size(fd: int, num_bytes: int, path: Path, what: str) -> None:
-    """The creator sizes the file right after creating it: wait for that, briefly."""
-    deadline_s = time.monotonic() + SHARED_SIZE_WAIT_S
-    while (size := os.fstat(fd).st_size) == 0 and time.monotonic() < deadline_s:
-        time.sleep(0.005)
-    if size != num_bytes:
-        raise KvSwapError(
-            f"{what}: {path} holds {size} bytes, expected {num_bytes}; another process "
-            "made it for a pool of another size"
-        )
 
 
 def _mapping_rss_bytes(start_address: int, num_bytes: int) -> int | None:

@@ -90,7 +90,7 @@ class Engine(Backend):
         if settings.nvme is not None:
             self.disk_pool = DiskPool(
                 settings.nvme.directory, self.layout.block_bytes, capacities.num_nvme_blocks,
-                persist=settings.nvme.persist,
+                persist=settings.nvme.persist, swept=True,  # by _check_tiers: report once
             )  # fmt: skip
         if capacities.num_cpu_blocks:
             self.host_pool = HostPool(self.layout, capacities.num_cpu_blocks)

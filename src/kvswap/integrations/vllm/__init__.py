@@ -13,6 +13,7 @@ The modules, each a translation and nothing more:
     cache_policy.py  KvswapCachePolicy: vLLM's CachePolicy calls -> kvswap's EvictionPolicy
     manager.py       vLLM's managers with that policy and a step clock
     worker.py        KvswapOffloadingWorker: vLLM's jobs -> kvswap's copy engine
+    host_file.py     with tiers, the host pool's file in /dev/shm: named, swept (vLLM-free)
     pages.py         vLLM's KV tensors as the copy engine's slots (vLLM-free)
     transfers.py     jobs <-> bounded chunks on the engine's two queues (vLLM-free)
     tiers.py         kvswap's NVMe slab and Redis store as vLLM SecondaryTierManagers

@@ -33,7 +33,9 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 from kvswap.data.pinned import PinnedBuffer
+from kvswap.data.shared_file import SharedFile
 from kvswap.integrations.vllm.cache_policy import KvswapCachePolicy
+from kvswap.integrations.vllm.host_file import SCHEDULER
 
 
 class StepClock:
@@ -67,11 +69,13 @@ class KvswapHostManager(CPUOffloadingManager):
 
 class SharedHostRows:
     """The host pool as the scheduler's secondary tiers see it: [num_chunks, row_bytes]
-    rows of the buffer the worker fills (one file, `PinnedBuffer(shared_path=...)`),
-    with what vLLM's primary tier asks of a region."""
+    rows of the buffer the worker fills (one file, `host_file.py`), with what vLLM's
+    primary tier asks of a region."""
 
     def __init__(self, path: Path, num_chunks: int, row_bytes: int) -> None:
-        self._buffer = PinnedBuffer(num_chunks * row_bytes, what="vLLM host tier", shared_path=path)
+        self._buffer = PinnedBuffer(
+            num_chunks * row_bytes, what="vLLM host tier", shared=SharedFile(path, SCHEDULER)
+        )
         self._rows = self._buffer.tensor.numpy().reshape(num_chunks, row_bytes)
 
     @property

@@ -12,9 +12,9 @@ vLLM builds one spec in the scheduler (`get_manager`) and one in each worker
 worker copies with kvswap's engine, which has a CPU path.
 
 With secondary tiers the host pool is one file in /dev/shm that the worker and
-the scheduler both map (`PinnedBuffer(shared_path=...)`), since vLLM runs them
-in different processes and the tiers, in the scheduler, read and write its
-rows. That needs one worker: a tensor- or pipeline-parallel run is refused.
+the scheduler both map (`host_file.py`), since vLLM runs them in different
+processes and the tiers, in the scheduler, read and write its rows. That needs
+one worker: a tensor- or pipeline-parallel run is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvswap.errors import KvSwapError
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
+from kvswap.integrations.vllm.host_file import (
+    host_file_path,
+    refusing_a_shared_engine_id,
+    sweep_host_files,
+)
 from kvswap.integrations.vllm.manager import (
     KvswapHostManager,
     KvswapPrimaryTier,
@@ -35,9 +40,6 @@ from kvswap.integrations.vllm.manager import (
 from kvswap.integrations.vllm.settings import SOURCE, adapter_settings
 from kvswap.integrations.vllm.tiers import build_secondary_tiers
 from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
-
-#: Where the shared host pool lives while both sides map it (then its name goes).
-SHARED_HOST_DIR = Path("/dev/shm")
 
 
 class KvswapOffloadingSpec(CPUOffloadingSpec):
@@ -85,7 +87,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         without secondary tiers (the worker's pool is its own)."""
         if not self.settings.has_secondary_tiers:
             return None
-        return SHARED_HOST_DIR / f"kvswap-vllm-{self.config.engine_id}.host"
+        return host_file_path(self.config.engine_id)
 
     def get_manager(self) -> Any:
         if self._manager is None:
@@ -96,15 +98,24 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
     def get_worker(self, kv_caches: Any) -> Any:
         if self._worker is None:
             self._check_size()
-            self._worker = KvswapOffloadingWorker(
-                kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_chunks=self.num_chunks,
-                row_bytes=self.row_bytes,
-                settings=self.settings,
-                shared_path=self.shared_path,
-            )
+            path = self._swept_shared_path()
+            with refusing_a_shared_engine_id(self.config.engine_id):
+                self._worker = KvswapOffloadingWorker(
+                    kv_caches,
+                    blocks_per_chunk=self.blocks_per_chunk,
+                    num_chunks=self.num_chunks,
+                    row_bytes=self.row_bytes,
+                    settings=self.settings,
+                    shared_path=path,
+                )
         return self._worker
+
+    def _swept_shared_path(self) -> Path | None:
+        """`shared_path`, after removing the host files of killed starts (any engine)."""
+        path = self.shared_path
+        if path is not None:
+            sweep_host_files(path.parent)
+        return path
 
     def _build_manager(self) -> Any:
         settings = self.settings
@@ -119,10 +130,11 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         enable_events = self.kv_events_config.enable_kv_cache_events
         # vLLM 0.33's managers also take the tier's static facts (`info`); 0.32's do not.
         extras = {"info": self.cpu_info} if hasattr(self, "cpu_info") else {}
-        path = self.shared_path
+        path = self._swept_shared_path()
         if path is None:
             return KvswapHostManager(self.num_chunks, policy, enable_events=enable_events, **extras)
-        rows = SharedHostRows(path, self.num_chunks, self.row_bytes)
+        with refusing_a_shared_engine_id(self.config.engine_id):
+            rows = SharedHostRows(path, self.num_chunks, self.row_bytes)
         try:
             primary = KvswapPrimaryTier(
                 self.num_chunks, rows, policy, enable_events=enable_events, **extras

@@ -27,7 +27,9 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.host_pool import HostPool
+from kvswap.data.shared_file import SharedFile
 from kvswap.errors import KvSwapError
+from kvswap.integrations.vllm.host_file import WORKER
 from kvswap.integrations.vllm.pages import PageMap, VllmDevicePages
 from kvswap.integrations.vllm.settings import AdapterSettings
 from kvswap.integrations.vllm.transfers import PagedTransfers, TransferCounts
@@ -64,8 +66,9 @@ class KvswapOffloadingWorker(OffloadingWorker):
                 f"a host chunk of {self._map.pages_per_chunk} pages x {self._device.page_bytes} "
                 f"bytes is {chunk_bytes} bytes, but the spec sized rows of {row_bytes} bytes"
             )
+        shared = None if shared_path is None else SharedFile(shared_path, WORKER)
         self._host = HostPool(
-            self._device.layout, num_chunks * self._map.pages_per_chunk, shared_path=shared_path
+            self._device.layout, num_chunks * self._map.pages_per_chunk, shared=shared
         )
         try:
             self._engine = LocalCopyEngine(
