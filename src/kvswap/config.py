@@ -349,12 +349,17 @@ def load_config(
 def config_from_values(values: Mapping[str, object], source: str) -> KvSwapConfig:
     """Defaults <- `values` (field names, old spellings included), validated as
     `load_config` validates; an error names `source` ("kv_connector_extra_config"
-    for vLLM's adapter), not a file or a flag. No environment is read."""
-    return _validated([(source, dict(values))])
+    for vLLM's adapter), not a file or a flag. No environment is read.
+
+    Strict about types: these values arrive typed (JSON, Python), so "8" for a count
+    or 1 for a switch is a mistake refused by name, not read as 8 or true as a
+    TOML file's or an environment variable's text is."""
+    return _validated([(source, dict(values))], strict=True)
 
 
-def _validated(layers: list[tuple[str, dict[str, Any]]]) -> KvSwapConfig:
-    """`layers` (lowest first) merged field by field, then validated once."""
+def _validated(layers: list[tuple[str, dict[str, Any]]], *, strict: bool = False) -> KvSwapConfig:
+    """`layers` (lowest first) merged field by field, then validated once; `strict`:
+    no value is converted from another type (pydantic's strict mode)."""
     origin_names: dict[str, str] = {}
     merged: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     origin: dict[str, str] = {}
@@ -367,9 +372,9 @@ def _validated(layers: list[tuple[str, dict[str, Any]]]) -> KvSwapConfig:
             merged[FIELD_SECTIONS[key]][key] = value
             origin[key] = source
     try:
-        config = KvSwapConfig.model_validate(merged)
+        config = KvSwapConfig.model_validate(merged, strict=strict)
     except ValidationError as error:
-        raise ConfigError(_one_line(error, origin, origin_names)) from None
+        raise ConfigError(_one_line(error, origin, origin_names, strict=strict)) from None
     _check_nvme_dir_has_a_tier(config, origin, [source for source, _ in layers])
     return config
 
@@ -437,12 +442,41 @@ def _flatten(values: dict[str, Any], source: str, spelled: dict[str, str]) -> di
     return flat
 
 
-def _one_line(error: ValidationError, origin: Mapping[str, str], spelled: Mapping[str, str]) -> str:
+#: pydantic's error types for a value of the wrong type (strict mode converts none).
+_STRICT_TYPES = frozenset({"int_type", "float_type", "bool_type", "string_type"})
+_TYPE_WORDS: dict[object, str] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
+
+
+def _field_types(field: str) -> str:
+    """The types `field` takes, in words ("an integer", "an integer or a string")."""
+    section = FIELD_SECTIONS.get(field)
+    if section is None:
+        return "a value of the field's type"
+    annotation = _SECTIONS[section].model_fields[field].annotation
+    kinds = get_args(annotation) or (annotation,)
+    return " or ".join(_TYPE_WORDS[kind] for kind in kinds if kind in _TYPE_WORDS)
+
+
+def _one_line(
+    error: ValidationError,
+    origin: Mapping[str, str],
+    spelled: Mapping[str, str],
+    *,
+    strict: bool = False,
+) -> str:
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
     field = next((part for part in reversed(loc) if part in FIELD_SECTIONS), ".".join(loc))
     message = str(first["msg"]).removeprefix("Value error, ")
-    if first["type"] in ("bool_parsing", "bool_type"):
+    if strict and first["type"] in _STRICT_TYPES:
+        given = type(first.get("input")).__name__
+        message = f"wrong type ({given}); allowed: {_field_types(field)}"
+    elif first["type"] in ("bool_parsing", "bool_type"):
         message += "; allowed: true, false (or 1/0, yes/no, on/off)"
     if field not in FIELD_SECTIONS:
         return message

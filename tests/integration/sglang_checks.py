@@ -206,6 +206,12 @@ def legacy_calls(url: str, _pid: int) -> None:
     assert all(g is t for g, t in zip(got, targets, strict=True))
     assert all(torch.equal(t, f) for t, f in zip(targets, flat, strict=True))
     assert storage.get("0" * 64, pool.get_dummy_flat_data_page()) is None
+    # Without a target (HiCacheStorage.get's default), the page comes back in its own.
+    got_alone = storage.get(hashes[1])
+    assert got_alone is not None and got_alone.dtype == flat[1].dtype
+    assert torch.equal(got_alone, flat[1].reshape(-1))
+    assert storage.get("0" * 64) is None
+    assert [page is not None for page in storage.batch_get([hashes[0], "0" * 64])] == [True, False]
     # The legacy and zero-copy paths name a page alike: v1 loads what set stored.
     pool.kv_buffer.zero_()
     assert storage.batch_get_v1(hashes, indices) == [True] * 3

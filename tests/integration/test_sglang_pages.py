@@ -118,11 +118,33 @@ def test_extra_config_mistakes_are_one_line() -> None:
         ({"remote_url": "http://h"}, "unknown scheme http://"),
         ({"remote_url": "redis://h", "remote_timeout_ms": 0}, "remote_timeout_ms = 0"),
         ({"remote_url": "redis://h", "remote_required": "yes"}, "remote_required = 'yes'"),
-        ({"nvme_dir": "/tmp"}, "nvme_pages = 0"),
+        ({"nvme_dir": "/tmp"}, "nvme_pages = 0; allowed: an integer >= 1 with nvme_dir"),
+        # -1 and 0 are refused alike (the two messages once disagreed: >= 0, >= 1).
+        ({"nvme_dir": "/tmp", "nvme_pages": -1}, "nvme_pages = -1; allowed: an integer >= 1 "),
+        ({"nvme_dir": "/tmp", "nvme_pages": "8"}, "nvme_pages = '8'; allowed: an integer >= 1"),
+        ({"nvme_dir": "/tmp", "nvme_pages": True}, "nvme_pages = True; allowed: an integer"),
+        ({"remote_url": "redis://h", "nvme_pages": 8}, "nvme_pages is set but nvme_dir is not"),
         ({"nvme_dir": "/tmp", "nvme_pages": 4, "nvme_eviction_policy": "x"}, "'x'"),
+        (  # a misspelt key would do nothing
+            {"remote_url": "redis://h", "remote_timeout": 5},
+            r"unknown key 'remote_timeout' \(did you mean 'remote_timeout_ms'\?\); allowed: ",
+        ),
     ):
         with pytest.raises(ConfigError, match=words) as caught:
             StorageOptions.from_extra_config({"backend_name": "kvswap", **extra})
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="page_first"):
         page_shape(host_pool("layer_first"))
+
+
+def test_sglang_s_own_keys_pass_through() -> None:
+    """The keys SGLang reads from (or adds to) the same object are SGLang's."""
+    sglang_s = {
+        "backend_name": "kvswap", "module_path": "kvswap.integrations.sglang",
+        "class_name": "KvSwapStorage", "interface_v1": 1, "tp_lcm_size": 4,
+        "prefetch_threshold": 256, "prefetch_timeout_base": 1,
+        "prefetch_timeout_per_ki_token": 0.25, "hicache_storage_pass_prefix_keys": False,
+        "file_storage_path": "/tmp/hicache",
+    }  # fmt: skip
+    options = StorageOptions.from_extra_config({**sglang_s, "nvme_dir": "/tmp", "nvme_pages": 4})
+    assert (options.nvme_dir, options.nvme_pages) == (Path("/tmp"), 4)

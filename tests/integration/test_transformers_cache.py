@@ -149,6 +149,39 @@ def test_blocks_go_through_the_remote_store(
     assert moved["cpu_to_remote"] > 0 and moved["remote_to_cpu"] > 0
 
 
+@pytest.mark.parametrize("below", ["nvme", "store"])
+def test_the_tiers_below_add_capacity_under_a_pinned_pool_smaller_than_a_step(
+    model: Any,
+    caches: list[TieredCache],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    below: str,
+) -> None:
+    """36 blocks, 14 on the device, and the smallest pinned pool each tier below allows:
+    every step moves far more than it holds through it, so it must send its copies
+    below mid-step (demotion at the step's end alone came too late: no room)."""
+    if below == "nvme":
+        sizes: dict[str, Any] = {"cpu_blocks": 2, "nvme_blocks": 64, "nvme_dir": tmp_path}
+        directions = ("cpu_to_nvme", "nvme_to_cpu")
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        # The store takes full blocks only: the other 3 layers' last blocks wait above it.
+        sizes = {"cpu_blocks": 3 + 2, "remote_url": server.url}
+        directions = ("cpu_to_remote", "remote_to_cpu")
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(6))
+    dynamic = transformers.DynamicCache(config=model.config)
+    expected = generate(model, prompt, dynamic)
+    cache = tiered(caches, model, resident_blocks=14, **sizes)
+    assert torch.equal(generate(model, prompt, cache), expected)
+    moved = cache.take_report().blocks_by_direction
+    assert all(moved[direction] > 0 for direction in directions)
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = cache.paged.read(layer)
+        assert torch.equal(keys, dynamic.layers[layer].keys)
+        assert torch.equal(values, dynamic.layers[layer].values)
+    cache.paged.check_integrity()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cuda_path_equals_dynamic_cache(caches: list[TieredCache]) -> None:
     model = tiny_llama().to("cuda")
@@ -165,10 +198,30 @@ def test_bad_input_is_one_line(model: Any, caches: list[TieredCache]) -> None:
         ({"resident_blocks": 0}, "resident_blocks = 0; allowed: an integer >= 1"),
         ({"resident_blocks": 4, "nvme_blocks": 8}, "nvme_blocks = 8 needs nvme_dir"),
         ({"resident_blocks": 4, "gpu_eviction_policy": "fifo"}, "gpu_eviction_policy = 'fifo'"),
+        ({"resident_blocks": 4, "nvme_dir": "/tmp"}, "nvme_dir = '/tmp' needs nvme_blocks"),
+        ({"resident_blocks": "4"}, "resident_blocks = '4'; allowed: an integer >= 1"),
+        ({"resident_blocks": True}, "resident_blocks = True; allowed: an integer >= 1"),
+        ({"resident_blocks": 4, "remote_timeout_ms": "50"}, "remote_timeout_ms = '50'"),
+        ({"resident_blocks": 4, "nvme_dir": 7, "nvme_blocks": 8}, "nvme_dir = 7; allowed"),
+        ({"resident_blocks": 4, "cpu_eviction_policy": 1}, "cpu_eviction_policy = 1; allowed"),
+        (
+            {"resident_blocks": 4, "cpu_blocks": 1, "nvme_blocks": 8, "nvme_dir": "/tmp"},
+            "cpu_blocks = 1 with nvme_blocks: .*allowed: cpu_blocks >= 2",
+        ),
+        (  # 4 layers: the other 3 layers' last blocks wait above the store
+            {"resident_blocks": 4, "cpu_blocks": 4, "remote_url": "redis://127.0.0.1:1/0"},
+            "cpu_blocks = 4 with remote_url and no NVMe slab: .*allowed: cpu_blocks >= 5",
+        ),
     ):
         with pytest.raises(ConfigError, match=words) as caught:
-            TieredCache(model, cpu_blocks=8, **sizes)
+            TieredCache(model, **({"cpu_blocks": 8} | sizes))
         assert "\n" not in str(caught.value)
+    # Two rows: the minimum grows with the batch, checked when the batch is known.
+    store = tiered(
+        caches, model, resident_blocks=40, cpu_blocks=5, remote_url="redis://127.0.0.1:1/0"
+    )
+    with pytest.raises(ConfigError, match="allowed: cpu_blocks >= 8"):
+        generate(model, torch.randint(1, 128, (2, 20)), store)
     with pytest.raises(ConfigError, match="sliding_attention"):
         TieredCache(tiny_llama(2, layer_types=["full_attention", "sliding_attention"],
                                sliding_window=8), resident_blocks=8, cpu_blocks=8)  # fmt: skip

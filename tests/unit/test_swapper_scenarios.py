@@ -151,6 +151,34 @@ def test_cold_cpu_copies_are_demoted_to_nvme_past_the_cpu_watermark() -> None:
     swapper.check_integrity()
 
 
+def test_a_full_pinned_pool_sends_copies_below_mid_step_for_what_must_leave_the_gpu() -> None:
+    # GPU 4, CPU 2, NVMe 8. Sequence 1's two blocks fill the pinned pool (their only copies).
+    swapper, engine = make(gpu=4, cpu=2, nvme=8, high=1.0, low=0.9)
+    add_paused(swapper, 1, 2)
+    assert swapper.ensure_gpu_slots(4)
+    engine.finish()
+    swapper.begin_step(1)
+    assert swapper.store.tiers[Tier.CPU].num_used_slots == 2
+    # Sequence 2 fills the GPU; a new block of sequence 3 finds no room: the GPU's victims
+    # have nowhere to go, and end_step's demotion would come after the step, too late.
+    add_paused(swapper, 2, 4, first_token=100)
+    swapper.open_sequence(3, [900])
+    swapper.set_running(3, True)
+    assert not swapper.allocate(3, [900])
+    # Mid-step, the pinned pool's coldest copy goes to NVMe now (HIGH queue), and the
+    # call waits for it: one slot free, and the allocation goes through.
+    assert swapper.make_cpu_room(1) == 1
+    down = [c for c in engine.submitted if c.direction is Direction.CPU_TO_NVME]
+    assert [(c.num_blocks, c.priority) for c in down] == [(1, Priority.HIGH)]
+    assert swapper.store.tiers[Tier.NVME].num_used_slots == 1
+    assert swapper.allocate(3, [900])
+    # With the room there already, nothing moves.
+    engine.finish()
+    swapper.begin_step(2)
+    assert swapper.make_cpu_room(0) == 0
+    swapper.check_integrity()
+
+
 def test_identical_prefixes_share_blocks_and_a_later_turn_finds_them_on_cpu() -> None:
     swapper, engine = make(gpu=8, cpu=8)
     prompt = list(range(10))  # 2 full blocks + 2 tokens

@@ -36,6 +36,16 @@ NUM_GPU_BLOCKS = 6
 
 def test_kvswap_s_keys_take_kvswap_s_defaults_and_vllm_s_keys_are_left_alone() -> None:
     settings = adapter_settings({"cpu_bytes_to_use": 1 << 30, "block_size": 64})
+    # Every key vLLM 0.32 / 0.33 reads from the dict is vLLM's, whatever its value.
+    vllm_s = {
+        "spec_name": "KvswapOffloadingSpec", "spec_module_path": "kvswap.integrations.vllm",
+        "cpu_bytes_to_use": 1.5 * (1 << 30), "blocks_per_chunk": "2", "canonical_layout": 0,
+        "sync_load_budget_bytes": 0, "offload_prompt_only": False,
+        "self_describing_kv_events": True, "cache_policy_module_path": None,
+        "store_threshold": "2", "max_tracker_size": 64_000, "secondary_tiers": [],
+        "tier_poll_interval_s": 0.01, "backpressure": {}, "locality": "local",
+    }  # fmt: skip
+    assert adapter_settings(vllm_s) == settings
     assert settings.policy.gpu_eviction_policy == "kvswap"
     assert (settings.protected_sink_blocks, settings.policy.min_residency_steps) == (8, 64)
     assert (settings.nvme, settings.remote) == (None, None)
@@ -68,6 +78,26 @@ def test_the_tiers_are_read_under_kvswap_s_names() -> None:
         ({"remote_url": "http://x"}, "remote_url = 'http://x' (from kv_connector_extra_config)"),
         ({"swap_out_high_watermark": 0.9}, "'swap_out_high_watermark' is a setting of kvswap's"),
         ({"min_residency_steps": True}, "min_residency_steps = True (from kv_connector_extra"),
+        (  # a misspelt key would do nothing
+            {"protected_sink_block": 4},
+            "unknown key 'protected_sink_block' (did you mean 'protected_sink_blocks'?); "
+            "allowed: kvswap's protected_sink_blocks,",
+        ),
+        (  # a JSON string is not a count, though a TOML file's or a variable's text is read
+            {"protected_sink_blocks": "8"},
+            "protected_sink_blocks = '8' (from kv_connector_extra_config): wrong type (str); "
+            "allowed: an integer",
+        ),
+        (
+            {"remote_url": "redis://h", "remote_required": 1},
+            "remote_required = 1 (from kv_connector_extra_config): wrong type (int); "
+            "allowed: true or false",
+        ),
+        (
+            {"remote_url": "redis://h", "remote_timeout_ms": "50"},
+            "remote_timeout_ms = '50' (from kv_connector_extra_config): wrong type (str); "
+            "allowed: a number",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_key_and_what_is_allowed(

@@ -140,18 +140,33 @@ class Demoter:
                 self.store.return_victim(pair.upper, block)
         self.mover.submit(pair.direction, priority, moves, evict=True)
 
+    def make_room_now(self, tier: Tier, num_blocks: int) -> None:
+        """Start moving `tier`'s coldest copies down now (HIGH queue), until `num_blocks`
+        of its slots will be free once they land: for a caller whose one step pushes
+        more through the pinned pool than it holds (a layer-wise cache), where the
+        watermark pass of `end_step` comes too late. The same rule as every pass."""
+        pair = self.pair_below.get(tier)
+        if pair is not None:
+            slots = self.store.tiers[tier]
+            self._pass(pair, target=slots.num_slots - num_blocks, priority=Priority.HIGH)
+
     # ------------------------------------------------------------------ internal
 
-    def _pass(self, pair: TierPair) -> None:
+    def _pass(
+        self, pair: TierPair, *, target: float | None = None, priority: Priority = Priority.LOW
+    ) -> None:
+        """Pop `pair.upper`'s victims until its used slots are down to `target` (None:
+        past the high watermark, down to the low one)."""
         upper = self.store.tiers[pair.upper]
         writes = self._remote_writes(pair)
         no_room_below = self.store.tiers[pair.lower].num_slots == 0 and writes is None
         if upper.num_slots == 0 or (no_room_below and not pair.discard_when_full):
             return  # nothing could leave but by a discard, which this pair never makes
         used = upper.num_used_slots - self._leaving(pair.upper)
-        if used < pair.high_watermark * upper.num_slots:
-            return
-        target = pair.low_watermark * upper.num_slots
+        if target is None:
+            if used < pair.high_watermark * upper.num_slots:
+                return
+            target = pair.low_watermark * upper.num_slots
         moves: list[tuple[Block, Copy]] = []
         stayed: list[Block] = []
         while used > target:
@@ -169,7 +184,7 @@ class Demoter:
                 used -= 1
         for block in stayed:
             self.store.return_victim(pair.upper, block)
-        self.mover.submit(pair.direction, Priority.LOW, moves, evict=True)
+        self.mover.submit(pair.direction, priority, moves, evict=True)
         if writes is not None:
             # With evict both ways: the copy is freed by whichever lands last, successfully.
             writes.remote.submit_writes(writes.planned, evict=True)

@@ -6,6 +6,8 @@ Called by the scheduler (engine or simulator), once per step, in this order:
     open_sequence / allocate  admit work; allocation may evict synchronously
     prefetch(seq_ids)         swap-in for sequences about to run (HIGH queue)
     wait_ready(seq_ids)       block until they are on the GPU (swap-wait time)
+    make_cpu_room(n)          only a caller whose step pushes more through the
+                              pinned pool than it holds: its copies go below now
     ... the model runs ...
     end_step()                past a tier's high watermark, move its coldest
                               copies to the tier below (GPU -> CPU -> NVMe, LOW
@@ -50,6 +52,9 @@ from kvswap.control.transfer import (
     Tier,
 )
 
+#: The directions a pinned-pool copy leaves by for a tier below it.
+_DOWN_FROM_CPU = frozenset({Direction.CPU_TO_NVME, Direction.CPU_TO_REMOTE})
+
 
 @dataclass(frozen=True)
 class TierOccupancy:
@@ -77,6 +82,7 @@ class Swapper:
         `on_submit`: sees each chunk and its blocks as it is submitted."""
         self.settings = settings
         self.options = options
+        self._clock_s = clock_s
         # Read-only to everyone but the swapper's parts (tests and exporters look).
         self.store = BlockStore(layout, options)
         self.metrics = metrics if metrics is not None else KVMetrics()
@@ -227,6 +233,29 @@ class Swapper:
     def ensure_gpu_slots(self, num_blocks: int) -> bool:
         """Make `num_blocks` GPU slots free now, evicting synchronously if needed."""
         return self.evictor.ensure_gpu_slots(num_blocks)
+
+    def make_cpu_room(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` pinned-pool slots now: its coldest copies go to the
+        tier below (NVMe, the store) on the HIGH queue, by the demotion rule, and the
+        call waits for them. For a caller whose one step pushes more through the pinned
+        pool than it holds (a layer-wise cache), where `end_step`'s demotion comes too
+        late; the time counts as swap wait. Returns the slots freed (0: the room was
+        there, or nothing could leave)."""
+        self.mover.poll()
+        cpu = self.store.tiers[CPU_TIER]
+        free_before = cpu.num_free_slots
+        wanted = min(num_blocks, cpu.num_slots)
+        if free_before >= wanted:
+            return 0
+        self.demoter.make_room_now(CPU_TIER, wanted)
+        start_s = self._clock_s()
+        for transfer_id, record in list(self.mover.inflight.items()):
+            if cpu.num_free_slots >= wanted:
+                break
+            if record.evict and record.chunk.direction in _DOWN_FROM_CPU:
+                self.mover.wait(transfer_id)
+        self.metrics.swap_wait_s += self._clock_s() - start_s
+        return max(0, cpu.num_free_slots - free_before)
 
     def _arrived(self, block: Block, tier: Tier) -> None:
         if tier is CPU_TIER and block.block_id in self._remote_hits_due:

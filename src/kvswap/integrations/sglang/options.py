@@ -1,8 +1,8 @@
 """kvswap's part of SGLang's `--hicache-storage-backend-extra-config`, read and checked once.
 
-SGLang hands the backend the whole JSON object: its own keys (`backend_name`,
-`module_path`, `class_name`, `interface_v1`, ...) pass through untouched; these
-are kvswap's:
+SGLang hands the backend the whole JSON object: its own keys (`SGLANG_KEYS`:
+`backend_name`, `module_path`, `class_name`, `interface_v1`, ...) pass through
+untouched; these are kvswap's:
 
     remote_url           the shared store (`tiers.remote_url` forms: redis://, rediss://,
                          unix://); its password may come from KVSWAP_REMOTE_PASSWORD
@@ -17,16 +17,18 @@ are kvswap's:
     model_path           the checkpoint whose weights and config name the pages (default:
                          the --model-path SGLang serves, from its published server args)
 
-Exactly one of `remote_url` and `nvme_dir`. A bad value is one `ConfigError` line
-naming the key, the value and what is allowed.
+Exactly one of `remote_url` and `nvme_dir`. A bad value, a value of the wrong type
+("8" for a count) and a key neither kvswap nor SGLang reads (a misspelt key would do
+nothing) are each one `ConfigError` line naming the key and what is allowed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kvswap.config import suggest
 from kvswap.control.eviction_policy import PolicyOptions
 from kvswap.control.identity import MAX_CACHE_SALT_CHARS
 from kvswap.control.policy import check_policy_names
@@ -36,6 +38,18 @@ from kvswap.errors import ConfigError
 
 DEFAULT_NAMESPACE = "kvswap-sglang"
 _WHERE = "--hicache-storage-backend-extra-config"
+#: The keys SGLang (0.5.x) reads from the same object, or adds to it, left to SGLang:
+#: the dynamic backend's name and class, the zero-copy switch, the prefetch knobs and
+#: `tp_lcm_size` (popped by SGLang's cache controllers, when they are), and the
+#: `--file-storage-path` it adds.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name", "module_path", "class_name", "interface_v1",
+        "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys", "tp_lcm_size", "file_storage_path",
+    }
+)  # fmt: skip
+_NVME_PAGES_ALLOWED = "an integer >= 1 with nvme_dir"
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,7 @@ class StorageOptions:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> StorageOptions:
         extra = extra or {}
+        _check_keys(extra)
         options = cls(
             remote_url=_optional_str(extra, "remote_url"),
             remote_namespace=_str(extra, "remote_namespace", DEFAULT_NAMESPACE),
@@ -63,7 +78,7 @@ class StorageOptions:
             tenant_salt=_optional_str(extra, "tenant_salt"),
             model_path=_optional_str(extra, "model_path"),
             nvme_dir=None if (d := _optional_str(extra, "nvme_dir")) is None else Path(d),
-            nvme_pages=_count(extra, "nvme_pages"),
+            nvme_pages=_nvme_pages(extra),
             nvme_eviction_policy=_str(extra, "nvme_eviction_policy", "kvswap"),
         )
         options.check()
@@ -79,8 +94,11 @@ class StorageOptions:
             parse_remote_url(self.remote_url)  # one line naming what is wrong, if anything
             check_namespace(self.remote_namespace)
         if self.nvme_dir is not None and self.nvme_pages < 1:
+            raise _bad("nvme_pages", self.nvme_pages, _NVME_PAGES_ALLOWED)
+        if self.nvme_dir is None and self.nvme_pages:
             raise ConfigError(
-                f"{_WHERE}: nvme_pages = {self.nvme_pages}; allowed: an integer >= 1 with nvme_dir"
+                f"{_WHERE}: nvme_pages is set but nvme_dir is not; allowed: both (the NVMe "
+                "slab) or neither"
             )
         if self.tenant_salt is not None and len(self.tenant_salt) > MAX_CACHE_SALT_CHARS:
             raise ConfigError(
@@ -88,6 +106,19 @@ class StorageOptions:
                 f"most {MAX_CACHE_SALT_CHARS}"
             )
         check_policy_names(PolicyOptions(nvme_eviction_policy=self.nvme_eviction_policy))
+
+
+def _check_keys(extra: Mapping[str, object]) -> None:
+    """Every key is kvswap's or SGLang's; one line naming the first that is neither."""
+    kvswap_keys = [field.name for field in fields(StorageOptions)]
+    for key in extra:
+        if key in kvswap_keys or key in SGLANG_KEYS:
+            continue
+        known = [*kvswap_keys, *sorted(SGLANG_KEYS)]
+        raise ConfigError(
+            f"{_WHERE}: unknown key {key!r}{suggest(str(key), known)}; allowed: kvswap's "
+            f"{', '.join(kvswap_keys)}; SGLang's {', '.join(sorted(SGLANG_KEYS))}"
+        )
 
 
 def _bad(key: str, value: object, allowed: str) -> ConfigError:
@@ -122,8 +153,9 @@ def _positive_number(extra: Mapping[str, object], key: str, default: float) -> f
     return float(value)
 
 
-def _count(extra: Mapping[str, object], key: str) -> int:
-    value = extra.get(key, 0)
+def _nvme_pages(extra: Mapping[str, object]) -> int:
+    """The slab's pages; 0 when not given (then `check` wants it with nvme_dir)."""
+    value = extra.get("nvme_pages", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad(key, value, "an integer >= 0")
+        raise _bad("nvme_pages", value, _NVME_PAGES_ALLOWED)
     return value

@@ -13,7 +13,8 @@ SGLang builds it as `KvSwapStorage(storage_config, kwargs)` and then calls
     batch_get_v1(hashes, host_indices, ...)   PageStore.load straight into the host pool's
     batch_set_v1(hashes, host_indices, ...)   pages (zero-copy: no tensor in between) / store
     get / batch_get / set / batch_set         the legacy calls: the same, through a staging
-                                              buffer of LEGACY_STAGING_PAGES pages
+                                              buffer of LEGACY_STAGING_PAGES pages (a get
+                                              without a target fills a new flat page)
     exists(hash)                              batch_exists([hash]) == 1
 
 Every byte is moved and checked by kvswap's tier (`page_store.open_page_store`:
@@ -123,10 +124,14 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        targets: list[torch.Tensor] = list(target_locations or [])
-        if len(targets) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(targets)} target pages")
+        given: list[torch.Tensor | None] = (
+            [None] * len(keys) if target_locations is None else list(target_locations)
+        )
+        if len(given) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(given)} target pages")
         staged, half = self._staging_store(), self._half_bytes()
+        # No target (SGLang's `get(key)`): the value comes back in a page of its own.
+        targets = [self._new_page() if t is None else t for t in given]
         out: list[torch.Tensor | None] = []
         with self._legacy:
             self._get_staged(staged, half, keys, targets, out)
@@ -179,6 +184,13 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
                 stored = all(staged.store(chunk, range(len(chunk)))) and stored
         return stored
 
+    def _new_page(self) -> torch.Tensor:
+        """A flat CPU page of the host pool's dtype (K half then V half), as SGLang's
+        `get_dummy_flat_data_page` makes one."""
+        assert self._shape is not None  # set with the store
+        flat = torch.empty(2 * self._shape.half_bytes, dtype=torch.uint8)
+        return flat.view(self._shape.dtype)
+
     def _half_bytes(self) -> int:
         assert self._shape is not None  # set with the store
         return self._shape.half_bytes
@@ -212,10 +224,13 @@ class KvSwapStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's class, un
             self._pages = self._staged = None
 
 
-def _page_bytes(page: torch.Tensor, half_bytes: int) -> torch.Tensor:
-    """A flat page tensor (K half then V half) as its bytes; one line for anything else."""
-    if page.device.type != "cpu" or not page.is_contiguous():
-        raise ValueError("a legacy page must be a contiguous CPU tensor")
+def _page_bytes(page: object, half_bytes: int) -> torch.Tensor:
+    """A flat page tensor (K half then V half) as its bytes; one line for anything else
+    (None, a value set without a page, included)."""
+    if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not page.is_contiguous():
+        raise ValueError(
+            f"a legacy page must be a contiguous CPU tensor; got {type(page).__name__}"
+        )
     flat = page.view(torch.uint8).reshape(-1)
     if flat.numel() != 2 * half_bytes:
         raise ValueError(f"a page is {2 * half_bytes} bytes; got {flat.numel()}")

@@ -20,6 +20,7 @@ sampled decoding never does).
 from __future__ import annotations
 
 import hashlib
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ from kvswap.errors import ConfigError, KvSwapError
 from kvswap.integrations.transformers.paged_layers import PagedLayers
 from kvswap.integrations.transformers.report import CacheReport
 from kvswap.integrations.transformers.settings import TieredCacheSettings
+from kvswap.model.kv_identity import KvIdentity, config_json, hf_config_fields
+
+#: Values of each parameter a weights digest reads (a strided sample).
+_SAMPLED_VALUES = 64
 
 
 class TieredCache(Cache):
@@ -61,13 +66,16 @@ class TieredCache(Cache):
         self.settings = TieredCacheSettings(
             resident_blocks=resident_blocks, cpu_blocks=cpu_blocks, block_tokens=block_tokens,
             protected_sink_blocks=protected_sink_blocks, min_residency_steps=min_residency_steps,
-            nvme_blocks=nvme_blocks, nvme_dir=None if nvme_dir is None else Path(nvme_dir),
+            nvme_blocks=nvme_blocks, nvme_dir=_path(nvme_dir),
             remote_url=remote_url, remote_timeout_ms=remote_timeout_ms,
             gpu_eviction_policy=gpu_eviction_policy, cpu_eviction_policy=cpu_eviction_policy,
             nvme_eviction_policy=nvme_eviction_policy, prefetch_streams=prefetch_streams,
         )  # fmt: skip
         self.num_layers = int(config.num_hidden_layers)
-        self.model_fingerprint = _fingerprint(config)
+        # A batch has one row at least; `PagedLayers` checks again with its own.
+        self.settings.check_cpu_blocks(self.num_layers, batch_size=1)
+        self._config = config
+        self._weights = _weights_identity(model_or_config)
         # The pages, once built; a list so that the finalizer closes them without
         # holding the cache itself (a cache dropped unclosed still releases its pools).
         self._paged: list[PagedLayers] = []
@@ -92,7 +100,7 @@ class TieredCache(Cache):
             pages = PagedLayers(
                 self.settings, num_layers=self.num_layers, batch_size=batch_size,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=keys.dtype,
-                device=keys.device, model_fingerprint=self.model_fingerprint,
+                device=keys.device, identity=self._identity(keys),
             )  # fmt: skip
             self._paged.append(pages)
         paged = self._paged[0]
@@ -105,6 +113,24 @@ class TieredCache(Cache):
                 f"{tuple(keys.shape)} ({keys.dtype}, {keys.device}): use one cache per batch"
             )
         return paged
+
+    def _identity(self, keys: torch.Tensor) -> KvIdentity:
+        """THE identity of this cache's blocks (`kvswap.model.kv_identity`). Each cache
+        salts its keys with a nonce of its own, so no other cache reads them; the
+        identity still names what computed them, as for every engine."""
+        _, num_kv_heads, _, head_dim = keys.shape
+        attention = getattr(self._config, "_attn_implementation", None) or "eager"
+        dtype = str(keys.dtype).removeprefix("torch.")
+        return KvIdentity(
+            compute=f"transformers/{attention}/{keys.device.type}",
+            weights=self._weights,
+            config=config_json(hf_config_fields(self._config.to_dict())),
+            kv_dtype=dtype,
+            layout=f"transformers-layer/{num_kv_heads}x{head_dim}",
+            block_tokens=self.settings.block_tokens,
+            block_bytes=2 * self.settings.block_tokens * num_kv_heads * head_dim
+            * keys.element_size(),
+        )  # fmt: skip
 
     def take_report(self) -> CacheReport:
         """The seed's four numbers and the bytes moved since the last report (or since the
@@ -188,6 +214,12 @@ def _refuse(what: str) -> None:
     )
 
 
+def _path(value: Any) -> Any:
+    """A directory named by a string as a Path; anything else as given, for the settings
+    to take (a Path, None) or refuse in one line."""
+    return Path(value) if isinstance(value, str | os.PathLike) else value
+
+
 def _text_config(model_or_config: Any) -> Any:
     """The decoder's config of a model or a config; one line for what cannot be paged."""
     config = model_or_config
@@ -209,10 +241,21 @@ def _text_config(model_or_config: Any) -> Any:
     return text
 
 
-def _fingerprint(config: Any) -> str:
-    """16 hex digits naming the decoder's architecture (its config as JSON)."""
-    text = config.to_json_string(use_diff=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _weights_identity(model_or_config: Any) -> str | None:
+    """A digest of a model's weights as they are in memory: each parameter's name, dtype,
+    shape and a strided sample of `_SAMPLED_VALUES` values. None for a bare config
+    (the weights are unknown; the cache's own salt keeps its blocks its own)."""
+    if not isinstance(model_or_config, torch.nn.Module):
+        return None
+    digest = hashlib.sha256(b"kvswap-transformers-weights-v1")
+    for name, tensor in model_or_config.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // _SAMPLED_VALUES)
+        sample = flat[::step][:_SAMPLED_VALUES].to("cpu").contiguous()
+        header = f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode()
+        digest.update(len(header).to_bytes(8, "little") + header)
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _close_all(pages: list[PagedLayers]) -> None:

@@ -37,7 +37,6 @@ from contextlib import ExitStack
 
 import torch
 
-from kvswap.control.identity import KeyNamespace
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
@@ -53,6 +52,7 @@ from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.errors import KvSwapError
 from kvswap.integrations.transformers.report import CacheReport, ReportWindow
 from kvswap.integrations.transformers.settings import TieredCacheSettings
+from kvswap.model.kv_identity import KvIdentity
 from kvswap.units import ceil_div
 
 
@@ -70,8 +70,9 @@ class PagedLayers:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        model_fingerprint: str,
+        identity: KvIdentity,
     ) -> None:
+        settings.check_cpu_blocks(num_layers, batch_size)
         self.settings = settings
         self.num_layers = num_layers
         self.batch_size = batch_size
@@ -84,13 +85,13 @@ class PagedLayers:
         self._step = 0
         self._resources = ExitStack()  # what close() releases, last made first
         try:
-            self._allocate(model_fingerprint)
+            self._allocate(identity)
         except BaseException:
             self._resources.close()
             raise
         self._window = ReportWindow(self.swapper.metrics, self.layout.block_bytes)
 
-    def _allocate(self, model_fingerprint: str) -> None:
+    def _allocate(self, identity: KvIdentity) -> None:
         settings, layout = self.settings, self.layout
         disk_pool = None
         if settings.nvme_blocks:
@@ -107,11 +108,11 @@ class PagedLayers:
             )
         )
         engine: CopyEngine = local
-        namespace = KeyNamespace(model_fingerprint, settings.block_tokens)
+        namespace = identity.namespace()
         remote: RemoteCopyEngine | None = None
         remote_settings: RemoteSettings | None = None
         if settings.remote_url is not None:
-            store_namespace = f"kvswap-hf:{model_fingerprint}"
+            store_namespace = f"kvswap-hf:{identity.fingerprint()}"
             remote = open_remote_tier(
                 settings.remote_url, host_pool, namespace=store_namespace,
                 timeout_ms=settings.remote_timeout_ms,
@@ -122,6 +123,7 @@ class PagedLayers:
             engine = TieredCopyEngine(local, remote)
             self._resources.callback(remote.close)
         self.remote = remote
+        self._has_tier_below = disk_pool is not None or remote is not None
         self.copy_engine = engine
         self.swapper = Swapper(
             StoreLayout(
@@ -165,7 +167,7 @@ class PagedLayers:
         start, num_new = self.num_tokens[layer], keys.shape[2]
         positions = list(range(start, start + num_new))
         for seq_id in seq_ids:
-            if not swapper.allocate(seq_id, positions):
+            if not self._allocate_new(seq_id, positions):
                 raise KvSwapError(self._no_room(layer, start + num_new))
         self.num_tokens[layer] = start + num_new
         tables = self._tables(seq_ids)
@@ -206,10 +208,36 @@ class PagedLayers:
             self.swapper.ensure_gpu_slots(missing)
             self.swapper.prefetch(seq_ids)
 
+    def _allocate_new(self, seq_id: int, positions: list[int]) -> bool:
+        """Device slots for the new tokens' blocks. Other layers' blocks leave the
+        device for them through the pinned pool; while it is too full to take them,
+        room is made below it (`_bring_up`) and the allocation is tried again."""
+        num_blocks = ceil_div(len(positions), self.layout.block_tokens) + 1
+        while not self.swapper.allocate(seq_id, positions):
+            if not self._has_tier_below or not self.swapper.make_cpu_room(num_blocks):
+                return False  # nothing more can leave the pinned pool: it is not the cause
+        return True
+
     def _bring_up(self, layer: int, seq_ids: list[int]) -> None:
-        """The layer's blocks all on the device, or one line saying why they cannot be."""
+        """The layer's blocks all on the device, or one line saying why they cannot be.
+
+        One step moves every layer's blocks through the device, and what leaves it (or
+        comes up from NVMe or the store) passes through the pinned pool, which
+        `end_step`'s demotion empties only after the last layer. So a pinned pool full
+        mid-step sends its coldest copies below now (`Swapper.make_cpu_room`) and the
+        wait is tried again, while each try brings more of the layer's blocks up: the
+        tiers below add capacity whatever the pinned pool's size."""
         result = self.swapper.wait_ready(seq_ids)
         self._window.waited(result.wait_s)
+        resident = self._num_resident(seq_ids)
+        while result.not_ready and self._has_tier_below:
+            missing = sum(self.swapper.num_missing_gpu_blocks(s) for s in seq_ids)
+            self.swapper.make_cpu_room(2 * missing + 1)  # a slot each way: down and up
+            result = self.swapper.wait_ready(seq_ids)
+            self._window.waited(result.wait_s)
+            resident, before = self._num_resident(seq_ids), resident
+            if resident <= before:
+                break  # no block came up: the pinned pool is not what is short
         lost = [s for s in seq_ids if self.swapper.first_lost_token(s) is not None]
         if lost:
             raise KvSwapError(
@@ -219,6 +247,11 @@ class PagedLayers:
             )
         if result.not_ready:
             raise KvSwapError(self._no_room(layer, self.num_tokens[layer]))
+
+    def _num_resident(self, seq_ids: list[int]) -> int:
+        """The sequences' blocks with a ready device copy."""
+        blocks = (b for s in seq_ids for b in self.swapper.store.sequence_blocks(s))
+        return sum(block.ready_copy(Tier.GPU) is not None for block in blocks)
 
     def _no_room(self, layer: int, num_tokens: int) -> str:
         blocks = ceil_div(num_tokens, self.layout.block_tokens) * self.batch_size

@@ -7,6 +7,7 @@ is one `ConfigError` line naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,9 @@ class TieredCacheSettings:
     min_residency_steps   a block brought back stays that many decode steps (0: a
                           layer-wise cache reads every block each step, so a window
                           longer than 0 keeps nearly everything resident)
-    cpu_blocks            the pinned CPU slot pool
-    nvme_blocks, nvme_dir the NVMe slab below it (0: none)
+    cpu_blocks            the pinned CPU slot pool; with a tier below, at least what
+                          `check_cpu_blocks` names (2 with NVMe)
+    nvme_blocks, nvme_dir the NVMe slab below it (0: none; nvme_dir needs nvme_blocks)
     remote_url            the shared store below it (`tiers.remote_url` forms), or None
     gpu_eviction_policy, cpu_eviction_policy, nvme_eviction_policy: kvswap's policy
                           names ("kvswap", "lru", "package.module:Class")
@@ -64,16 +66,62 @@ class TieredCacheSettings:
         ):
             _check_int(name, getattr(self, name), low, None)
         _check_int("prefetch_streams", self.prefetch_streams, 1, MAX_PREFETCH_STREAMS)
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, Path):
+            raise ConfigError(f"nvme_dir = {self.nvme_dir!r}; allowed: a directory path")
         if self.nvme_blocks and self.nvme_dir is None:
             raise ConfigError(
                 f"nvme_blocks = {self.nvme_blocks} needs nvme_dir; allowed: a directory for "
                 "the slab, or nvme_blocks = 0"
             )
-        if not self.remote_timeout_ms > 0:
+        if self.nvme_dir is not None and not self.nvme_blocks:
+            # Else the directory would be ignored without a word (no slab is made).
             raise ConfigError(
-                f"remote_timeout_ms = {self.remote_timeout_ms!r}; allowed: a number > 0"
+                f"nvme_dir = {str(self.nvme_dir)!r} needs nvme_blocks; allowed: nvme_blocks "
+                ">= 1 (the slab's blocks), or no nvme_dir"
             )
+        if self.remote_url is not None and (
+            not isinstance(self.remote_url, str) or not self.remote_url
+        ):
+            raise ConfigError(
+                f"remote_url = {self.remote_url!r:.80}; allowed: a store URL string "
+                "(redis://, rediss://, unix://) or None"
+            )
+        timeout = self.remote_timeout_ms
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ConfigError(f"remote_timeout_ms = {timeout!r:.80}; allowed: a number > 0")
+        if not 0 < timeout < math.inf:
+            raise ConfigError(f"remote_timeout_ms = {timeout!r}; allowed: a number > 0")
+        for name in ("gpu_eviction_policy", "cpu_eviction_policy", "nvme_eviction_policy"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(
+                    f"{name} = {getattr(self, name)!r:.80}; allowed: 'kvswap', 'lru', 'arc' "
+                    "or 'package.module:Class'"
+                )
         check_policy_names(self.policy_options())
+
+    def check_cpu_blocks(self, num_layers: int, batch_size: int) -> None:
+        """A pinned pool big enough for the tiers below it to add capacity, or one line
+        naming the smallest. Every block that leaves for NVMe or the store, or comes up
+        from them, passes through the pinned pool, so one going down and one coming up
+        need a slot each. The store takes full blocks only: without NVMe, the last
+        (partial) block of each row of every other layer waits in the pinned pool too
+        (the layer whose turn it is holds its own on the device)."""
+        if not self.nvme_blocks and self.remote_url is None:
+            return
+        waiting = 0 if self.nvme_blocks else (num_layers - 1) * batch_size
+        if self.cpu_blocks >= waiting + 2:
+            return
+        if self.nvme_blocks:
+            raise ConfigError(
+                f"cpu_blocks = {self.cpu_blocks} with nvme_blocks: a block going down and "
+                "one coming up pass through the pinned pool at once; allowed: cpu_blocks >= 2"
+            )
+        raise ConfigError(
+            f"cpu_blocks = {self.cpu_blocks} with remote_url and no NVMe slab: the store takes "
+            f"full blocks only, so the last block of {batch_size} row(s) of {num_layers - 1} "
+            "other layers waits in the pinned pool, next to a block going down and one "
+            f"coming up; allowed: cpu_blocks >= {waiting + 2} (or an NVMe slab and >= 2)"
+        )
 
     def policy_options(self) -> PolicyOptions:
         """kvswap's policy switches for this cache: sinks protected when there are any."""

@@ -5,9 +5,11 @@ vLLM hands its offloading spec one untyped dict. The keys vLLM reads itself
 vLLM's; kvswap's keep kvswap's names and kvswap's validation
 (`kvswap.config.config_from_values`), so a bad value is the one-line
 `ConfigError` kvswap gives everywhere, naming the key, the value and what is
-allowed. The host tier's policy is named by vLLM's own key, `eviction_policy`,
-with kvswap's name table (`kvswap.control.policy`): "kvswap", "lru", or an
-import path "package.module:ClassName".
+allowed (types strict: the dict is JSON, so "8" is no count). A key that is
+neither kvswap's nor one vLLM reads (`VLLM_KEYS`) is refused the same way: a
+misspelt one would do nothing. The host tier's policy is named by vLLM's own
+key, `eviction_policy`, with kvswap's name table (`kvswap.control.policy`):
+"kvswap", "lru", or an import path "package.module:ClassName".
 
 vLLM-free: the spec calls `adapter_settings` with the dict vLLM gave it.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvswap.config import FIELD_SPELLINGS, config_from_values
+from kvswap.config import FIELD_SPELLINGS, config_from_values, suggest
 from kvswap.control.eviction_policy import PolicyOptions
 from kvswap.control.policy import policy_class
 from kvswap.control.transfer import Tier
@@ -46,6 +48,21 @@ ADAPTER_FIELDS = (
     "remote_max_inflight_chunks",
     "remote_required",
 )
+#: The keys vLLM's offloading connector, spec and tiering read from the same dict
+#: (vLLM 0.32 and 0.33), left to vLLM; `locality` is a secondary tier entry's key
+#: that vLLM passes on to the tier (`KvswapNvmeTier`, ...) with kvswap's.
+VLLM_KEYS = frozenset(
+    {
+        "spec_name", "spec_module_path",  # OffloadingSpecFactory
+        "block_size", "blocks_per_chunk", "canonical_layout",  # the connector's config
+        "sync_load_budget_bytes",  # the connector's scheduler
+        "offload_prompt_only", "self_describing_kv_events",  # OffloadingSpec
+        "cpu_bytes_to_use", POLICY_KEY, "cache_policy_module_path",  # CPUOffloadingSpec
+        "store_threshold", "max_tracker_size",
+        "secondary_tiers", "tier_poll_interval_s", "backpressure",  # TieringOffloadingSpec
+        "locality",  # a secondary tier's entry
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,15 +107,10 @@ class AdapterSettings:
 
 
 def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
-    """kvswap's keys of `extra_config`, validated; ConfigError in one line otherwise."""
-    unused = sorted(
-        key for key in extra_config if key in FIELD_SPELLINGS and key not in ADAPTER_FIELDS
-    )
-    if unused:
-        raise ConfigError(
-            f"{SOURCE}: {unused[0]!r} is a setting of kvswap's own engine, which vLLM's "
-            f"adapter does not use; allowed here: {POLICY_KEY}, {', '.join(ADAPTER_FIELDS)}"
-        )
+    """kvswap's keys of `extra_config`, validated; ConfigError in one line otherwise,
+    for a key neither kvswap's adapter nor vLLM reads, too (a misspelt key would do
+    nothing) and for a value of the wrong type ("8" for a count)."""
+    _check_keys(extra_config)
     _both_or_neither(extra_config, "nvme_dir", "nvme_kv_capacity_bytes")
     values = {key: extra_config[key] for key in ADAPTER_FIELDS if key in extra_config}
     config = config_from_values(values, SOURCE)
@@ -133,6 +145,24 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
             required=tiers.remote_required,
         ),
     )
+
+
+def _check_keys(extra_config: Mapping[str, Any]) -> None:
+    """Every key is one the adapter or vLLM reads; one line naming the first that is not."""
+    for key in extra_config:
+        if key in ADAPTER_FIELDS or key in VLLM_KEYS:
+            continue
+        kvswap_keys = f"kvswap's {', '.join(ADAPTER_FIELDS)}"
+        if key in FIELD_SPELLINGS:
+            raise ConfigError(
+                f"{SOURCE}: {key!r} is a setting of kvswap's own engine, which vLLM's "
+                f"adapter does not use; allowed here: {kvswap_keys} (and vLLM's own keys)"
+            )
+        known = [*ADAPTER_FIELDS, *sorted(VLLM_KEYS)]
+        raise ConfigError(
+            f"{SOURCE}: unknown key {key!r}{suggest(str(key), known)}; allowed: "
+            f"{kvswap_keys}; vLLM's {', '.join(sorted(VLLM_KEYS))}"
+        )
 
 
 def _both_or_neither(extra_config: Mapping[str, Any], first: str, second: str) -> None:
