@@ -17,6 +17,8 @@ evicted, with kvswap's ranking and with vLLM's own LRU beside it:
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,25 @@ def test_vllm_s_factories_find_the_adapter_s_classes_by_name(scenarios: Any) -> 
         "standalone_sinks": False,  # built by vLLM's factory alone: no block size known
         "tiers": ["KvswapNvmeTier", "KvswapRedisTier"],
     }
+
+
+def test_kvswap_installs_beside_the_torch_vllm_0_33_needs(tmp_path: Path) -> None:
+    """vLLM 0.33 needs torch 2.14: kvswap's torch range admits it, so installing kvswap
+    into that venv installs kvswap alone and keeps vLLM's torch (the scenarios above run
+    there, on torch 2.14.1, a CUDA build on the CPU)."""
+    if (reason := vllm_venv_missing(VLLM033_VENV)) is not None:
+        pytest.skip(reason)
+    python = VLLM033_VENV / "bin" / "python"
+    code = "import torch, kvswap, vllm; print(torch.__version__, vllm.__version__)"
+    versions = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True, timeout=300
+    ).stdout.split()
+    assert versions[0].startswith("2.14.") and versions[1] == "0.33.0"
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+         "-e", str(Path(__file__).resolve().parents[2])],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    to_install = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    assert to_install == {"kvswap"}
