@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvswap.config import load_config
-from kvswap.control.scheduler import StepPlan
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.control.transfer import Tier
 from kvswap.drive.backend import StepOutput
 from kvswap.engine import runner as runner_module

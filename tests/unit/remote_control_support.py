@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote import RemoteIndex
-from kvswap.control.scheduler import Scheduler, SchedulerSettings
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import SchedulerSettings
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper

@@ -7,7 +7,8 @@ ids in an assertion tell whose token is where.
 
 from __future__ import annotations
 
-from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.control.transfer import Direction, Tier, TransferChunk
 from tests.manual_engine import ManualCopyEngine
 

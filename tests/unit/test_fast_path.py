@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvswap.cli import main
-from kvswap.control.scheduler import ScheduledSeq, StepPlan
+from kvswap.control.scheduler_records import ScheduledSeq, StepPlan
 from kvswap.engine.runner import ModelRunner
 from kvswap.model.fast_attention import FastPagedAttention
 from kvswap.model.generate import generate_reference, sample_token

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvswap.control.scheduler import ScheduledSeq, StepPlan
+from kvswap.control.scheduler_records import ScheduledSeq, StepPlan
 from kvswap.engine.runner import ModelRunner
 from kvswap.errors import KvSwapError
 from kvswap.model.loader import load_model

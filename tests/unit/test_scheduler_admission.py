@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import (
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import (
     Admission,
     FinishReason,
     RefusalReason,
-    Scheduler,
     SchedulerSettings,
 )
 from kvswap.control.settings import SwapSettings

@@ -14,7 +14,8 @@ the documented intent; when the code is fixed, flip their assertions.
 from __future__ import annotations
 
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import FinishReason, Preemption, Scheduler, SchedulerSettings
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import FinishReason, Preemption, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper

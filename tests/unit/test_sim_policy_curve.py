@@ -16,7 +16,7 @@ from kvswap.control.eviction_policy import EvictionPolicy
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
-from kvswap.control.scheduler import SequenceRun
+from kvswap.control.scheduler_records import SequenceRun
 from kvswap.control.transfer import Tier
 from kvswap.sim.policy_curve import (
     CHAT_QUICK,

@@ -20,7 +20,8 @@ import pytest
 from kvswap.cli import main
 from kvswap.config import load_config
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.scheduler import Scheduler, SchedulerSettings
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper

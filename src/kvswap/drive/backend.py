@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvswap.control.scheduler import StepPlan
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.sampling import TokenLogprobs
 
 

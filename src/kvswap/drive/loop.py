@@ -39,7 +39,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from kvswap.control.request_fault import failure_reason
-from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.assembly import ControlPlane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.summary import RunSummary, StepTotals, build_summary

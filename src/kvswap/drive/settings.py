@@ -13,7 +13,7 @@ from kvswap.config import KvSwapConfig
 from kvswap.config_capacities import TierCapacities
 from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions, check_policy_names
-from kvswap.control.scheduler import Preemption, SchedulerSettings
+from kvswap.control.scheduler_records import Preemption, SchedulerSettings
 from kvswap.control.settings import (
     DEFAULT_MAX_LOOKUP_BLOCKS,
     RemoteSettings,

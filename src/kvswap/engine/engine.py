@@ -22,7 +22,7 @@ from types import TracebackType
 
 import torch
 
-from kvswap.control.scheduler import StepPlan
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.control.transfer import CopyEngine
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvswap.control.scheduler import StepPlan
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.backend import StepOutput
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.paged_attention import AttentionBatch

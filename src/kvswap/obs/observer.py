@@ -12,7 +12,8 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.control.transfer import Direction, Tier
 
 

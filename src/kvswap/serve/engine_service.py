@@ -33,8 +33,9 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from kvswap.control.scheduler import FinishReason as SchedulerFinish
-from kvswap.control.scheduler import Scheduler, StepPlan
+from kvswap.control.scheduler import Scheduler
+from kvswap.control.scheduler_records import FinishReason as SchedulerFinish
+from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver
 from kvswap.engine.engine import Engine

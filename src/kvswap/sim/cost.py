@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvswap.control.scheduler import ScheduledSeq
+from kvswap.control.scheduler_records import ScheduledSeq
 from kvswap.errors import KvSwapError
 from kvswap.ledger import kv_bytes_per_token
 from kvswap.model.description import ModelDescription

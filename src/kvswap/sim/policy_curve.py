@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, load_config
-from kvswap.control.scheduler import SequenceRun
+from kvswap.control.scheduler_records import SequenceRun
 from kvswap.control.transfer import Tier
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.hit_rate import HitRatePoint
