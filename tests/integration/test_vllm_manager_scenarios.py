@@ -56,6 +56,14 @@ def test_a_running_request_keeps_its_sink_chunk(scenarios: Any) -> None:
         assert scenarios["sinks_kept"]["vllm-lru"] == {"evicted": ["s0"]}
 
 
+def test_kvswap_s_arc_adapts_through_the_adapter(scenarios: Any) -> None:
+    """The adapter names each chunk's content (vLLM's block hash) to the policy, so
+    ARC's ghost lists see a chunk stored again after its eviction and adapt."""
+    arc = scenarios["arc_adapts"]
+    assert arc["evicted"] == ["x0"] or arc["evicted"] == ["x1"]
+    assert arc["target_before"] == 0.0 and arc["target_after"] > 0.0
+
+
 def test_a_promoted_chunk_stays_for_its_minimum_residency(scenarios: Any) -> None:
     kvswap, no_window = scenarios["residency"]["kvswap"], scenarios["residency"]["no_window"]
     assert kvswap["evicted_by_r2"] == ["c0"]  # c0 left the host tier, kept on NVMe

@@ -193,6 +193,28 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     }
 
 
+def arc_adapts() -> dict[str, Any]:
+    """kvswap's ARC ranking the host tier through the adapter: a 2-chunk tier stores
+    x0, x1, then y0 (x0 goes: a ghost in B1), then x0 again: a B1 ghost hit grows
+    ARC's target for its recency list from 0."""
+    manager = host_manager(2, "arc")
+    policy = manager._policy.policy
+    x, y = chain("x", 2), chain("y", 1)
+    r1 = request(manager, "r1", x)
+    store(manager, r1, x)
+    manager.on_request_finished(r1)
+    r2 = request(manager, "r2", y)
+    evicted = store(manager, r2, y)
+    manager.on_request_finished(r2)
+    before = policy.state().target_t1_blocks
+    r3 = request(manager, "r3", x[:1])
+    store(manager, r3, x[:1])
+    return {
+        "evicted": evicted, "target_before": before,
+        "target_after": policy.state().target_t1_blocks,
+    }  # fmt: skip
+
+
 def factories() -> dict[str, Any]:
     """The names vLLM's own factories resolve from a config: our classes, each a
     subclass of vLLM's base (the factories check that)."""
@@ -227,6 +249,7 @@ def main(scratch: Path) -> None:
             "factories": factories(),
             "tail_first": {p: tail_first(p) for p in ("kvswap", "vllm-lru")},
             "sinks_kept": {p: sinks_kept(p) for p in ("kvswap", "vllm-lru")},
+            "arc_adapts": arc_adapts(),
             "residency": {
                 "kvswap": residency(scratch, 3),
                 "no_window": residency(scratch, 0),

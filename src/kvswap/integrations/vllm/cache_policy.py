@@ -197,6 +197,9 @@ class KvswapCachePolicy(CachePolicy):
             ready_above=False,  # vLLM's device pool is its own: not known here
             lost=False,
             brought_back=brought_back,
+            # vLLM's key is its block hash: it names the content across an eviction
+            # and a store again, which ARC's ghost lists remember.
+            content_key=key,
         )
 
     def _hold(self, keys: Iterable[bytes], req_context: Any) -> None:
