@@ -118,12 +118,20 @@ def run_script(
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
 
-    def __init__(self, venv: Path, model_dir: Path, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        model_dir: Path,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.venv = venv
         self.model_dir = model_dir
         self.extra_args = list(extra_args)
+        self.env = dict(env or {})
         self.port: int | None = None
         self.log_path = model_dir.parent / "vllm-server.log"
+        self.log_start = 0  # where this server's lines begin in the (shared) log
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -141,10 +149,11 @@ class VllmServer:
     def start(self) -> VllmServer:
         self.port = free_port()
         with open(self.log_path, "ab") as log:
+            self.log_start = log.tell()
             self._process = subprocess.Popen(
                 self.command(),
                 cwd=ROOT,
-                env=script_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+                env=script_environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", **self.env}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -64,6 +64,29 @@ def test_kvswap_s_arc_adapts_through_the_adapter(scenarios: Any) -> None:
     assert arc["target_before"] == 0.0 and arc["target_after"] > 0.0
 
 
+def test_a_policy_that_raises_refuses_that_store_and_the_tier_goes_on(scenarios: Any) -> None:
+    """Issue 31: a policy that raises ends the store that asked, not vLLM: it is counted
+    and replaced by kvswap's LRU, and the next store is served."""
+    fails = scenarios["policy_fails"]
+    assert fails["refused"] is None and fails["failures"] == 1
+    assert fails["after"] in (["p0"], ["p1"]) and fails["ranked_by"] == "LruPolicy"
+
+
+def test_a_request_larger_than_the_host_tier_keeps_its_head(scenarios: Any) -> None:
+    """Issue 31: a host tier smaller than one request stored nothing and said nothing.
+    kvswap keeps the request's first chunks (a prefix is found from its head), warns
+    once, and counts the rest as refused, in the stats line and on vLLM's /metrics."""
+    small = scenarios["too_small"]
+    assert small["kvswap"] == {"stored": [], "kept": ["w0", "w1"]}
+    assert small["vllm-lru"] == {"stored": None, "kept": []}  # vLLM's own: nothing
+    counts = small["counts"]
+    assert (counts["stores"], counts["refused"], counts["evictions"]) == (2, 2, 0)
+    assert counts["lookups"] == 4 and counts["hits"] == 2
+    assert small["metrics"]["vllm:kvswap_host_stores"] == 2
+    assert small["metrics"]["vllm:kvswap_host_refused_stores"] == 2
+    assert "2 of 4 chunks looked up hit (50%)" in small["stats_line"]
+
+
 def test_a_promoted_chunk_stays_for_its_minimum_residency(scenarios: Any) -> None:
     kvswap, no_window = scenarios["residency"]["kvswap"], scenarios["residency"]["no_window"]
     assert kvswap["evicted_by_r2"] == ["c0"]  # c0 left the host tier, kept on NVMe

@@ -89,11 +89,24 @@ def nvme_chunk_hits(server: VllmServer) -> float:
     )
 
 
+def metric(server: VllmServer, name: str) -> float:
+    """One unlabelled-or-summed metric of vLLM's /metrics."""
+    with urllib.request.urlopen(f"http://{HOST}:{server.port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+    )
+
+
 def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     flags = readme_server_flags(tmp_path)
-    with VllmServer(VLLM_VENV, tiny_llama_dir, [*flags, *TEST_SIZES]).start() as server:
+    stats_every_second = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    server = VllmServer(VLLM_VENV, tiny_llama_dir, [*flags, *TEST_SIZES], stats_every_second)
+    with server.start():
         first = complete(server, tokens(0, 100))
         for push in range(1, 4):
             complete(server, tokens(100 * push, 100))
@@ -103,11 +116,23 @@ def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
         while nvme_chunk_hits(server) - hits_before < 3 and time.monotonic() < deadline_s:
             time.sleep(0.5)
         hits = nvme_chunk_hits(server) - hits_before
+        stores = metric(server, "vllm:kvswap_host_stores_total")
+        time.sleep(1.5)  # a step after the stats interval writes the stats line
+        complete(server, tokens(0, 100))
+    with open(server.log_path, "rb") as log:
+        log.seek(server.log_start)
+        lines = log.read().decode(errors="replace").splitlines()
     assert first["usage"]["prompt_tokens"] == 100
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert hits >= 3  # A's three chunks, from the slab (a lookup retried counts again)
+    # kvswap in vLLM's own log (its format: "INFO ... [host_report.py:N] kvswap ...") and
+    # vLLM's /metrics (issue 31, item 5): the start-up line, a stats line, the counters.
+    (start,) = [line for line in lines if "inside vLLM: host tier 4 chunks" in line]
+    assert " INFO " in start and "kvswap " in start and "NVMe " in start
+    assert any("kvswap host tier:" in line and "stored" in line for line in lines)
+    assert stores >= 4  # prompt A's and the pushes' chunks, counted by kvswap
     # Killed (it ignores SIGTERM), the server never closed its slab; kvswap's next start
     # in that directory would remove it, as this sweep does: nothing is left.
     sweep_stale_slabs(tmp_path)

@@ -13,6 +13,7 @@ evicted; the test compares them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.control.policy_lru import LruPolicy
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
+from kvswap.integrations.vllm.host_report import HostReport
 from kvswap.integrations.vllm.manager import (
     KvswapHostManager,
     KvswapPrimaryTier,
@@ -86,8 +89,9 @@ def host_manager(num_chunks: int, policy: str, **options: Any) -> Any:
         protected_sink_blocks=1,
         tokens_per_chunk=TOKENS_PER_CHUNK,
     )
+    report = HostReport(num_chunks, ROW_BYTES)
     return KvswapHostManager(
-        num_chunks, KvswapCachePolicy(num_chunks, ranking), enable_events=False
+        num_chunks, KvswapCachePolicy(num_chunks, ranking), report, enable_events=False
     )
 
 
@@ -135,7 +139,7 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     )
     policy = KvswapCachePolicy(2, ranking)
     rows = SharedHostRows(scratch / f"host-{min_residency_steps}", 2, ROW_BYTES)
-    primary = KvswapPrimaryTier(2, rows, policy, enable_events=False)
+    primary = KvswapPrimaryTier(2, rows, policy, HostReport(2, ROW_BYTES), enable_events=False)
     spec = SimpleNamespace(
         config=SimpleNamespace(
             model=SimpleNamespace(name="scenario", dtype="float32"),
@@ -215,6 +219,50 @@ def arc_adapts() -> dict[str, Any]:
     }  # fmt: skip
 
 
+class RaisingPolicy(LruPolicy):
+    """A user's policy with a bug: its evict raises."""
+
+    def evict(self, n: int, protected: Any) -> Any:
+        raise ZeroDivisionError("a bug in the user's policy")
+
+
+def policy_fails() -> dict[str, Any]:
+    """A 2-chunk tier ranked by a user's policy whose evict raises. r1 stores p0, p1;
+    r2's store needs an eviction: the policy raises, the store is refused (not vLLM's
+    process), counted, and the tier goes on ranked by kvswap's LRU: r3's store works."""
+    manager = host_manager(2, "tests.vllm_scripts.manager_scenarios:RaisingPolicy")
+    p = chain("p", 2)
+    r1 = request(manager, "r1", p)
+    store(manager, r1, p)
+    manager.on_request_finished(r1)
+    refused = store(manager, request(manager, "r2", chain("q", 1)), chain("q", 1))
+    after = store(manager, request(manager, "r3", chain("q", 1)), chain("q", 1))
+    return {
+        "refused": refused, "after": after, "failures": manager._policy.num_failures,
+        "ranked_by": type(manager._policy.policy).__name__,
+    }  # fmt: skip
+
+
+def too_small() -> dict[str, Any]:
+    """A 2-chunk tier; a request offers 4 chunks: the first 2 are kept (vLLM's own
+    manager stores none), the other 2 counted as refused; then kvswap's counters, as
+    the stats line and vLLM's /metrics path (`get_stats`) carry them."""
+    results: dict[str, Any] = {}
+    for policy in ("kvswap", "vllm-lru"):
+        manager = host_manager(2, policy)
+        w = chain("w", 4)
+        r1 = request(manager, "r1", w)
+        stored = store(manager, r1, w)
+        kept = [names([k])[0] for k in w if manager.lookup(k, r1).name == "HIT"]
+        results[policy] = {"stored": stored, "kept": kept}
+        if policy == "kvswap":
+            stats = manager.get_stats()
+            results["counts"] = dataclasses.asdict(manager.report.counts)
+            results["metrics"] = {k: v for k, v in stats.reduce().items() if "kvswap" in k}
+            results["stats_line"] = manager.report.stats_line()
+    return results
+
+
 def factories() -> dict[str, Any]:
     """The names vLLM's own factories resolve from a config: our classes, each a
     subclass of vLLM's base (the factories check that)."""
@@ -250,6 +298,8 @@ def main(scratch: Path) -> None:
             "tail_first": {p: tail_first(p) for p in ("kvswap", "vllm-lru")},
             "sinks_kept": {p: sinks_kept(p) for p in ("kvswap", "vllm-lru")},
             "arc_adapts": arc_adapts(),
+            "policy_fails": policy_fails(),
+            "too_small": too_small(),
             "residency": {
                 "kvswap": residency(scratch, 3),
                 "no_window": residency(scratch, 0),

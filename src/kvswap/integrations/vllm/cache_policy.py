@@ -31,20 +31,31 @@ cached prefix from its end and what stays is still a usable prefix.
 Built by vLLM's factory alone (`eviction_policy: "KvswapCachePolicy"` with vLLM's
 own CPU spec), it gets only `cache_capacity`: no block size, so no sinks, and no
 step clock, so no residency windows. `KvswapOffloadingSpec` builds it with both.
+
+A policy that raises (a user's `module:Class`, say) never reaches vLLM: the call's
+store is refused (`evict` answers None), the failure is counted (`num_failures`)
+and logged once, and the tier goes on ranked by kvswap's LRU, rebuilt from what
+this class knows of every chunk. The same for an `evict` that names a chunk it
+may not (not held, or busy: the hard rule).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
-from kvswap.control.eviction_policy import BlockFacts, PolicyOptions
+from kvswap.control.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
 from kvswap.control.policy import build_policy
+from kvswap.control.request_fault import failure_reason
 from kvswap.control.transfer import Tier
 from kvswap.units import ceil_div
+
+LOGGER = logging.getLogger("vllm.kvswap")  # under vLLM's logger (host_report.py)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class KvswapCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self.ranking = ranking if ranking is not None else HostRanking()
         self.policy = build_policy(Tier.GPU, self.ranking.policy, field=self.ranking.field_name)
+        self.num_failures = 0  # calls the policy raised in (it is then replaced by LRU)
         self._chunks: dict[bytes, _Chunk] = {}
         self._refs: dict[bytes, int] = {}  # key -> live requests holding it
         self._held: dict[str, set[bytes]] = {}  # request id -> keys it holds
@@ -93,14 +105,16 @@ class KvswapCachePolicy(CachePolicy):
         if req_context is not None:
             self._hold([key], req_context)
         self._chunks[key] = _Chunk(chunk)
-        self.policy.insert(key, self._facts(key))
+        facts = self._facts(key)
+        self._rank(lambda policy: policy.insert(key, facts), None)
 
     def remove(self, key: bytes) -> None:
         if self._chunks.pop(key, None) is not None:
-            self.policy.remove(key)
+            self._rank(lambda policy: policy.remove(key), None)
 
     def touch(self, keys: Iterable[bytes], req_context: Any = None) -> None:
-        self.policy.touch([key for key in keys if key in self._chunks])
+        held = [key for key in keys if key in self._chunks]
+        self._rank(lambda policy: policy.touch(held), None)
 
     def on_store_miss(self, keys: Iterable[bytes], req_context: Any) -> None:
         """The request will store these keys: it holds them from now on."""
@@ -128,43 +142,41 @@ class KvswapCachePolicy(CachePolicy):
         self.touch(reversed(ordered))
 
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Any]] | None:
-        keys = self.policy.evict(n, protected)
+        keys = self._rank(lambda policy: policy.evict(n, protected), None)
         if keys is None:
             return None
-        victims: list[tuple[bytes, Any]] = []
-        for key in keys:
-            chunk = self._chunks.pop(key) if isinstance(key, bytes) else None
+        for key in keys:  # all checked before any leaves: a refusal changes nothing
+            chunk = self._chunks.get(key) if isinstance(key, bytes) else None
             if chunk is None or not chunk.evictable or chunk.status.ref_cnt != 0:
-                raise RuntimeError(
+                self._replace(RuntimeError(
                     f"{type(self.policy).__name__}.evict returned {key!r}: not a chunk "
                     "held, or one a transfer uses (the hard rule: never a busy copy)"
-                )
-            assert isinstance(key, bytes)  # checked above: a held chunk's key
-            victims.append((key, chunk.status))
-        return victims
+                ))  # fmt: skip
+                return None
+        return [(key, self._chunks.pop(key).status) for key in keys if isinstance(key, bytes)]
 
     def clear(self) -> None:
         self._chunks.clear()
         self._refs.clear()
         self._held.clear()
         self._sinks.clear()
-        self.policy.clear()
+        self._rank(lambda policy: policy.clear(), None)
 
     def mark_evictable(self, key: bytes) -> None:
         chunk = self._chunks[key]
         chunk.evictable = True
         brought_back, chunk.arriving = chunk.arriving, False
-        self.policy.update(key, self._facts(key, brought_back=brought_back))
+        self._update(key, brought_back=brought_back)
 
     def mark_non_evictable(self, key: bytes) -> None:
         self._chunks[key].evictable = False
-        self.policy.update(key, self._facts(key))
+        self._update(key)
 
     # --- what the manager tells it --------------------------------------------------
 
     def advance(self, step: int) -> None:
         """A scheduler step ended (the manager's clock): residency windows move on."""
-        self.policy.advance(step)
+        self._rank(lambda policy: policy.advance(step), None)
 
     def arriving(self, keys: Iterable[bytes]) -> None:
         """These chunks are promotions: once written they were brought back from a
@@ -181,9 +193,37 @@ class KvswapCachePolicy(CachePolicy):
             chunk = self._chunks.get(key)
             if chunk is not None and not chunk.clean:
                 chunk.clean = True
-                self.policy.update(key, self._facts(key))
+                self._update(key)
 
     # --- internal -------------------------------------------------------------------
+
+    def _update(self, key: bytes, *, brought_back: bool = False) -> None:
+        facts = self._facts(key, brought_back=brought_back)
+        self._rank(lambda policy: policy.update(key, facts), None)
+
+    def _rank(self, call: Callable[[EvictionPolicy], _T], failed: _T) -> _T:
+        """`call(self.policy)`; if the policy raises, it is replaced (`_replace`) and the
+        call answers `failed` (the replacement already ranks by the state it changed)."""
+        try:
+            return call(self.policy)
+        except Exception as error:
+            self._replace(error)
+            return failed
+
+    def _replace(self, error: Exception) -> None:
+        """The policy failed: count it, say so once, and rank every chunk held with
+        kvswap's LRU from now on (the chunks and their facts are this class's own)."""
+        self.num_failures += 1
+        if self.num_failures == 1:
+            LOGGER.warning(
+                "kvswap: the host tier's policy %s failed (%s); the store that asked is "
+                "refused and the tier is ranked by kvswap's LRU from now on",
+                type(self.policy).__name__, failure_reason(error),
+            )  # fmt: skip
+        fallback = replace(self.ranking.policy, gpu_eviction_policy="lru")
+        self.policy = build_policy(Tier.GPU, fallback, field=self.ranking.field_name)
+        for key in self._chunks:
+            self.policy.insert(key, self._facts(key))
 
     def _facts(self, key: bytes, *, brought_back: bool = False) -> BlockFacts:
         chunk = self._chunks[key]
@@ -212,7 +252,7 @@ class KvswapCachePolicy(CachePolicy):
             if self._is_sink(key, req_context):
                 self._sinks.add(key)
             if self._refs[key] == 1 and key in self._chunks:
-                self.policy.update(key, self._facts(key))
+                self._update(key)
 
     def _release(self, key: bytes) -> None:
         count = self._refs.get(key, 0) - 1
@@ -222,7 +262,7 @@ class KvswapCachePolicy(CachePolicy):
         self._refs.pop(key, None)
         self._sinks.discard(key)  # a sink only while a request holds it
         if key in self._chunks:
-            self.policy.update(key, self._facts(key))
+            self._update(key)
 
     def _is_sink(self, key: bytes, req_context: Any) -> bool:
         """Among the first `protected_sink_blocks` host blocks of the request, by the end

@@ -17,6 +17,11 @@ policy:
     KvswapHostManager      CPUOffloadingManager + clock          (no secondary tier)
     KvswapPrimaryTier      CPUPrimaryTierOffloadingManager + the promotions' origin
     KvswapTieringManager   TieringOffloadingManager + the primary tier's clock
+
+Both host-tier managers count what the host tier does (`host_report.HostReport`:
+the stats line and kvswap's counters on vLLM's /metrics) and keep a request that
+offers more chunks than the whole tier from storing nothing: its first chunks are
+offered (a prefix is found from its head), with one warning.
 """
 
 from __future__ import annotations
@@ -36,31 +41,90 @@ from kvswap.data.pinned import PinnedBuffer
 from kvswap.data.shared_file import SharedFile
 from kvswap.integrations.vllm.cache_policy import KvswapCachePolicy
 from kvswap.integrations.vllm.host_file import SCHEDULER
+from kvswap.integrations.vllm.host_report import HostReport
 
 
 class StepClock:
-    """Counts scheduler steps and moves the host tier's policy along with them."""
+    """Counts scheduler steps and moves the host tier's policy along with them; each
+    tick may write the stats line."""
 
-    def __init__(self, policy: KvswapCachePolicy) -> None:
+    def __init__(self, policy: KvswapCachePolicy, report: HostReport) -> None:
         self.policy = policy
+        self.report = report
         self.step = 0
 
     def tick(self) -> None:
         self.step += 1
         self.policy.advance(self.step)
+        self.report.counts.policy_failures = self.policy.num_failures
+        self.report.tick()
 
 
-class KvswapHostManager(CPUOffloadingManager):
+class _ReportingHostTier(CPUOffloadingManager):
+    """The counting and the whole-tier rule both host-tier managers share (module
+    docstring). Set up by `_report_to` after vLLM's own constructor."""
+
+    _policy: KvswapCachePolicy
+    _num_chunks: int
+    report: HostReport
+    clock: StepClock
+
+    def _report_to(self, policy: KvswapCachePolicy, report: HostReport) -> None:
+        # vLLM's factory passes a policy nothing but its capacity, so vLLM's constructor
+        # builds its default and the ranking replaces it before any chunk exists.
+        self._policy = policy
+        self.report = report
+        self.clock = StepClock(policy, report)
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        result = super().lookup(key, req_context)
+        self.report.counts.lookups += 1
+        self.report.counts.hits += result.name == "HIT"
+        return result
+
+    def prepare_load(self, keys: Collection[Any], req_context: Any) -> Any:
+        spec = super().prepare_load(keys, req_context)
+        self.report.counts.loads += len(keys)
+        return spec
+
+    def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+        offered = list(keys)
+        if len(offered) > self._num_chunks:
+            self.report.warn_small(len(offered))
+            self.report.counts.refused += len(offered) - self._num_chunks
+            offered = offered[: self._num_chunks]
+        output = super().prepare_store(offered, req_context)
+        counts = self.report.counts
+        if output is None:
+            counts.refused += sum(self._policy.get(key) is None for key in offered)
+        else:
+            counts.stores += len(output.keys_to_store)
+            counts.evictions += len(output.evicted_keys)
+        return output
+
+    def get_stats(self) -> Any:
+        """vLLM's own stats of the tier, with kvswap's counts added (`HostReport.take`)."""
+        stats = super().get_stats()
+        if stats is not None:
+            self.report.counts.policy_failures = self._policy.num_failures
+            self.report.take(stats.increase_counter)
+        return stats
+
+
+class KvswapHostManager(_ReportingHostTier):
     """vLLM's host-tier manager ranked by kvswap, with a step clock."""
 
     def __init__(
-        self, num_chunks: int, policy: KvswapCachePolicy, *, enable_events: bool, **extras: Any
+        self,
+        num_chunks: int,
+        policy: KvswapCachePolicy,
+        report: HostReport,
+        *,
+        enable_events: bool,
+        **extras: Any,
     ) -> None:
         super().__init__(num_chunks=num_chunks, enable_events=enable_events, **extras)
-        # vLLM's factory passes a policy nothing but its capacity, so the manager
-        # builds its default and the ranking replaces it before any chunk exists.
-        self._policy = policy
-        self.clock = StepClock(policy)
+        self._report_to(policy, report)
 
     def on_schedule_end(self, context: Any) -> None:
         super().on_schedule_end(context)
@@ -90,7 +154,7 @@ class SharedHostRows:
         self._buffer.close()
 
 
-class KvswapPrimaryTier(CPUPrimaryTierOffloadingManager):
+class KvswapPrimaryTier(_ReportingHostTier, CPUPrimaryTierOffloadingManager):
     """vLLM's primary (host) tier under secondary tiers, ranked by kvswap."""
 
     def __init__(
@@ -98,6 +162,7 @@ class KvswapPrimaryTier(CPUPrimaryTierOffloadingManager):
         num_chunks: int,
         rows: SharedHostRows,
         policy: KvswapCachePolicy,
+        report: HostReport,
         *,
         enable_events: bool,
         **extras: Any,
@@ -105,8 +170,7 @@ class KvswapPrimaryTier(CPUPrimaryTierOffloadingManager):
         super().__init__(
             num_chunks=num_chunks, mmap_region=rows, enable_events=enable_events, **extras
         )
-        self._policy = policy  # as in KvswapHostManager
-        self.clock = StepClock(policy)
+        self._report_to(policy, report)
         # vLLM completes a promotion through this alias of complete_store.
         self.complete_write = self._complete_promotion
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from kvswap.data.remote_url import parse_remote_url
 from kvswap.errors import KvSwapError
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
 from kvswap.integrations.vllm.host_file import (
@@ -31,6 +32,7 @@ from kvswap.integrations.vllm.host_file import (
     refusing_a_shared_engine_id,
     sweep_host_files,
 )
+from kvswap.integrations.vllm.host_report import HostReport, metric_definitions
 from kvswap.integrations.vllm.manager import (
     KvswapHostManager,
     KvswapPrimaryTier,
@@ -40,6 +42,7 @@ from kvswap.integrations.vllm.manager import (
 from kvswap.integrations.vllm.settings import SOURCE, adapter_settings
 from kvswap.integrations.vllm.tiers import build_secondary_tiers
 from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
+from kvswap.units import format_bytes
 
 
 class KvswapOffloadingSpec(CPUOffloadingSpec):
@@ -49,14 +52,17 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         """vLLM's metrics for what this spec builds: with secondary tiers, its tiering
         manager's too (vLLM refuses to record a metric its spec did not declare)."""
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+        kvswap = metric_definitions(OffloadingCounterMetadata)
         if adapter_settings(extra_config).has_secondary_tiers:
             from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
             definitions: dict[str, Any] = TieringOffloadingSpec.build_metric_definitions(
                 extra_config
             )
-            return definitions
-        return dict(super().build_metric_definitions(extra_config))
+            return {**definitions, **kvswap}
+        return {**super().build_metric_definitions(extra_config), **kvswap}
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)  # vLLM's sizing: num_chunks, cpu_page_size_per_worker
@@ -119,6 +125,11 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
 
     def _build_manager(self) -> Any:
         settings = self.settings
+        tiers: list[Any] = []
+        report = HostReport(
+            self.num_chunks, self.kv_bytes_per_chunk,
+            tiers=lambda: [(tier.tier_type, tier.counters()) for tier in tiers],
+        )  # fmt: skip
         policy = KvswapCachePolicy(
             self.num_chunks,
             HostRanking(
@@ -132,18 +143,43 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         extras = {"info": self.cpu_info} if hasattr(self, "cpu_info") else {}
         path = self._swept_shared_path()
         if path is None:
-            return KvswapHostManager(self.num_chunks, policy, enable_events=enable_events, **extras)
+            report.log_start(self._ranking_text(), ())
+            return KvswapHostManager(
+                self.num_chunks, policy, report, enable_events=enable_events, **extras
+            )
         with refusing_a_shared_engine_id(self.config.engine_id):
             rows = SharedHostRows(path, self.num_chunks, self.row_bytes)
         try:
             primary = KvswapPrimaryTier(
-                self.num_chunks, rows, policy, enable_events=enable_events, **extras
+                self.num_chunks, rows, policy, report, enable_events=enable_events, **extras
             )
-            tiers = build_secondary_tiers(self, primary.get_kv_memoryview(), policy.copied_below)
+            tiers += build_secondary_tiers(self, primary.get_kv_memoryview(), policy.copied_below)
         except BaseException:
             rows.cleanup()
             raise
+        report.log_start(self._ranking_text(), self._tiers_below_text())
         return KvswapTieringManager(primary_tier=primary, secondary_tiers=tiers)
+
+    def _ranking_text(self) -> str:
+        """How the host tier is ranked, for the start-up line."""
+        settings = self.settings
+        return (
+            f"policy {settings.policy.gpu_eviction_policy}, sinks "
+            f"{settings.protected_sink_blocks} chunks, residency "
+            f"{settings.policy.min_residency_steps} steps"
+        )
+
+    def _tiers_below_text(self) -> list[str]:
+        """The secondary tiers, for the start-up line (a store's password masked)."""
+        below = []
+        if (nvme := self.settings.nvme) is not None:
+            below.append(
+                f"NVMe {nvme.directory} {format_bytes(nvme.capacity_bytes)} "
+                f"(policy {nvme.eviction_policy})"
+            )
+        if (remote := self.settings.remote) is not None:
+            below.append(f"store {parse_remote_url(remote.url).shown}")
+        return below
 
     def _check_size(self) -> None:
         if self.num_chunks < 1:

@@ -1,0 +1,175 @@
+"""What kvswap says inside vLLM: a start-up line, a stats line, and counters on /metrics.
+
+The lines go to the logger `vllm.kvswap`, a child of vLLM's own: they appear in
+vLLM's log with its format and level (`VLLM_LOGGING_LEVEL`), beside vLLM's lines.
+
+    start-up   kvswap 0.1.0 inside vLLM: host tier 512 chunks x 64 KiB = 32.0 MiB (policy
+               kvswap, sinks 8 chunks, residency 64 steps); NVMe /mnt/nvme 1.0 GiB ...
+    stats      every `stats_interval_s()` while something changed: host-tier hits, loads,
+               stores, refused stores, evictions, and each secondary tier's counts
+    /metrics   the same counts as vLLM counters (`vllm:kvswap_host_*_total`), through
+               vLLM's own path: the spec declares them (`metric_definitions`), the
+               manager's `get_stats` hands the increments over (`HostReport.take`)
+
+And one warning, once: a request offered more chunks than the host tier holds (it
+keeps the request's first chunks, so the tiers below still get them; a larger
+`cpu_bytes_to_use` keeps all of them). vLLM-free: the counters are written into the
+stats object vLLM hands over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from kvswap.units import format_bytes
+
+#: Under vLLM's logger: its handler, format and level.
+LOGGER = logging.getLogger("vllm.kvswap")
+#: vLLM's own stats interval, and its environment variable (vllm/envs.py).
+STATS_INTERVAL_S = 10.0
+STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
+
+
+def stats_interval_s() -> float:
+    """How often the stats line may be written: as often as vLLM writes its own."""
+    try:
+        return float(os.environ.get(STATS_INTERVAL_ENV, STATS_INTERVAL_S))
+    except ValueError:  # vLLM refuses such a value itself at start
+        return STATS_INTERVAL_S
+
+
+@dataclass
+class HostCounts:
+    """The host tier's counts since start, in chunks (vLLM's offloaded unit)."""
+
+    lookups: int = 0  # chunks looked up (a prefix lookup asks chunk by chunk)
+    hits: int = 0  # of those, found ready in the host tier
+    loads: int = 0  # chunks loaded from the host tier to the device
+    stores: int = 0  # chunks the host tier took (from the device or a tier below)
+    refused: int = 0  # chunks offered but not taken: no room, or the policy failed
+    evictions: int = 0  # chunks dropped to make room
+    policy_failures: int = 0  # calls the ranking policy raised in (it is then replaced)
+
+
+#: Each count as a vLLM counter: name and documentation.
+METRICS: dict[str, tuple[str, str]] = {
+    "lookups": ("vllm:kvswap_host_lookups", "Chunks looked up in kvswap's host tier."),
+    "hits": ("vllm:kvswap_host_hits", "Chunks found ready in kvswap's host tier."),
+    "loads": ("vllm:kvswap_host_loads", "Chunks loaded from kvswap's host tier to the device."),
+    "stores": ("vllm:kvswap_host_stores", "Chunks kvswap's host tier took."),
+    "refused": (
+        "vllm:kvswap_host_refused_stores",
+        "Chunks offered to kvswap's host tier and not taken (no room, or a failed policy).",
+    ),
+    "evictions": ("vllm:kvswap_host_evictions", "Chunks kvswap's host tier dropped for room."),
+    "policy_failures": (
+        "vllm:kvswap_host_policy_failures",
+        "Calls kvswap's host-tier policy raised in; the policy is then replaced by LRU.",
+    ),
+}
+assert set(METRICS) == {field.name for field in dataclasses.fields(HostCounts)}
+
+
+def metric_definitions(counter_metadata: Callable[..., Any]) -> dict[str, Any]:
+    """vLLM's metric definitions of the counts (`OffloadingCounterMetadata`, passed in)."""
+    return {name: counter_metadata(documentation=doc) for name, doc in METRICS.values()}
+
+
+def kvswap_version() -> str:
+    try:
+        return version("kvswap")
+    except PackageNotFoundError:  # run from a source tree
+        return "(source tree)"
+
+
+class HostReport:
+    """The host tier's counts, its start-up line and its periodic stats line."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        chunk_bytes: int,
+        *,
+        tiers: Callable[[], Sequence[tuple[str, Mapping[str, int]]]] = lambda: (),
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float | None = None,
+    ) -> None:
+        """`tiers`: each secondary tier's name and counts, asked when a line is written."""
+        self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
+        self.counts = HostCounts()
+        self._tiers = tiers
+        self._clock = clock
+        self._interval_s = stats_interval_s() if interval_s is None else interval_s
+        self._last_line_s = clock()
+        self._logged = HostCounts()  # as of the last stats line
+        self._taken = HostCounts()  # as of the last `take`
+        self._warned_small = False
+
+    # --- the lines ----------------------------------------------------------------------
+
+    def start_line(self, ranking: str, below: Sequence[str]) -> str:
+        """The start-up line: version, host tier size, its ranking, the tiers below."""
+        size = format_bytes(self.num_chunks * self.chunk_bytes)
+        parts = [
+            f"kvswap {kvswap_version()} inside vLLM: host tier {self.num_chunks} chunks x "
+            f"{format_bytes(self.chunk_bytes)} = {size} ({ranking})",
+            *below,
+        ]
+        return "; ".join(parts)
+
+    def log_start(self, ranking: str, below: Sequence[str]) -> None:
+        LOGGER.info(self.start_line(ranking, below))
+
+    def tick(self) -> None:
+        """A scheduler step ended: write the stats line if it is due and anything moved."""
+        now_s = self._clock()
+        if now_s - self._last_line_s < self._interval_s or self.counts == self._logged:
+            return
+        self._last_line_s = now_s
+        LOGGER.info(self.stats_line())
+        self._logged = dataclasses.replace(self.counts)
+
+    def stats_line(self) -> str:
+        c = self.counts
+        hit_rate = f" ({c.hits / c.lookups:.0%})" if c.lookups else ""
+        line = (
+            f"kvswap host tier: {c.hits} of {c.lookups} chunks looked up hit{hit_rate}, "
+            f"{c.loads} loaded, {c.stores} stored, {c.refused} refused, {c.evictions} evicted"
+        )
+        if c.policy_failures:
+            line += f", policy failed {c.policy_failures} times"
+        for name, counts in self._tiers():
+            shown = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+            line += f"; {name}: {shown or 'idle'}"
+        return line
+
+    def warn_small(self, num_offered: int) -> None:
+        """Once: a request offered more chunks than the whole host tier."""
+        if self._warned_small:
+            return
+        self._warned_small = True
+        LOGGER.warning(
+            "kvswap: a request offered %d chunks to a host tier of %d chunks (%s); it keeps "
+            "the request's first %d, and the tiers below get only those. Raise "
+            "cpu_bytes_to_use to at least %d to keep whole requests.",
+            num_offered, self.num_chunks, format_bytes(self.num_chunks * self.chunk_bytes),
+            self.num_chunks, num_offered * self.chunk_bytes,
+        )  # fmt: skip
+
+    # --- /metrics -----------------------------------------------------------------------
+
+    def take(self, increase_counter: Callable[[str, int], None]) -> None:
+        """Hand vLLM the increments since the last call (`increase_counter(name, n)`)."""
+        for field in dataclasses.fields(HostCounts):
+            delta = getattr(self.counts, field.name) - getattr(self._taken, field.name)
+            if delta:
+                increase_counter(METRICS[field.name][0], delta)
+        self._taken = dataclasses.replace(self.counts)
