@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from kvswap import __version__
 from kvswap.commands import bench as bench_command
+from kvswap.commands import checkpoint as checkpoint_command
 from kvswap.commands import generate as generate_command
 from kvswap.commands import loadgen as loadgen_command
 from kvswap.commands import plan as plan_command
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_command.register(commands)
     tune_command.register(commands)
     loadgen_command.register(commands)
+    checkpoint_command.register(commands)
     return parser
 
 

@@ -345,3 +345,23 @@ def test_only_the_adapter_package_imports_vllm() -> None:
         "integrations/vllm/tiers.py",
         "integrations/vllm/worker.py",
     ]
+
+
+def test_a_host_tier_that_does_not_fit_names_vllm_s_own_reservation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 31, item 6: on vLLM's CPU backend its own KV cache is host memory (92 % of
+    RAM by default): a host tier that does not fit says so, instead of blaming itself."""
+    from kvswap.host_memory import HostMemory
+    from kvswap.integrations.vllm import pages
+
+    monkeypatch.setattr(pages, "host_memory", lambda: HostMemory(1 << 30, "MemAvailable"))
+    device = VllmDevicePages([torch.zeros(8, 4096, dtype=torch.uint8) for _ in range(2)])
+    pages.check_host_room(512 << 20, device)  # fits: nothing said
+    with pytest.raises(KvSwapError) as refused:
+        pages.check_host_room(4 << 30, device)
+    message = str(refused.value)
+    assert "\n" not in message and "cpu_bytes_to_use asks 4.00 GiB" in message
+    assert "only 1.00 GiB of host memory is available (limited by MemAvailable)" in message
+    assert "vLLM's own KV cache already holds" in message
+    assert "lower --gpu-memory-utilization" in message

@@ -26,6 +26,9 @@ import torch
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.layout import KVLayout
 from kvswap.errors import KvSwapError
+from kvswap.host_memory import host_memory
+from kvswap.integrations.vllm.settings import SOURCE
+from kvswap.units import format_bytes
 
 
 class VllmDevicePages(DevicePool):
@@ -129,3 +132,25 @@ class PageMap:
                 host_slot = chunk * self.pages_per_chunk + tensor * bpc + sub_block
                 pairs.append((device_slot, host_slot))
         return pairs
+
+
+def check_host_room(tier_bytes: int, device: VllmDevicePages) -> None:
+    """The host tier must fit the host memory left; if it does not, say what holds it.
+    On vLLM's CPU backend its own KV cache (the "device" pool) is host memory too,
+    sized by --gpu-memory-utilization as a share of RAM: often the real culprit."""
+    memory = host_memory()
+    if tier_bytes <= memory.available_bytes:
+        return
+    holder = "lower cpu_bytes_to_use"
+    if not device.is_cuda:
+        holder = (
+            f"vLLM's own KV cache already holds {format_bytes(device.configured_bytes)} of "
+            "host memory on the CPU backend (--gpu-memory-utilization is a share of RAM "
+            "there, 0.92 by default): lower --gpu-memory-utilization (the README uses 0.1), "
+            "or lower cpu_bytes_to_use"
+        )
+    raise KvSwapError(
+        f"{SOURCE}: cpu_bytes_to_use asks {format_bytes(tier_bytes)} for kvswap's host tier, "
+        f"but only {format_bytes(memory.available_bytes)} of host memory is available "
+        f"(limited by {memory.limit}): {holder}"
+    )

@@ -30,7 +30,7 @@ from kvswap.data.host_pool import HostPool
 from kvswap.data.shared_file import SharedFile
 from kvswap.errors import KvSwapError
 from kvswap.integrations.vllm.host_file import WORKER
-from kvswap.integrations.vllm.pages import PageMap, VllmDevicePages
+from kvswap.integrations.vllm.pages import PageMap, VllmDevicePages, check_host_room
 from kvswap.integrations.vllm.settings import AdapterSettings
 from kvswap.integrations.vllm.transfers import PagedTransfers, TransferCounts
 
@@ -66,6 +66,7 @@ class KvswapOffloadingWorker(OffloadingWorker):
                 f"a host chunk of {self._map.pages_per_chunk} pages x {self._device.page_bytes} "
                 f"bytes is {chunk_bytes} bytes, but the spec sized rows of {row_bytes} bytes"
             )
+        check_host_room(num_chunks * row_bytes, self._device)
         shared = None if shared_path is None else SharedFile(shared_path, WORKER)
         self._host = HostPool(
             self._device.layout, num_chunks * self._map.pages_per_chunk, shared=shared
@@ -139,3 +140,4 @@ class KvswapOffloadingWorker(OffloadingWorker):
             int(first_block_index),
             [int(chunk) for chunk in host_spec.block_ids],
         )
+
