@@ -34,6 +34,7 @@ from pydantic import (
 
 from kvswap.config_capacities import TierCapacities, tier_blocks, validate_capacities
 from kvswap.config_sources import read_toml, source_values
+from kvswap.data.remote_format import namespace_problem
 from kvswap.data.remote_url import REMOTE_URL_SCHEMES
 from kvswap.errors import ConfigError
 from kvswap.redact import redact_url
@@ -187,6 +188,14 @@ class TiersSection(_Section):
             raise ValueError("an empty path is not a directory; name the slab's directory")
         if value is not None and "\0" in value:
             raise ValueError("a path cannot contain a NUL byte; name the slab's directory")
+        return value
+
+    @field_validator("remote_namespace")
+    @classmethod
+    def _a_key_prefix(cls, value: str | None) -> str | None:
+        # Here, not only where a store is built: the simulator and vLLM's tier take it alone.
+        if value is not None and (problem := namespace_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("remote_url")

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvswap.control.identity import MAX_CACHE_SALT_CHARS
 from tests.integration.test_serve_end_to_end import server
 
 #: The client statuses a request may get; anything else (500, 503) is a server failure.
@@ -98,6 +99,10 @@ ODD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), ODD),
     "response_format": st.one_of(st.fixed_dictionaries({"type": TEXT}), ODD),
     "echo": ODD,
+    # Past the engine's limit, and text no UTF-8 encodes: both once stopped its thread.
+    "cache_salt": st.one_of(st.text(min_size=MAX_CACHE_SALT_CHARS - 4,
+                                    max_size=MAX_CACHE_SALT_CHARS + 40),
+                            st.sampled_from(["\ud800", "tenant\udcff"])),
 }  # fmt: skip
 FIELDS = sorted(
     {*VALID, *ODD_VALUES, *COMPLETION_ONLY, *COMPLETION_OPTIONAL, *CHAT_ONLY, *CHAT_OPTIONAL}
@@ -141,6 +146,18 @@ def check_answer(response: httpx.Response, streamed: bool) -> None:
         assert events[-1] == "data: [DONE]"
         for event in events[:-1]:
             assert "error" not in json.loads(event[len("data: ") :]), event
+
+
+def test_a_salt_the_engine_would_refuse_is_refused_at_the_edge(http: httpx.Client) -> None:
+    """Issue 30: a salt past MAX_CACHE_SALT_CHARS (or not valid Unicode) passed the HTTP
+    model and raised in the engine thread, which stopped: every later request got 503."""
+    for salt in ("x" * (MAX_CACHE_SALT_CHARS + 1), "\u00e9" * 300, "a\udcff"):
+        body = {"prompt": "hi", "max_tokens": 2, "cache_salt": salt}
+        answer = http.post("/v1/completions", content=json.dumps(body), headers=JSON_HEADERS)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "cache_salt"
+        assert http.get("/health").status_code == 200
+    good = {**GOOD, "cache_salt": "x" * MAX_CACHE_SALT_CHARS}
+    assert http.post("/v1/completions", json=good).status_code == 200
 
 
 @settings(

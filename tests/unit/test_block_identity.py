@@ -210,6 +210,8 @@ def test_bad_namespace_salt_and_request_values_are_one_line_errors() -> None:
         KeyNamespace("m", 0)
     with pytest.raises(KvSwapError, match="cache_salt"):
         KeyNamespace("m", 16).root_key("x" * 257)
+    with pytest.raises(KvSwapError, match="cache_salt: a lone surrogate at character 1"):
+        KeyNamespace("m", 16).root_key("a\udcff")  # not UnicodeEncodeError's traceback
     with pytest.raises(KvSwapError, match="namespace block_tokens = 8"):
         make_store(KeyNamespace("m", 8), block_tokens=4)
     with pytest.raises(KvSwapError, match="request 0: cache_salt"):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvswap.cli import build_parser
+from kvswap.commands import serve as serve_command
 from kvswap.commands.engine_flags import dtype_flag, model_flag
 from kvswap.config import load_config
 from kvswap.engine import device_tier
@@ -18,7 +19,7 @@ from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import HostMemory
 
-from .cli_checks import cli, one_error_line
+from .cli_checks import cli, forbid, one_error_line
 
 TINY: dict[str, object] = {
     "kv_block_tokens": 8, "cpu_kv_capacity_blocks": 16, "protected_sink_blocks": 1,
@@ -64,8 +65,9 @@ def test_every_flag_has_a_help_line() -> None:
 
 
 def test_vllm_flags_with_no_meaning_here_say_so_in_one_line(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    forbid(monkeypatch, serve_command, "_serve_on")  # every one is refused before serving
     code, _, err = cli(capsys, "serve", "tiny", "--swap-space", "4")
     assert code == 2 and "--cpu-kv-capacity-bytes" in one_error_line(err)
     code, _, err = cli(capsys, "serve", "tiny", "--no-enable-prefix-caching")
@@ -76,6 +78,11 @@ def test_vllm_flags_with_no_meaning_here_say_so_in_one_line(
     assert code == 2 and "0 < F <= 1" in one_error_line(err)
     code, _, err = cli(capsys, "serve", "tiny", "--max-model-len", "0")
     assert code == 2 and "--max-model-len 0" in one_error_line(err)
+    # One token of context: the server would start, then refuse every request.
+    code, _, err = cli(capsys, "serve", "tiny", "--max-model-len", "1")
+    line = one_error_line(err)
+    assert code == 2 and "at least one prompt token and one new token" in line
+    assert "allowed: 2 or more" in line
 
 
 def test_harmless_vllm_flags_are_a_note_and_change_nothing(
@@ -97,8 +104,10 @@ def test_max_model_len_bounds_a_request_as_vllm_does() -> None:
     settings = engine_settings(config, EngineOptions("tiny", max_model_len=100))
     assert settings.control.scheduler.max_sequence_tokens == 100
     positions = settings.arch.max_position_tokens
-    with pytest.raises(KvSwapError, match=f"maximum position is {positions} tokens"):
+    with pytest.raises(KvSwapError, match=f"within the maximum position {positions}"):
         engine_settings(config, EngineOptions("tiny", max_model_len=positions + 1))
+    with pytest.raises(KvSwapError, match=f"allowed: 2..{positions}"):  # the Python API too
+        engine_settings(config, EngineOptions("tiny", max_model_len=1))
 
 
 def test_gpu_memory_utilization_sizes_the_device_tier_from_the_memory_less_the_weights(
@@ -130,6 +139,34 @@ def test_generate_takes_text_through_the_tokenizer(capsys: pytest.CaptureFixture
     assert len(result["output_ids"]) == 3 and isinstance(result["text"], str)
     code, _, err = cli(capsys, "generate", "tiny", "--prompt", "  ")
     assert code == 2 and "--prompt is empty" in one_error_line(err)
+    # $'\xff\xfe' as CPython hands it over (surrogateescape): the byte, not the tokenizer's words.
+    code, _, err = cli(capsys, "generate", "tiny", "--prompt", "ok \udcff\udcfe")
+    line = one_error_line(err)
+    assert code == 2 and line.endswith("--prompt: not valid UTF-8 (byte 0xff at byte 3); "
+                                       "allowed: UTF-8 text")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--host", "a..b"), "--host a..b: not an address of this machine (encoding with 'idna'"),
+        (("--host", "h" * 64), "not an address of this machine"),
+        (("--host", "\udcff"), "--host: not valid UTF-8 (byte 0xff at byte 0)"),
+        (("--served-model-name", "m\udcff"), "--served-model-name: not valid UTF-8 (byte 0xff"),
+        (("--api-key", "\u00e9t\u00e9"), "--api-key: character 'é' at 0 cannot be sent in an "
+         "HTTP header; allowed: printable ASCII characters"),
+        (("--api-key", "k\udcfe"), "--api-key: not valid UTF-8 (byte 0xfe at byte 1)"),
+    ],
+)  # fmt: skip
+def test_serve_text_flags_are_one_line_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...], needle: str,
+) -> None:  # fmt: skip
+    # Before: --host tracebacks (UnicodeError from the IDNA codec); a name or a key
+    # that no UTF-8 or HTTP header can carry started a server whose every answer was 500.
+    forbid(monkeypatch, serve_command, "_serve_on")
+    code, _, err = cli(capsys, "serve", "tiny", "--port", "0", *flags)
+    assert code == 2 and needle in one_error_line(err)
 
 
 def test_plan_bills_a_checkpoints_own_dtype_and_says_what_it_assumed(

@@ -180,3 +180,32 @@ def test_values_from_another_engine_s_dict_are_checked_as_a_file_s_and_name_it()
     with pytest.raises(ConfigError) as info:
         config_from_values({"min_residency_steps": -1}, "kv_connector_extra_config")
     assert str(info.value).startswith("min_residency_steps = -1 (from kv_connector_extra_config): ")
+
+
+@pytest.mark.parametrize("namespace", ["", " ", "team a", "x" * 201, "tab\there", "\udcff"])
+def test_a_bad_remote_namespace_is_refused_from_every_source_without_a_store(
+    tmp_path: Path, namespace: str
+) -> None:
+    # Issue 30: accepted while no remote_url was given (the simulator and vLLM's tier
+    # use it without one), and "" quietly fell back to the model's fingerprint.
+    path = tmp_path / "ns.toml"
+    path.write_text(f"[tiers]\nremote_namespace = {namespace!r}\n".replace("'", '"'))
+    flag = {"remote_namespace": namespace}
+    sources = {
+        "command line": lambda: load_config(None, environ={}, overrides=flag),
+        "environment": lambda: load_config(None, environ={"KVSWAP_REMOTE_NAMESPACE": namespace}),
+        str(path): lambda: load_config(path, environ={}),
+    }
+    for source, load in sources.items():
+        if source == "environment" and not namespace.strip():
+            continue  # a blank variable is an unset one (config_sources)
+        if source == str(path) and namespace == "\udcff":
+            continue  # TOML text is UTF-8: no lone surrogate there
+        with pytest.raises(ConfigError) as refused:
+            load()
+        assert str(refused.value).startswith("remote_namespace = ")
+        assert str(refused.value).endswith(
+            f"(from {source}): allowed: 1 to 200 printable characters without spaces"
+        )
+    good = load_config(None, environ={}, overrides={"remote_namespace": "team-a:v2"})
+    assert good.tiers.remote_namespace == "team-a:v2"

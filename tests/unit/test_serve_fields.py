@@ -13,7 +13,11 @@ import httpx
 import openai
 import pytest
 
+from kvswap.control.identity import MAX_CACHE_SALT_CHARS
 from kvswap.sampling import LogitsOptions
+from kvswap.serve.errors import ApiError
+from kvswap.serve.http_generation import MAX_RESPONSE_LOGPROBS, plan_generation
+from kvswap.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from kvswap.serve.tokenizer import TextCodec, builtin_codec
 
 from .serve_fakes import DEADLINE_S, FakeService, serving
@@ -176,6 +180,30 @@ REFUSED: list[tuple[str, dict[str, object], str, str]] = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "messages[0].content: part 0 has type 'input_audio'", "unsupported_parameter"),
     (COMPLETIONS, {"best_of": 2}, "best_of: unknown field", "unsupported_parameter"),
+    # Issue 30: what the engine would have refused in its thread, and Python's own words.
+    (COMPLETIONS, {"cache_salt": "x" * (MAX_CACHE_SALT_CHARS + 1)},
+     f"cache_salt: {MAX_CACHE_SALT_CHARS + 1} characters; allowed: 1 to {MAX_CACHE_SALT_CHARS}",
+     "invalid_value"),
+    (CHAT, {"cache_salt": "\u00e9" * 300}, "cache_salt: 300 characters; allowed: 1 to",
+     "invalid_value"),
+    (CHAT, {"cache_salt": ""}, "cache_salt: 0 characters; allowed: 1 to", "invalid_value"),
+    (COMPLETIONS, {"cache_salt": "t\ud800"}, "cache_salt: a lone surrogate (U+D800) at character "
+     "1 is not valid Unicode; allowed: text whose", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi \udcff"}, "prompt: a lone surrogate (U+DCFF) at character 3",
+     "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+     "messages[0].content: a lone surrogate (U+D83D) at character 0", "invalid_value"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "name": "\ude00"}]},
+     "messages[0].name: a lone surrogate (U+DE00)", "invalid_value"),
+    (COMPLETIONS, {"logit_bias": {"9" * 5000: 1}}, "logit_bias: token id 999999999999... (5000 "
+     "digits) is outside the vocabulary (0..1023)", "invalid_value"),
+    (COMPLETIONS, {"logit_bias": {"0" * 5000 + "1024": 1}}, "logit_bias: token id 1024 is "
+     "outside the vocabulary (0..1023)", "invalid_value"),
+    (COMPLETIONS, {"n": 128, "max_tokens": 100, "logprobs": 20},
+     f"n x max_tokens x (1 + logprobs) = 128 x 100 x 21 = 268,800 logprobs; allowed: at most "
+     f"{MAX_RESPONSE_LOGPROBS:,} per request", "invalid_value"),
+    (CHAT, {"n": 128, "max_completion_tokens": 100, "logprobs": True, "top_logprobs": 20},
+     "n x max_completion_tokens x (1 + top_logprobs) = 128 x 100 x 21", "invalid_value"),
 ]  # fmt: skip
 
 
@@ -191,6 +219,51 @@ def test_every_refusal_is_one_line_naming_its_field(service: FakeService, codec:
             assert error["code"] == code, (fields, error)
             assert "Traceback" not in response.text
     assert service.submitted == []  # every refusal came before the engine
+
+
+def test_values_at_the_edge_of_the_new_bounds_are_taken(
+    service: FakeService, codec: TextCodec
+) -> None:
+    salt = "\u00e9" * MAX_CACHE_SALT_CHARS
+    pair = r"\ud83d\ude00"  # a surrogate pair, JSON's escape of an emoji: one character
+    with serving(service, codec) as server, httpx.Client(base_url=server.url) as http:
+        for path in (COMPLETIONS, CHAT):
+            answer = http.post(path, json=body_for(path, cache_salt=salt, logit_bias={"01023": 1}))
+            assert answer.status_code == 200, answer.text
+        emoji = http.post(COMPLETIONS, content=f'{{"prompt": "{pair}", "max_tokens": 2}}')
+        assert emoji.status_code == 200, emoji.text
+    assert [sent.cache_salt for sent in service.submitted[:2]] == [salt, salt]
+    assert service.submitted[0].options is not None
+    assert service.submitted[0].options.logit_bias == ((1023, 1.0),)
+
+
+def test_the_logprobs_a_request_may_ask_for_are_bounded() -> None:
+    """n x tokens x (1 + top logprobs) up to MAX_RESPONSE_LOGPROBS, whatever the shape,
+    the default max_tokens included; without logprobs no bound but the context's."""
+    service = FakeService(max_model_tokens=MAX_RESPONSE_LOGPROBS + 8, max_prompt_tokens=8)
+
+    def plan(**fields: object) -> int:
+        chat = "messages" in fields
+        model = ChatCompletionRequest if chat else CompletionRequest
+        body = parse_body(model, json.dumps(fields if chat else {"prompt": [1], **fields}).encode())
+        planned = plan_generation(
+            (1,), body.sampling(), service, stop_token_ids=frozenset(), vocab_size=None,
+            max_tokens_field=body.max_tokens_field, logprobs_field=body.logprobs_field,
+        )  # fmt: skip
+        return planned.max_new_tokens
+
+    half = MAX_RESPONSE_LOGPROBS // 2
+    try:
+        assert plan(n=2, max_tokens=half, logprobs=0) == half
+        assert plan(max_tokens=MAX_RESPONSE_LOGPROBS // 21, logprobs=20) > 0
+        assert plan(n=128, max_tokens=MAX_RESPONSE_LOGPROBS) > 0  # no logprobs asked
+        with pytest.raises(ApiError, match=f"= 2 x {half + 1} x 1 = ") as refused:
+            plan(n=2, max_tokens=half + 1, logprobs=0)
+        assert refused.value.status == 400 and refused.value.param == "logprobs"
+        with pytest.raises(ApiError, match=r"n x max_tokens x \(1 \+ top_logprobs\)"):
+            plan(messages=USER, logprobs=True)  # chat's default: the rest of the context
+    finally:
+        service.close(0)
 
 
 def test_roles_and_contents_as_the_openai_api_takes_them(

@@ -342,7 +342,8 @@ def test_template_errors_are_one_line_and_the_sandbox_holds(
 
 def test_lone_surrogate_text_is_a_request_error(model_dir: Path) -> None:
     codec = codec_of(model_dir)
-    one_line_error(TextRequestError, lambda: codec.encode("bad \ud800 text"), "cannot be tokenized")
+    needle = "a lone surrogate (U+D800) at character 4 is not valid Unicode; allowed: "
+    one_line_error(TextRequestError, lambda: codec.encode("bad \ud800 text"), needle)
 
 
 # --- the built-in tokenizer of the presets ---------------------------------------------

@@ -19,6 +19,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from kvswap.engine.settings import check_model_len
 from kvswap.errors import KvSwapError
 from kvswap.model.choice import ENGINE_DTYPES
 from kvswap.model.dtypes import normalise_dtype
@@ -118,8 +119,8 @@ def check_vllm_arguments(args: argparse.Namespace) -> None:
             "(a block is found by the key of its tokens); use a per-request cache_salt to "
             "keep tenants apart"
         )
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise KvSwapError(f"--max-model-len {args.max_model_len}: allowed: an integer >= 1")
+    if args.max_model_len is not None:
+        check_model_len(args.max_model_len)
     utilization = args.gpu_memory_utilization
     if utilization is not None and not 0.0 < utilization <= 1.0:
         raise KvSwapError(f"--gpu-memory-utilization {utilization}: allowed: 0 < F <= 1")

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from kvswap.commands.argument_text import utf8_text
 from kvswap.commands.engine_flags import add_model_arguments, dtype_flag, model_flag
 from kvswap.commands.run import engine_model
 from kvswap.config import load_config
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     arch, _, _ = resolve_model(model_name, dtype)  # config only, no weights
     codec = None
     if args.prompt is not None:
-        if not args.prompt.strip():
+        if not utf8_text(args.prompt, "--prompt").strip():
             raise KvSwapError("--prompt is empty; give some text")
         codec = load_text(model_name, arch.vocab_size)
         if codec is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvswap.commands.argument_text import api_key_text
 from kvswap.commands.outputs import attempt_write, check_output_dir
 from kvswap.commands.run import add_workload_arguments, check_workload_arguments
 from kvswap.commands.run import workload_from_args as build_workload
@@ -116,7 +117,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    api_base(args.url)  # a malformed URL is one line before the workload is built
+    api_base(args.url)  # a malformed URL or key is one line before the workload is built
+    api_key(args)
     check_output_dir(args.report, "--report")
     workload = build_workload(args, VOCAB_SIZE)
     show = not (args.quiet or args.json)
@@ -153,13 +155,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KVSWAP_API_KEY; None for neither (or an empty one)."""
+    source = "--api-key" if args.api_key is not None else API_KEY_VARIABLE
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    return api_key_text(key, source) if key else None
+
+
 async def _load_test(
     args: argparse.Namespace, workload: Workload, bar: ProgressBar, show: bool
 ) -> tuple[str, Calibration, ReplayOutcome]:
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
     async with OpenAIClient(
-        args.url, api_key=api_key, timeout_s=args.timeout_s, max_connections=args.max_concurrency
-    ) as client:
+        args.url, api_key=api_key(args), timeout_s=args.timeout_s,
+        max_connections=args.max_concurrency,
+    ) as client:  # fmt: skip
         model = _pick_model(args.model, await client.served_models(), client.shown_url)
         settings = ReplaySettings(
             model=model,

@@ -18,6 +18,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvswap.commands.argument_text import api_key_text, utf8_text
 from kvswap.commands.common import add_config_arguments, config_from_args
 from kvswap.commands.engine_flags import (
     add_model_arguments,
@@ -121,6 +122,7 @@ def register(commands: Any) -> None:
 
 def check_server_arguments(args: argparse.Namespace) -> None:
     """The flags no other reader checks, before a port is bound or a weight loaded."""
+    utf8_text(args.host, "--host")
     if not 0 <= args.port <= MAX_PORT:
         raise KvSwapError(f"--port {args.port}: allowed: 0..{MAX_PORT} (0: any free port)")
     for flag, value in (
@@ -141,16 +143,17 @@ def check_server_arguments(args: argparse.Namespace) -> None:
     interval_s = args.log_stats_interval_s
     if not math.isfinite(interval_s) or interval_s <= 0:
         raise KvSwapError(f"--log-stats-interval-s {interval_s}: allowed: a number > 0")
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    name = args.served_model_name
+    if name is not None and not utf8_text(name, "--served-model-name").strip():
         raise KvSwapError("--served-model-name: empty; allowed: any non-empty name")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
     key: str | None = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    source = "--api-key" if args.api_key is not None else API_KEY_VARIABLE
     if key is not None and not key.strip():
-        source = "--api-key" if args.api_key is not None else API_KEY_VARIABLE
         raise KvSwapError(f"{source}: empty; give a key, or leave it unset to serve without one")
-    return key
+    return None if key is None else api_key_text(key, source)
 
 
 def serve(args: argparse.Namespace) -> int:

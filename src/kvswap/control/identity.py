@@ -131,6 +131,13 @@ def check_cache_salt(cache_salt: object) -> str | None:
             f"cache_salt = {cache_salt!r:.60}; allowed: None or a string of at most "
             f"{MAX_CACHE_SALT_CHARS} characters"
         )
+    try:
+        cache_salt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise KvSwapError(
+            f"cache_salt: a lone surrogate at character {error.start} is not text; allowed: "
+            "valid Unicode"
+        ) from None
     return cache_salt
 
 

@@ -97,17 +97,23 @@ def key_digest(store_key: bytes) -> bytes:
     ).digest()
 
 
-def check_namespace(namespace: str) -> str:
-    """`namespace` if usable as a key prefix: printable, no spaces, 1..200 characters."""
+def namespace_problem(namespace: object) -> str | None:
+    """Why `namespace` is no usable key prefix (printable, no spaces, 1..200 characters),
+    or None: the one rule, for the store and for the configuration that names it."""
     if (
         not isinstance(namespace, str)
         or not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS
         or any(char.isspace() or not char.isprintable() for char in namespace)
     ):
-        raise ConfigError(
-            f"remote_namespace {namespace!r:.80}: allowed: 1 to {MAX_NAMESPACE_CHARS} printable "
-            "characters without spaces"
-        )
+        return f"allowed: 1 to {MAX_NAMESPACE_CHARS} printable characters without spaces"
+    return None
+
+
+def check_namespace(namespace: str) -> str:
+    """`namespace` if usable as a key prefix (`namespace_problem`)."""
+    problem = namespace_problem(namespace)
+    if problem is not None:
+        raise ConfigError(f"remote_namespace {namespace!r:.80}: {problem}")
     return namespace
 
 

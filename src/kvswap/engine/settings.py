@@ -37,6 +37,25 @@ if TYPE_CHECKING:
     from kvswap.data.remote_copy import TierFactory
 
 
+#: The shortest useful context: one prompt token and one generated token. Below it a
+#: server would start, then refuse every request.
+MIN_MODEL_LEN_TOKENS = 2
+
+
+def check_model_len(max_model_len: int, max_positions: int | None = None) -> None:
+    """`--max-model-len` (vLLM's name): a request's prompt + output at most, within the
+    model's maximum position (None: not known yet, as when the flags are first read)."""
+    top = "" if max_positions is None else f"..{max_positions}"
+    if max_model_len < MIN_MODEL_LEN_TOKENS or (
+        max_positions is not None and max_model_len > max_positions
+    ):
+        known = "" if max_positions is None else f", within the maximum position {max_positions}"
+        raise KvSwapError(
+            f"--max-model-len {max_model_len}: a request needs at least one prompt token and "
+            f"one new token{known}; allowed: {MIN_MODEL_LEN_TOKENS}{top or ' or more'}"
+        )
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """What a command says beyond the configuration: the model (a preset's name or a
@@ -103,11 +122,7 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
     capacities = _capacities(config, options, arch, layout.block_bytes)
     max_sequence_tokens = arch.max_position_tokens
     if options.max_model_len is not None:
-        if options.max_model_len > arch.max_position_tokens:
-            raise KvSwapError(
-                f"--max-model-len {options.max_model_len}: the model's maximum position is "
-                f"{arch.max_position_tokens} tokens; allowed: 1..{arch.max_position_tokens}"
-            )
+        check_model_len(options.max_model_len, arch.max_position_tokens)
         max_sequence_tokens = options.max_model_len
     identity = kvswap_identity(
         arch, weights_identity(options.model, preset_seed=PRESET_SEED),

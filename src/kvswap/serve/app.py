@@ -192,8 +192,9 @@ class _Api:
     async def _parse(self, model: type[Body], request: Request) -> Body:
         raw = await self._body(request)
         if len(raw) <= INLINE_PARSE_BYTES:
-            return parse_body(model, raw)
-        return await asyncio.to_thread(parse_body, model, raw)  # a long prompt: off the loop
+            return parse_body(model, raw, vocab_size=self.vocab_size)
+        # A long prompt: parsed off the loop.
+        return await asyncio.to_thread(parse_body, model, raw, vocab_size=self.vocab_size)
 
     async def _body(self, request: Request) -> bytes:
         """The raw body, refused (413) as soon as it passes the byte limit, and (408) when
@@ -279,6 +280,7 @@ class _Api:
         planned = plan_generation(
             prompt_ids, sampling, self.service, stop_token_ids=stop_ids,
             vocab_size=self.vocab_size, max_tokens_field=body.max_tokens_field,
+            logprobs_field=body.logprobs_field,
         )  # fmt: skip
         outputs = [
             OutputText(self.codec, prompt_ids, body.stop, min_tokens=sampling.min_tokens)

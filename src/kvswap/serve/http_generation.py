@@ -34,6 +34,12 @@ from kvswap.serve.service import (
 from kvswap.serve.text_errors import TextRequestError
 from kvswap.serve.tokenizer import TextCodec
 
+#: The most logprob values (sampled and alternatives: n x tokens x (1 + top)) one request
+#: may ask for. Each costs about 500 bytes of memory until the response is written (chat's
+#: JSON, measured on the fake engine) and 10 to 50 bytes of body: at the bound ~130 MB and
+#: 13 MB at most, where `n: 128, max_tokens: 2000, logprobs: 20` would be 5.4 M values.
+MAX_RESPONSE_LOGPROBS = 2**18
+
 
 def plan_generation(
     prompt_ids: tuple[int, ...],
@@ -43,10 +49,12 @@ def plan_generation(
     stop_token_ids: frozenset[int],
     vocab_size: int | None,
     max_tokens_field: str = "max_tokens",
+    logprobs_field: str = "logprobs",
 ) -> GenerationRequest:
     """The request to submit (its first choice), or an ApiError: an empty prompt or an id
     outside the vocabulary (400), a prompt over the limit (413), no room left for output
-    or `min_tokens` past it (400)."""
+    or `min_tokens` past it (400), logprobs past MAX_RESPONSE_LOGPROBS (400). The body's
+    logit_bias ids were checked against the vocabulary as it was parsed."""
     num_prompt = len(prompt_ids)
     if num_prompt == 0:
         raise ApiError(400, "prompt: empty; give at least one token", code="invalid_value",
@@ -57,12 +65,6 @@ def plan_generation(
             raise ApiError(
                 400, f"prompt: token id {outside} is outside the vocabulary (0..{vocab_size - 1})",
                 code="invalid_value", param="prompt",
-            )  # fmt: skip
-        biased = max(sampling.logit_bias, default=None)
-        if biased is not None and biased >= vocab_size:
-            raise ApiError(
-                400, f"logit_bias: token id {biased} is outside the vocabulary "
-                f"(0..{vocab_size - 1})", code="invalid_value", param="logit_bias",
             )  # fmt: skip
     if num_prompt > service.max_prompt_tokens:
         raise ApiError(
@@ -79,6 +81,7 @@ def plan_generation(
             code="context_length_exceeded",
             param=max_tokens_field if sampling.max_tokens is not None else "prompt",
         )
+    _check_logprobs_bound(sampling, max_new, max_tokens_field, logprobs_field)
     if sampling.min_tokens > max_new:
         raise ApiError(
             400, f"min_tokens = {sampling.min_tokens}: allowed: at most {max_tokens_field} "
@@ -106,6 +109,23 @@ def plan_generation(
         top_k=sampling.top_k,
         options=options,
     )
+
+
+def _check_logprobs_bound(
+    sampling: RequestSampling, max_new: int, max_tokens_field: str, logprobs_field: str
+) -> None:
+    """Refuse (400) a request whose logprobs would pass MAX_RESPONSE_LOGPROBS values: each
+    choice's every token holds them until its response is written."""
+    if sampling.num_logprobs is None:
+        return
+    num_values = sampling.n * max_new * (1 + sampling.num_logprobs)
+    if num_values > MAX_RESPONSE_LOGPROBS:
+        raise ApiError(
+            400, f"n x {max_tokens_field} x (1 + {logprobs_field}) = {sampling.n} x {max_new} x "
+            f"{1 + sampling.num_logprobs} = {num_values:,} logprobs; allowed: at most "
+            f"{MAX_RESPONSE_LOGPROBS:,} per request: ask for fewer choices, tokens or "
+            f"{logprobs_field}", code="invalid_value", param=logprobs_field,
+        )  # fmt: skip
 
 
 def _max_new_tokens(sampling: RequestSampling, room: int) -> int:

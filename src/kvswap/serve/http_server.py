@@ -65,7 +65,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
         listener = socket.socket(family, kind, proto)
-    except OSError as error:
+    except (OSError, UnicodeError) as error:  # UnicodeError: no IDNA name ("a..b", 64+ chars)
         raise _host_error(host, error) from None
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,8 +82,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _host_error(host: str, error: OSError) -> KvSwapError:
-    reason = error.strerror or str(error)
+def _host_error(host: str, error: OSError | UnicodeError) -> KvSwapError:
+    reason = (error.strerror if isinstance(error, OSError) else None) or str(error)
     return KvSwapError(
         f"--host {host}: not an address of this machine ({reason}); "
         "use 127.0.0.1 (the default), ::1 or one of this machine's addresses"

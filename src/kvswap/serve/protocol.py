@@ -13,7 +13,8 @@ field), where vLLM ignores them with a warning: an option this server does not
 implement (`best_of`, `min_p`, ...) would otherwise change nothing while the client
 believes it applied. Types are strict: `"5"` is not a number, `true` is not 1.
 Everything a body can get wrong is reported at once, one line, `; `-separated,
-each part naming its field (400, as the OpenAI API and vLLM answer; see kvswap.serve.errors).
+each part naming its field (kvswap.serve.body_errors). Text (a prompt, a message, a
+cache salt) must be valid Unicode: a lone surrogate escape ("\\ud800") is refused by name.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ from typing import Any, TypeVar
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
-from pydantic_core import PydanticCustomError
 
+from kvswap.control.identity import MAX_CACHE_SALT_CHARS
 from kvswap.errors import KvSwapError
 from kvswap.readers import parse_json
 from kvswap.sampling import (
@@ -47,24 +46,18 @@ from kvswap.sampling import (
     temperature_problem,
     top_p_problem,
 )
+from kvswap.serve.body_errors import invalid, unsupported, valid_text, validation_error
+from kvswap.serve.chat_message import ChatMessage, StrictBody
 from kvswap.serve.detokenize import MAX_STOP_STRINGS  # the OpenAI API's limit
 from kvswap.serve.errors import ApiError
 
-#: Error types that mean "this server does not do that"; every other is a bad value.
-UNSUPPORTED_ERROR_TYPES = frozenset({"extra_forbidden", "unsupported"})
-#: How the text parts of one message's content are joined (as vLLM and chat_template join).
-CONTENT_PART_SEPARATOR = "\n"
-#: Problems named in one error message; the rest are counted ("and N more"), so 100,000
-#: bad chat messages cost one short line, not megabytes.
-MAX_ERROR_PARTS = 5
 #: The most choices one request may ask for (`n`), as in the OpenAI API.
 MAX_CHOICES = 128
 #: Completions generate this many tokens when `max_tokens` is absent (OpenAI, vLLM);
 #: chat generates to the end of the context.
 DEFAULT_COMPLETION_TOKENS = 16
-#: The chat roles a text model takes (OpenAI's, less `tool` and `function`, which
-#: answer tool calls this server never makes).
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+#: logit_bias ids are below this where the vocabulary is unknown (no tokenizer, no model).
+MAX_TOKEN_ID_BOUND = 2**31
 _SAMPLING_RULE = {
     "temperature": temperature_problem,
     "top_p": top_p_problem,
@@ -74,17 +67,8 @@ _SAMPLING_RULE = {
     "repetition_penalty": repetition_penalty_problem,
     "min_tokens": min_tokens_problem,
 }
-_INPUT_SHOWN_CHARS = 40
 
 Model = TypeVar("Model", bound=BaseModel)
-
-
-def _unsupported(message: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported", message)
-
-
-def _invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError("invalid_value", message)
 
 
 def _token_ids(value: Any) -> tuple[int, ...] | None:
@@ -94,11 +78,17 @@ def _token_ids(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+def _bias_token_id(key: str, vocab_size: int) -> int:
+    """The token id a logit_bias key of decimal digits names, if below `vocab_size`. Its
+    length is checked first: int() refuses strings past 4,300 digits, with its own words."""
+    digits = key.lstrip("0") or "0"
+    if len(digits) > len(str(vocab_size)) or int(digits) >= vocab_size:
+        shown = digits if len(digits) <= 20 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise invalid(f"token id {shown} is outside the vocabulary (0..{vocab_size - 1})")
+    return int(digits)
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
@@ -123,7 +113,7 @@ class RequestSampling:
     num_logprobs: int | None = None  # None: no logprobs
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     """The fields both endpoints take."""
 
     model: str | None = None
@@ -143,7 +133,7 @@ class _Sampling(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: str | None = None
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None
 
@@ -154,9 +144,9 @@ class _Sampling(_Body):
             return ()
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise _invalid("expected a non-empty string or a list of non-empty strings")
+            raise invalid("expected a non-empty string or a list of non-empty strings")
         if len(stops) > MAX_STOP_STRINGS:
-            raise _invalid(f"{len(stops)} stop strings; allowed: at most {MAX_STOP_STRINGS}")
+            raise invalid(f"{len(stops)} stop strings; allowed: at most {MAX_STOP_STRINGS}")
         return tuple(stops)
 
     @field_validator(*_SAMPLING_RULE, mode="after")
@@ -166,7 +156,7 @@ class _Sampling(_Body):
             return None
         problem = _SAMPLING_RULE[str(info.field_name)](value)
         if problem is not None:
-            raise _invalid(problem)
+            raise invalid(problem)
         return value
 
     @field_validator("top_k", mode="after")
@@ -174,32 +164,45 @@ class _Sampling(_Body):
     def _top_k(cls, value: int | None) -> int | None:
         problem = None if value is None else api_top_k_problem(value)
         if problem is not None:
-            raise _invalid(problem)
+            raise invalid(problem)
         return value
 
     @field_validator("logit_bias", mode="plain")
     @classmethod
-    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
-        """{"token id": bias}: JSON keys are strings of decimal token ids."""
+    def _logit_bias(cls, value: Any, info: ValidationInfo) -> dict[int, float] | None:
+        """{"token id": bias}: JSON keys are strings of decimal token ids, each in the
+        vocabulary (parse_body's `vocab_size`; unknown: below MAX_TOKEN_ID_BOUND)."""
         if value is None:
             return None
         if not isinstance(value, dict):
-            raise _invalid('expected an object mapping token ids to biases, {"50256": -100}')
+            raise invalid('expected an object mapping token ids to biases, {"50256": -100}')
+        vocab_size = (info.context or {}).get("vocab_size") or MAX_TOKEN_ID_BOUND
         biases: dict[int, float] = {}
         for key, bias in value.items():
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-                raise _invalid(f"key {key!r}: expected a token id (a decimal integer >= 0)")
+                raise invalid(f"key {key!r}: expected a token id (a decimal integer >= 0)")
             problem = logit_bias_problem(bias)
             if problem is not None:
-                raise _invalid(f"[{key}] = {bias!r}: {problem}")
-            biases[int(key)] = float(bias)
+                raise invalid(f"[{key}] = {bias!r}: {problem}")
+            biases[_bias_token_id(key, vocab_size)] = float(bias)
         return biases
+
+    @field_validator("cache_salt", mode="after")
+    @classmethod
+    def _cache_salt(cls, value: str | None) -> str | None:
+        """The engine's rule (kvswap.control.identity), checked here: a salt it refuses
+        must never reach its thread."""
+        if value is None:
+            return None
+        if not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+            raise invalid(f"{len(value)} characters; allowed: 1 to {MAX_CACHE_SALT_CHARS}")
+        return valid_text(value)
 
     @field_validator("n", mode="after")
     @classmethod
     def _n(cls, value: int | None) -> int | None:
         if value is not None and not 1 <= value <= MAX_CHOICES:
-            raise _invalid(f"allowed: an integer in 1..{MAX_CHOICES}")
+            raise invalid(f"allowed: an integer in 1..{MAX_CHOICES}")
         return value
 
     @field_validator("response_format", mode="after")
@@ -209,11 +212,11 @@ class _Sampling(_Body):
             return value
         kind = value.get("type")
         if kind in ("json_object", "json_schema", "structural_tag"):
-            raise _unsupported(
+            raise unsupported(
                 f"type {kind!r}: structured output is not supported by this server; "
                 'allowed: {"type": "text"}'
             )
-        raise _invalid('allowed: {"type": "text"}, nothing else')
+        raise invalid('allowed: {"type": "text"}, nothing else')
 
     def sampling(self) -> RequestSampling:
         """The body's sampling as the generation is planned with."""
@@ -240,6 +243,11 @@ class _Sampling(_Body):
     def num_logprobs(self) -> int | None:
         """Alternatives per token asked for; None: no logprobs."""
         return None
+
+    @property
+    def logprobs_field(self) -> str:
+        """The field `num_logprobs` came from, for messages."""
+        return "logprobs"
 
     @property
     def default_max_tokens(self) -> int | None:
@@ -285,7 +293,7 @@ class CompletionRequest(_Sampling):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
             value = value[0]  # a batch of one: the only batch size this server takes
         if isinstance(value, str):
-            return value
+            return valid_text(value)
         ids = _token_ids(value)
         if ids is not None:
             return ids
@@ -294,8 +302,8 @@ class CompletionRequest(_Sampling):
             and len(value) > 1
             and all(isinstance(v, str) or _token_ids(v) is not None for v in value)
         ):
-            raise _unsupported(f"a batch of {len(value)} prompts; send one prompt per request")
-        raise _invalid(
+            raise unsupported(f"a batch of {len(value)} prompts; send one prompt per request")
+        raise invalid(
             "expected a string, a list of one string, a list of token ids (ints >= 0) "
             "or a list of one list of token ids"
         )
@@ -305,14 +313,14 @@ class CompletionRequest(_Sampling):
     def _logprobs(cls, value: int | None) -> int | None:
         problem = None if value is None else num_logprobs_problem(value)
         if problem is not None:
-            raise _invalid(problem)
+            raise invalid(problem)
         return value
 
     @field_validator("echo", mode="after")
     @classmethod
     def _echo(cls, value: bool | None) -> bool | None:
         if value:
-            raise _unsupported("the prompt is not repeated in the answer here; leave it false")
+            raise unsupported("the prompt is not repeated in the answer here; leave it false")
         return value
 
     @property
@@ -322,63 +330,6 @@ class CompletionRequest(_Sampling):
     @property
     def default_max_tokens(self) -> int | None:
         return DEFAULT_COMPLETION_TOKENS
-
-
-class ChatMessage(_Body):
-    """One chat turn: `role` (one of CHAT_ROLES), `content` (a string or text parts,
-    joined with a newline as vLLM joins them), `name`. Fields whose value is null are
-    dropped first, as transformers drops them (clients echo `"tool_calls": null` back in
-    assistant turns); `content` is then required, as the OpenAI API requires it of every
-    message without tool calls."""
-
-    role: str
-    content: str
-    name: str | None = None
-
-    @field_validator("role", mode="after")
-    @classmethod
-    def _role(cls, value: str) -> str:
-        if value in CHAT_ROLES:
-            return value
-        if value in ("tool", "function"):
-            raise _unsupported(
-                f"{value!r} messages answer tool calls, which this server never makes"
-            )
-        raise _invalid(f"allowed: {', '.join(CHAT_ROLES)}")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {key: item for key, item in value.items() if item is not None}
-        return value
-
-    @field_validator("content", mode="plain")
-    @classmethod
-    def _content(cls, value: Any) -> str:
-        """A string, or a list of text parts: the only content a text model reads."""
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise _invalid("expected a string or a list of {type: text, text} parts")
-        texts: list[str] = []
-        for index, part in enumerate(value):
-            if not isinstance(part, dict):
-                raise _invalid(f"part {index}: expected {{type: text, text: string}}")
-            kind = part.get("type")
-            if kind is not None and kind != "text":
-                raise _unsupported(f"part {index} has type {kind!r}: only text parts are read")
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise _invalid(f"part {index}: expected {{type: text, text: string}}")
-            texts.append(part["text"])
-        return CONTENT_PART_SEPARATOR.join(texts)
-
-    def to_template(self) -> dict[str, str]:
-        """The message as a chat template reads it."""
-        message = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -396,14 +347,14 @@ class ChatCompletionRequest(_Sampling):
     def _top_logprobs(cls, value: int | None) -> int | None:
         problem = None if value is None else num_logprobs_problem(value)
         if problem is not None:
-            raise _invalid(problem)
+            raise invalid(problem)
         return value
 
     @field_validator("tools", mode="after")
     @classmethod
     def _tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
-            raise _unsupported(
+            raise unsupported(
                 f"{len(value)} given; this server does not call tools; send none, or []"
             )
         return value
@@ -414,7 +365,7 @@ class ChatCompletionRequest(_Sampling):
         if value is None or value == "none":
             return value
         shown = repr(value) if isinstance(value, str) else "a named tool"
-        raise _unsupported(f"{shown} asks for a tool call, which this server never makes; "
+        raise unsupported(f"{shown} asks for a tool call, which this server never makes; "
                            "allowed: 'none'")  # fmt: skip
 
     def _check_combinations(self) -> None:
@@ -430,6 +381,10 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
+    def logprobs_field(self) -> str:
+        return "top_logprobs"
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer name) when given, else `max_tokens`."""
         if self.max_completion_tokens is not None:
@@ -441,9 +396,10 @@ class ChatCompletionRequest(_Sampling):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-def parse_body(model: type[Model], body: bytes) -> Model:
+def parse_body(model: type[Model], body: bytes, *, vocab_size: int | None = None) -> Model:
     """The body as `model`, or an ApiError (400) for what cannot be read, is not supported,
-    or holds a value of the wrong type or range; one line naming every field."""
+    or holds a value of the wrong type or range; one line naming every field. Token ids
+    in `logit_bias` are checked against `vocab_size` (None: unknown)."""
     try:
         value = parse_json(body, "request body")
     except KvSwapError as error:
@@ -454,47 +410,9 @@ def parse_body(model: type[Model], body: bytes) -> Model:
             code="invalid_json",
         )  # fmt: skip
     try:
-        parsed = model.model_validate(value)
+        parsed = model.model_validate(value, context={"vocab_size": vocab_size})
     except ValidationError as error:
         raise validation_error(model, error) from None
     if isinstance(parsed, _Sampling):
         parsed._check_combinations()
     return parsed
-
-
-def validation_error(model: type[BaseModel], error: ValidationError) -> ApiError:
-    """pydantic's errors as one ApiError: one `field: what` part per error."""
-    details = error.errors(include_url=False)
-    parts = [_describe(model, detail) for detail in details[:MAX_ERROR_PARTS]]
-    if len(details) > MAX_ERROR_PARTS:
-        parts.append(f"and {len(details) - MAX_ERROR_PARTS} more")
-    unsupported = any(d["type"] in UNSUPPORTED_ERROR_TYPES for d in details)
-    code = "unsupported_parameter" if unsupported else "invalid_value"
-    param = _field_path(details[0]["loc"]) if details else None
-    return ApiError(400, "; ".join(parts), code=code, param=param or None)
-
-
-def _describe(model: type[BaseModel], detail: Any) -> str:
-    path = _field_path(detail["loc"]) or "request body"
-    if detail["type"] == "extra_forbidden":
-        known = ", ".join(model.model_fields) if len(detail["loc"]) == 1 else None
-        hint = f" (known fields: {known})" if known else ""
-        return f"{path}: unknown field; this server refuses fields it does not implement{hint}"
-    message = str(detail["msg"])
-    if detail["type"] == "missing":
-        return f"{path}: required"
-    shown = repr(detail.get("input"))
-    if len(shown) > _INPUT_SHOWN_CHARS:
-        shown = shown[: _INPUT_SHOWN_CHARS - 3] + "..."
-    return f"{path}: {message[:1].lower()}{message[1:]} (got {shown})"
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else part
-    return path

@@ -8,10 +8,15 @@ model's own files are plain `KvSwapError`s, raised once when the text is loaded.
 
 from __future__ import annotations
 
+import re
+
 from kvswap.errors import KvSwapError
 
 #: Longest message text quoted from a template or a library; the rest is cut with "...".
 MAX_QUOTED_CHARS = 300
+#: A UTF-16 surrogate code point. JSON's escapes decode a high-low pair to one character,
+#: so one left in a str is lone: no UTF-8 encodes it, no tokenizer or hash takes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TextRequestError(KvSwapError):
@@ -36,6 +41,17 @@ def one_line(text: str, max_chars: int = MAX_QUOTED_CHARS) -> str:
     `max_chars`: a template's or a library's message quoted inside a one-line error."""
     flat = " ".join(text.split())
     return flat if len(flat) <= max_chars else flat[: max_chars - 3] + "..."
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode (its first lone surrogate, where), or None."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"a lone surrogate (U+{ord(found.group()):04X}) at character {found.start()} is not "
+        "valid Unicode; allowed: text whose \\uD800-\\uDFFF escapes come in high-low pairs"
+    )
 
 
 def json_type_name(value: object) -> str:

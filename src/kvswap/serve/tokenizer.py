@@ -48,7 +48,12 @@ from kvswap.serve.builtin_text import (
     builtin_tokenizer,
 )
 from kvswap.serve.chat_template import ChatTemplate
-from kvswap.serve.text_errors import NoTokenizerError, TextRequestError, one_line
+from kvswap.serve.text_errors import (
+    NoTokenizerError,
+    TextRequestError,
+    one_line,
+    unicode_problem,
+)
 from kvswap.serve.text_files import read_text_files
 
 __all__ = ["NoTokenizerError", "TextCodec", "TextRequestError", "builtin_codec", "load_text"]
@@ -137,10 +142,10 @@ class TextCodec:
             raise TextRequestError(f"a prompt must be a string, not {type(text).__name__}")
         try:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        except Exception as error:  # e.g. a lone surrogate ("\ud800") from a JSON body
-            raise TextRequestError(
-                f"the text cannot be tokenized: {one_line(str(error) or type(error).__name__)}"
-            ) from None
+        except Exception as error:  # the library's errors carry no common type
+            # A lone surrogate gets the library's "TextInputSequence must be str": say what.
+            reason = unicode_problem(text) or one_line(str(error) or type(error).__name__)
+            raise TextRequestError(f"the text cannot be tokenized: {reason}") from None
         if add_special_tokens and self.bos_token_id is not None:
             if self._prepend_bos:
                 ids.insert(0, self.bos_token_id)

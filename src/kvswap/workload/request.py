@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.control.identity import check_cache_salt
 from kvswap.errors import KvSwapError
 
 
@@ -63,13 +63,10 @@ class Request:
     (None and "" share with each other, as the unsalted default)."""
 
     def __post_init__(self) -> None:
-        if self.cache_salt is not None and (
-            not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS
-        ):
-            raise KvSwapError(
-                f"request {self.request_id}: cache_salt = {self.cache_salt!r:.60}; allowed: "
-                f"None or a string of at most {MAX_CACHE_SALT_CHARS} characters"
-            )
+        try:
+            check_cache_salt(self.cache_salt)
+        except KvSwapError as error:
+            raise KvSwapError(f"request {self.request_id}: {error}") from None
         if self.max_new_tokens < 1:
             raise KvSwapError(
                 f"request {self.request_id}: max_new_tokens = {self.max_new_tokens}; allowed: >= 1"

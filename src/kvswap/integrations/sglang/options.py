@@ -30,11 +30,11 @@ from pathlib import Path
 
 from kvswap.config import suggest
 from kvswap.control.eviction_policy import PolicyOptions
-from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.control.identity import check_cache_salt
 from kvswap.control.policy import check_policy_names
 from kvswap.data.remote_format import check_namespace
 from kvswap.data.remote_url import parse_remote_url
-from kvswap.errors import ConfigError
+from kvswap.errors import ConfigError, KvSwapError
 
 DEFAULT_NAMESPACE = "kvswap-sglang"
 _WHERE = "--hicache-storage-backend-extra-config"
@@ -100,11 +100,10 @@ class StorageOptions:
                 f"{_WHERE}: nvme_pages is set but nvme_dir is not; allowed: both (the NVMe "
                 "slab) or neither"
             )
-        if self.tenant_salt is not None and len(self.tenant_salt) > MAX_CACHE_SALT_CHARS:
-            raise ConfigError(
-                f"{_WHERE}: tenant_salt is {len(self.tenant_salt)} characters; allowed: at "
-                f"most {MAX_CACHE_SALT_CHARS}"
-            )
+        try:
+            check_cache_salt(self.tenant_salt)
+        except KvSwapError as error:
+            raise ConfigError(f"{_WHERE}: tenant_salt: {error}") from None
         check_policy_names(PolicyOptions(nvme_eviction_policy=self.nvme_eviction_policy))
 
 

@@ -54,16 +54,46 @@ class StreamResult:
 
 def api_base(url: str) -> str:
     """The API root for `url`: `http://host:8000` and `http://host:8000/v1` both give
-    `http://host:8000/v1`. A URL that is not http(s) with a host is a user error."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+    `http://host:8000/v1`. A URL that is not http(s) with a host (and a port in 1..65535,
+    no query, no fragment, no space or control character) is a user error, one line."""
+    problem = _url_problem(url)
+    if problem is not None:
         raise KvSwapError(
-            f"--url {redact_url(url)!r}: allowed: an http:// or https:// URL of the server, "
-            "e.g. http://127.0.0.1:8000"
+            f"--url {redact_url(url)!r}: {problem}; allowed: an http:// or https:// URL of the "
+            "server, e.g. http://127.0.0.1:8000"
         )
+    parts = urlsplit(url)
     path = parts.path.rstrip("/")
     root = f"{parts.scheme}://{parts.netloc}{path}"
     return root if path.endswith("/v1") else f"{root}/v1"
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with `url` as the server's address, or None. Checked as both readers
+    see it: urlsplit (here) and httpx (the client), whose errors are not KvSwapErrors."""
+    if any(char.isspace() or not char.isprintable() for char in url):
+        return "it holds a space or an unprintable character"
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # "Invalid IPv6 URL"
+        return str(error)
+    try:
+        port = parts.port  # parsed only when asked for: out of range, not a number
+    except ValueError:
+        port = 0
+    if port == 0:
+        return "the port is not a number in 1..65535"
+    try:
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as error:  # a bad IP literal, say
+        return one_line(str(error))
+    if parts.scheme not in ("http", "https"):
+        return "not http or https"
+    if not parts.hostname:
+        return "no host"
+    if parts.query or parts.fragment:
+        return "a query or a fragment"
+    return None
 
 
 def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
