@@ -48,6 +48,9 @@ class Served:
 @dataclass
 class StubOptions:
     chunk_delay_s: float = 0.0
+    # A server that admits one request at a time, each for this long before its first
+    # token: requests sent together queue (the k-th waits k x admit_s).
+    admit_s: float = 0.0
     with_usage: bool = True
     fail_every: int | None = None  # request n fails with HTTP 500 when n % fail_every == 0
     tokens_per_word: int = 1
@@ -102,6 +105,7 @@ class StubServer:
     def __init__(self, options: StubOptions | None = None):
         self.options = options or StubOptions()
         self.state = StubState()
+        self._admission: asyncio.Lock | None = None  # made on the server's loop
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
@@ -203,6 +207,11 @@ class StubServer:
 
         if chat:
             yield event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        if self.options.admit_s:
+            if self._admission is None:
+                self._admission = asyncio.Lock()
+            async with self._admission:
+                await asyncio.sleep(self.options.admit_s)
         reply = []
         for i in range(max_tokens):
             if self.options.chunk_delay_s:

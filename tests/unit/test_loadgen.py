@@ -342,7 +342,8 @@ def test_json_has_the_documented_keys(stub: StubServer, capsys: pytest.CaptureFi
         "duration_s", "tokens_generated", "prompt_tokens", "cached_tokens",
         "cached_token_share", "requests_per_s", "throughput_tok_s", "goodput_requests",
         "goodput_requests_per_s", "slo_ttft_ms", "slo_tpot_ms", "slo_ttft_met_requests",
-        "slo_tpot_met_requests", "ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms",
+        "slo_tpot_met_requests", "ttft_ms", "ttft_fastest_ms", "tpot_ms", "itl_ms",
+        "e2e_latency_ms",
         "send_delay_ms", "prompt_length", "errors_by_kind", "errors", "stopped_by",
         "calibration",
     }  # fmt: skip
@@ -495,3 +496,21 @@ def test_the_series_spreads_tokens_over_chunks_and_keeps_the_total() -> None:
     assert [p.tokens_generated for p in series.points] == [3, 5, 5, 7]
     assert [p.num_running for p in series.points] == [2, 2, 2, 0]
     assert series.ttft.count == 1 and series.itl.count == 2
+
+
+def test_a_server_whose_requests_queue_is_diagnosed_as_queueing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 33: a load test was green while every request waited many seconds for its
+    first token. A server that admits one request at a time (0.15 s each), sent 16 at
+    once: the median request waits ~1.2 s against ~0.15 s for the fastest."""
+    with StubServer(StubOptions(admit_s=0.15)) as server:
+        summary, _ = loadgen_json(
+            capsys, server.url, *FAST_TRACE, "--max-requests", "16", "--time-scale", "0.0001",
+            "--report", str(tmp_path / "report"),
+        )  # fmt: skip
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    (queued,) = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
+    assert summary["ttft_ms"]["p50"] >= 4 * summary["ttft_fastest_ms"]
+    assert "of the time to first token" in queued["symptom"]
+    assert queued["values"]["queue_share"] > 0.75

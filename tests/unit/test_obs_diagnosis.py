@@ -356,3 +356,43 @@ def test_a_remote_store_that_was_down_is_named_even_with_nothing_found() -> None
     assert finding is not None and finding.rule in rules(diagnose(summary, series))
     assert finding.figure == "1 outage; 0 blocks written, 11 writes skipped, 0 lookups"
     assert "remote_fetches_failing" not in rules(diagnose(summary, series))
+
+
+# ----------------------------------------------------------- rule 10: requests queued
+
+
+def test_requests_that_mostly_waited_for_admission_are_queueing_not_healthy() -> None:
+    """Issue 33: a report was green while every request waited ~12 s for its first token."""
+    _, series = record(healthy())
+    queued = {"queue_share_of_ttft": 0.97, "queue_wait_ms": {"p50": 11_800.0},
+              "ttft_ms": {"p50": 12_100.0}}  # fmt: skip
+    (finding,) = [f for f in diagnose(queued, series) if f.rule == "requests_queued"]
+    assert "97% of the time to first token was queueing" in finding.symptom
+    assert "queue wait P50 11800 ms of a TTFT P50 12100 ms" in finding.figure
+    assert "max_num_seqs" in finding.advice
+    short = {**queued, "queue_wait_ms": {"p50": 400.0}}  # a short queue: no verdict
+    brief = {**queued, "queue_share_of_ttft": 0.2}  # compute, not the queue
+    for summary in (short, brief):
+        assert "requests_queued" not in rules(diagnose(summary, series))
+
+
+def test_an_overloaded_simulated_engine_is_diagnosed_as_queueing() -> None:
+    """Every request of a burst arrives at once and the engine runs two at a time: most
+    of their time to first token is the queue, as the run's own figures say."""
+    from kvswap.sim.hardware import hardware_preset
+    from kvswap.sim.simulator import Simulator
+    from kvswap.workload.synthetic import SyntheticSpec
+
+    config = load_config(None, overrides={
+        "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 400, "cpu_kv_capacity_blocks": 0,
+        "max_num_seqs": 2,
+    })  # fmt: skip
+    burst = generate_synthetic(SyntheticSpec(
+        num_sessions=64, turns_per_session=1, prompt_tokens=2000, output_tokens=200,
+        user_tokens_per_turn=1, system_prompt_tokens=0, arrival_rate_per_s=1000.0, seed=1,
+    ))  # fmt: skip
+    recorder = TimeSeriesRecorder()
+    summary = Simulator(config, hardware_preset("article-40gb")).run(burst, observers=[recorder])
+    figures = summary.to_json()
+    assert figures["queue_share_of_ttft"] > 0.9  # type: ignore[operator]
+    assert "requests_queued" in rules(diagnose(figures, recorder.series()))

@@ -164,6 +164,10 @@ class RunSummary:
     tokens_generated: int
     duration_s: float
     ttft_ms: Mapping[str, float]
+    # Arrival to admission (the first step that ran it), and its share of the summed
+    # time to first token: what waiting in the queue, not computing, cost.
+    queue_wait_ms: Mapping[str, float]
+    queue_share_of_ttft: float
     tpot_ms: Mapping[str, float]
     itl_ms: Mapping[str, float]
     num_steps: int
@@ -208,6 +212,8 @@ class RunSummary:
             "duration_s": self.duration_s,
             "throughput_tok_s": self.throughput_tok_s,
             "ttft_ms": dict(self.ttft_ms),
+            "queue_wait_ms": dict(self.queue_wait_ms),
+            "queue_share_of_ttft": self.queue_share_of_ttft,
             "tpot_ms": dict(self.tpot_ms),
             "itl_ms": dict(self.itl_ms),
             "num_steps": self.num_steps,
@@ -263,6 +269,14 @@ def build_summary(
         if r.rejected_reason is None and r.abort_reason is None and r.finish_s is not None
     ]
     ttft_s = [r.first_token_s - r.arrival_s for r in completed if r.first_token_s is not None]
+    # (queue wait, time to first token) of each request that produced a token
+    waits = [
+        (r.admitted_s - r.arrival_s, r.first_token_s - r.arrival_s)
+        for r in completed
+        if r.first_token_s is not None and r.admitted_s is not None
+    ]
+    queue_s = [queue for queue, _ in waits]
+    started_ttft_s = sum(ttft for _, ttft in waits)
     tpot_s = [
         (r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
         for r in completed
@@ -294,6 +308,8 @@ def build_summary(
         tokens_generated=sum(len(r.output_ids) for r in completed),
         duration_s=round(duration_s, 6),
         ttft_ms=percentiles_ms(ttft_s),
+        queue_wait_ms=percentiles_ms(queue_s),
+        queue_share_of_ttft=round(sum(queue_s) / started_ttft_s, 4) if started_ttft_s > 0 else 0.0,
         tpot_ms=percentiles_ms(tpot_s),
         itl_ms=percentiles_ms(itl_s),
         num_steps=steps.num_steps,

@@ -39,6 +39,9 @@ None when the run does not show the symptom. The rules and their terms:
    the finding names the blocks the longest refused request needs.
 9. With a remote tier: the store was unreachable at least once (an outage) -> the
    remote tier was off meanwhile (every lookup a miss, finished prefixes not written).
+10. At least `queue_share` (half) of the time to first token was spent waiting for
+   admission, and the median wait is at least `min_queue_wait_ms` (1 s) -> the engine
+   was over capacity: requests queued, however healthy the running ones' latencies.
 
 Every percentile a finding quotes is the summary's own (`itl_ms`), so a finding
 never disagrees with the table above it.
@@ -53,6 +56,7 @@ from kvswap.ledger import DEFAULT_LINK_GB_PER_S
 from kvswap.obs.diagnosis_requests import (
     remote_fetches_failing,
     remote_store_down,
+    requests_queued,
     requests_refused,
 )
 from kvswap.obs.finding import Finding, Thresholds
@@ -402,6 +406,7 @@ def diagnose(
         remote_fetches_failing(summary, series, thresholds),
         requests_refused(summary, series, thresholds),
         remote_store_down(summary, series, thresholds),
+        requests_queued(summary, series, thresholds),
     ]
     return [f for f in found if f is not None]
 

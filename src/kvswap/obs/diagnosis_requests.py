@@ -1,6 +1,6 @@
 """The diagnosis's rules about requests and their KV's source: rule 7 (remote hits that
-failed to arrive), rule 8 (requests refused at admission) and rule 9 (the remote store
-was down); `obs.diagnosis` runs them."""
+failed to arrive), rule 8 (requests refused at admission), rule 9 (the remote store
+was down) and rule 10 (requests queued); `obs.diagnosis` runs them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 
 from kvswap.obs.finding import Finding, Thresholds
-from kvswap.obs.jsonvalues import integer_or
+from kvswap.obs.jsonvalues import integer_or, number_or
 from kvswap.obs.timeseries import TimeSeries
 
 
@@ -103,4 +103,35 @@ def requests_refused(
         advice=advice,
         values={"refused": float(len(refused)), "requests": float(total)}
         | ({"max_blocks_needed": float(max(needs))} if needs else {}),
+    )
+
+
+def requests_queued(
+    summary: Mapping[str, object], series: TimeSeries, t: Thresholds = Thresholds()
+) -> Finding | None:
+    """Rule 10: the time to first token went mostly to waiting for admission: the
+    engine was over capacity, which no swap setting cures (and which hides behind
+    healthy token latencies)."""
+    share = number_or(summary, "queue_share_of_ttft")
+    wait_p50 = number_or(summary, "queue_wait_ms", "p50")
+    ttft_p50 = number_or(summary, "ttft_ms", "p50")
+    if share < t.queue_share or wait_p50 < t.min_queue_wait_ms:
+        return None
+    return Finding(
+        rule="requests_queued",
+        symptom=f"requests waited: {100 * share:.0f}% of the time to first token was queueing",
+        metric="queue_wait_ms, queue_share_of_ttft (ttft_ms)",
+        figure=f"queue wait P50 {wait_p50:.0f} ms of a TTFT P50 {ttft_p50:.0f} ms; "
+        f"{100 * share:.0f}% of all time to first token was spent before admission",
+        cause="requests arrived faster than the engine finished them, so they waited in the "
+        "queue: the engine was over capacity (the token latencies of those running can "
+        "look healthy meanwhile)",
+        advice="serve less load or more capacity: raise max_num_seqs if the GPU tier has room "
+        "for more running sequences, add engines, or lower the arrival rate; the swap "
+        "settings cannot shorten a queue",
+        values={
+            "queue_share_of_ttft": share,
+            "queue_wait_p50_ms": wait_p50,
+            "ttft_p50_ms": ttft_p50,
+        },
     )

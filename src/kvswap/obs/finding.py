@@ -71,3 +71,7 @@ class Thresholds:
     tail_cause_share: float = 0.5
     remote_failure_share: float = 0.10
     min_remote_blocks: int = 8
+    # Requests mostly waited before they ran: at least this share of the time to
+    # first token was queueing, and the median wait at least `min_queue_wait_ms`.
+    queue_share: float = 0.5
+    min_queue_wait_ms: float = 1000.0

@@ -23,6 +23,11 @@ records, so a load test's page and `kvswap report` show them like a diagnosis:
    TTFT P50 (and `min_send_delay_ms`): requests left late, held by
    --max-concurrency or a client that could not keep up, so the offered load was
    not the workload's.
+7. Queued at the server: the TTFT P50 at least `queue_ttft_ratio` (4x) the TTFT of
+   the fastest tenth of the requests with nothing cached (`ttft_fastest_ms`: what a
+   request costs when it does not wait), and longer by `min_queue_ms` (1 s): the
+   server was over capacity and requests waited for it; the share of the time to
+   first token spent waiting is estimated as 1 - fastest / P50.
 
 A run where no rule fires gets `CHECKED`, which says what was looked at; since
 rules 1 and 2 fire on any failure and on a goodput of 0, it is never shown for
@@ -46,7 +51,8 @@ CHECKED = (
     "No load-test rule fired. Checked: failed requests by kind (HTTP 413, 429, 400, other "
     "statuses, timeouts, transport errors, broken streams), goodput against the completed "
     "requests and any SLO, requests cancelled or never sent, sent against intended prompt "
-    "lengths, and the send delay against TTFT. The server's swap wait, link and pinned "
+    "lengths, the send delay against TTFT, and TTFT against the fastest requests' (a "
+    "queue). The server's swap wait, link and pinned "
     "pool are not visible over HTTP, so the engine-side rules do not apply."
 )
 
@@ -60,6 +66,8 @@ class LoadgenThresholds:
     send_delay_ttft_ratio: float = 0.5
     min_send_delay_ms: float = 10.0
     prompt_length_tolerance: float = 0.10
+    queue_ttft_ratio: float = 4.0
+    min_queue_ms: float = 1000.0
 
 
 @dataclass(frozen=True)
@@ -370,6 +378,31 @@ def client_bound(
     )
 
 
+def requests_queued(
+    summary: Mapping[str, object], t: LoadgenThresholds = LoadgenThresholds()
+) -> Finding | None:
+    ttft_ms = number(summary, "ttft_ms", "p50")
+    fastest_ms = number(summary, "ttft_fastest_ms")
+    if ttft_ms is None or fastest_ms is None or fastest_ms <= 0:
+        return None
+    if ttft_ms < t.queue_ttft_ratio * fastest_ms or ttft_ms - fastest_ms < t.min_queue_ms:
+        return None
+    share = 1.0 - fastest_ms / ttft_ms
+    return Finding(
+        rule="requests_queued",
+        symptom=f"requests waited: about {100 * share:.0f}% of the time to first token",
+        metric="ttft_ms, ttft_fastest_ms",
+        figure=f"TTFT P50 {ttft_ms:.0f} ms against {fastest_ms:.0f} ms for the fastest tenth of "
+        "the requests with nothing cached",
+        cause="the server was over capacity: requests queued before it computed them (their "
+        "token latencies can look healthy meanwhile)",
+        advice="offer less load (a lower --time-scale rate, fewer requests at once) or give "
+        "the server more capacity (more running sequences, more replicas); the server's "
+        "own diagnosis, where it has one, measures the queue exactly",
+        values={"ttft_p50_ms": ttft_ms, "ttft_fastest_ms": fastest_ms, "queue_share": share},
+    )
+
+
 def judge(
     summary: Mapping[str, object],
     *,
@@ -384,5 +417,6 @@ def judge(
         requests_not_completed(summary),
         prompt_length_mismatch(summary, thresholds),
         client_bound(summary, max_concurrency, thresholds),
+        requests_queued(summary, thresholds),
     ]
     return [f for f in found if f is not None]
