@@ -32,7 +32,8 @@ CHECKS = (
     "killed_store_is_misses",
 )
 pytestmark = pytest.mark.skipif(
-    not SGLANG_PYTHON.exists(), reason="no .venv-sglang: build the engines' venvs with bash .ci/engine-venvs"
+    not SGLANG_PYTHON.exists(),
+    reason="no .venv-sglang: build the engines' venvs with bash .ci/engine-venvs",
 )
 
 
