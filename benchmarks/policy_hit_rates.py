@@ -36,6 +36,7 @@ from pathlib import Path
 from kvswap.sim.policy_curve import (
     CHAT,
     CHAT_QUICK,
+    OURS,
     POLICIES,
     CurveShape,
     PolicyRun,
@@ -57,11 +58,16 @@ def run_one(job: tuple[CurveShape, str, int, bool]) -> PolicyRun:
     return simulate_policy(shape, chat_workload(shape), policy, host_blocks, spill=spill)[0]
 
 
-def ratio(runs: Sequence[PolicyRun]) -> float:
-    """kvswap's hit tokens over the better of lru and arc."""
+def ratio(runs: Sequence[PolicyRun], ours: str = "kvswap") -> float:
+    """`ours`'s hit tokens over the better of lru and arc."""
     by_policy = {run.policy: run.hit_tokens for run in runs}
     best = max(by_policy["lru"], by_policy["arc"])
-    return by_policy["kvswap"] / best if best else 0.0
+    return by_policy[ours] / best if best else 0.0
+
+
+def ratios(runs: Sequence[PolicyRun]) -> dict[str, float]:
+    """{"ratio_<ours>_over_best": ...} for each of kvswap's policies."""
+    return {f"ratio_{ours}_over_best": round(ratio(runs, ours), 4) for ours in OURS}
 
 
 def render(rows: Sequence[tuple[float, list[PolicyRun]]], block_tokens: int) -> str:
@@ -79,7 +85,8 @@ def render(rows: Sequence[tuple[float, list[PolicyRun]]], block_tokens: int) -> 
                 f"{split:<26}{100 * run.point.hit_rate:>8.1f}%{run.prefill_tokens_computed:>17}"
                 f"{run.host_evictions:>15}"
             )
-        lines.append(f"{'':>21}kvswap / max(lru, arc) = {ratio(runs):.3f}")
+        for ours in OURS:
+            lines.append(f"{'':>21}{ours} / max(lru, arc) = {ratio(runs, ours):.3f}")
     lines.append(f"(blocks of {block_tokens} tokens)")
     return "\n".join(lines)
 
@@ -186,13 +193,11 @@ def main() -> None:
         },
         "unlimited": unlimited.to_json(),
         "replacing": [
-            {"working_set_over_host": f, "ratio_kvswap_over_best": round(ratio(runs), 4),
-             "runs": [run.to_json() for run in runs]}
+            {"working_set_over_host": f, **ratios(runs), "runs": [run.to_json() for run in runs]}
             for f, runs in replacing
         ],
         "nothing_below": [
-            {"working_set_over_host": f, "ratio_kvswap_over_best": round(ratio(runs), 4),
-             "runs": [run.to_json() for run in runs]}
+            {"working_set_over_host": f, **ratios(runs), "runs": [run.to_json() for run in runs]}
             for f, runs in nothing_below
         ],
     }  # fmt: skip

@@ -52,7 +52,7 @@ BLOCK_TOKENS = 4
 BLOCK_BYTES = 4096
 LAYOUT = KVLayout.from_block_bytes(BLOCK_BYTES)
 PREFIXES = [(1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9), (1, 2, 3, 4, 6)]
-POLICY_NAMES = ["kvswap", "lru", "arc"]  # (GPU, CPU) pairs are drawn from these
+POLICY_NAMES = ["kvswap", "lru", "arc", "reuse"]  # (GPU, CPU) pairs are drawn from these
 
 
 def block_bytes(block: Block) -> torch.Tensor:

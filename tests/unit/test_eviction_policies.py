@@ -285,7 +285,8 @@ def test_a_bad_policy_name_is_one_config_error_naming_field_value_and_allowed(
         check_policy_names(PolicyOptions(cpu_eviction_policy=value))
     message = str(caught.value)
     assert message.startswith(f"cpu_eviction_policy = {value!r}: ")
-    assert says in message and "allowed: 'kvswap', 'lru' or 'arc', or an import path" in message
+    allowed = "allowed: 'kvswap', 'lru', 'arc' or 'reuse', or an import path"
+    assert says in message and allowed in message
     assert "\n" not in message
 
 

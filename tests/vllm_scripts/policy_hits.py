@@ -50,6 +50,7 @@ from typing import Any
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvswap.integrations.vllm.spec import KvswapOffloadingSpec
+from kvswap.sim.policy_curve import OURS
 
 VLLM_POLICIES = ("lru", "arc")
 THIS_MODULE = "tests.vllm_scripts.policy_hits"
@@ -81,14 +82,15 @@ def llm_arguments(
 
     block_tokens = shape["block_tokens"]
     extra: dict[str, Any] = {"cpu_bytes_to_use": host_chunks * chunk_bytes(block_tokens)}
-    if policy == "kvswap":
-        extra |= {"spec_name": "KvswapOffloadingSpec", "eviction_policy": "kvswap",
+    if policy in OURS:  # kvswap's spec with one of its rankings (`eviction_policy`)
+        extra |= {"spec_name": "KvswapOffloadingSpec", "eviction_policy": policy,
                   "spec_module_path": "kvswap.integrations.vllm"}  # fmt: skip
     elif policy in VLLM_POLICIES:
         extra |= {"spec_name": "VllmPolicySpec", "spec_module_path": THIS_MODULE,
                   "eviction_policy": policy}  # fmt: skip
     else:
-        raise SystemExit(f"policy {policy!r}: allowed: kvswap, {', '.join(VLLM_POLICIES)}")
+        allowed = ", ".join((*OURS, *VLLM_POLICIES))
+        raise SystemExit(f"policy {policy!r}: allowed: {allowed}")
     extra |= settings or {}
     return {
         "model": str(model_dir), "dtype": "float32", "block_size": block_tokens,

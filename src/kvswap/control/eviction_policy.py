@@ -53,7 +53,7 @@ from kvswap.control.transfer import Tier
 BlockKey = Hashable
 
 #: The names `*_eviction_policy` accepts besides an import path "package.module:ClassName".
-BUILTIN_POLICY_NAMES = ("kvswap", "lru", "arc")
+BUILTIN_POLICY_NAMES = ("kvswap", "lru", "arc", "reuse")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@
     "lru"                       plain LRU (policy_lru.py)
     "arc"                       ARC as vLLM runs it (policy_arc.py): recency and
                                 frequency lists, ghost lists, an adaptive target
+    "reuse"                     the copy whose next use is furthest away leaves first
+                                (policy_reuse.py): dead copies, then copies used
+                                once (newest first), then reused ones by prediction
     "package.module:ClassName"  a user's `EvictionPolicy` subclass, built as
                                 `ClassName(tier, options)`
 
@@ -26,6 +29,7 @@ from kvswap.control.eviction_policy import (
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
+from kvswap.control.policy_reuse import ReusePolicy
 from kvswap.control.transfer import Tier
 from kvswap.errors import ConfigError
 
@@ -36,7 +40,7 @@ _ALLOWED = (
     f"{BUILTIN_POLICY_NAMES[-1]!r}, or an import path 'package.module:ClassName' of an "
     "EvictionPolicy subclass"
 )
-_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy, ArcPolicy)
+_BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy, ArcPolicy, ReusePolicy)
 
 
 def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
@@ -47,6 +51,8 @@ def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
         return LruPolicy
     if value == "arc":
         return ArcPolicy
+    if value == "reuse":
+        return ReusePolicy
     module_name, colon, class_name = value.partition(":")
     if not colon or not module_name or not class_name:
         raise ConfigError(f"{field} = {value!r}: unknown policy; allowed: {_ALLOWED}")

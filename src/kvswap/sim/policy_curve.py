@@ -3,7 +3,7 @@
 vLLM exposes one tier to a policy, its host (CPU) tier, and its users choose
 "lru" or "arc" for it. Here the pinned pool plays that tier: the same seeded
 multi-turn chat runs through the engine's control plane once per
-`cpu_eviction_policy` ("kvswap", "lru", "arc") and host-tier size, with
+`cpu_eviction_policy` ("kvswap", "lru", "arc", "reuse") and host-tier size, with
 everything else equal; the GPU tier keeps kvswap's policy in every run and is
 small on purpose, so that most reuse has to come back through the host tier.
 
@@ -60,7 +60,9 @@ from kvswap.workload.request import Workload
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
 
 #: The policies compared: kvswap's and the two vLLM users choose between.
-POLICIES = ("kvswap", "lru", "arc")
+POLICIES = ("kvswap", "lru", "arc", "reuse")
+#: kvswap's own of them, each compared with the better of vLLM's two (lru, arc).
+OURS = ("kvswap", "reuse")
 #: NVMe blocks below the pinned pool, so that it replaces (see the module docstring).
 SPILL_BLOCKS = 64
 #: Evictions from the host tier, by the metrics' reasons: what makes it replace.

@@ -94,8 +94,8 @@ class TieredCacheSettings:
         for name in ("gpu_eviction_policy", "cpu_eviction_policy", "nvme_eviction_policy"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(
-                    f"{name} = {getattr(self, name)!r:.80}; allowed: 'kvswap', 'lru', 'arc' "
-                    "or 'package.module:Class'"
+                    f"{name} = {getattr(self, name)!r:.80}; allowed: 'kvswap', 'lru', 'arc', "
+                    "'reuse' or 'package.module:Class'"
                 )
         check_policy_names(self.policy_options())
 

@@ -133,6 +133,9 @@ class KvswapCachePolicy(CachePolicy):
     ) -> None:
         """The request's references drop, tail first (module docstring); what it read or
         stored was used."""
+        # vLLM 0.32 tells a policy of a request's loads only now (`reused_keys`; 0.33
+        # also in on_request_access): a reuse is a reference taken, held until the end.
+        self._hold(reused_keys, req_context)
         held = self._held.pop(req_context.req_id, set())
         ordered = [key for group in key_groups for key in group]
         tail_first = [key for key in reversed(ordered) if key in held]

@@ -1,0 +1,150 @@
+"""The reuse ranking (control/policy_reuse.py), narrated on a tier of a few copies.
+
+Requests come and go as the adapters report them: a copy stored by a running request
+is inserted referenced; the request's end releases it; a later request taking it
+again is a reuse (referenced rises). The clock is `advance`'s step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvswap.control.eviction_policy import BlockFacts, PolicyOptions
+from kvswap.control.policy import build_policy
+from kvswap.control.policy_reuse import DEAD_GAPS, ReusePolicy
+from kvswap.control.transfer import Tier
+from tests.unit.test_eviction_policies import drain, facts
+
+HELD = facts()  # referenced by a running request (its blocks are on the device)
+FREE = facts(referenced=False)  # nobody references it: a cache entry
+SINK = facts(sink=True)  # among a running request's first blocks
+BUSY = facts(busy=True)
+
+
+def reuse_policy() -> ReusePolicy:
+    policy = build_policy(Tier.CPU, PolicyOptions(cpu_eviction_policy="reuse"))
+    assert isinstance(policy, ReusePolicy)
+    return policy
+
+
+def turn(policy: ReusePolicy, step: int, keys: list[str], stored: list[str]) -> None:
+    """One request at `step`: it reuses `keys` (held, then released) and stores `stored`."""
+    policy.advance(step)
+    for key in keys:
+        policy.update(key, HELD)
+    for key in stored:
+        policy.insert(key, HELD)
+    for key in [*keys, *stored]:
+        policy.update(key, FREE)
+
+
+def test_of_two_sessions_that_ended_a_turn_the_earlier_comes_back_first() -> None:
+    """Session a ended its turn at step 10, b at step 20; both will come back a think
+    time after: b's blocks are needed last, so they go first (an LRU evicts a's)."""
+    policy = reuse_policy()
+    turn(policy, 10, [], ["a0", "a1"])
+    turn(policy, 20, [], ["b0", "b1"])
+    assert sorted(policy.evict(2) or []) == ["b0", "b1"]  # the newest first
+    assert sorted(drain(policy)) == ["a0", "a1"]
+
+
+def test_a_running_request_s_fresh_blocks_go_before_a_finished_session_s() -> None:
+    """The device holds a running request's blocks; its next turn is the furthest away."""
+    policy = reuse_policy()
+    turn(policy, 10, [], ["done0"])
+    policy.advance(20)
+    policy.insert("running0", HELD)
+    assert policy.evict(1) == ["running0"]
+
+
+def test_what_requests_reuse_stays_and_the_shared_prefix_longest() -> None:
+    """A system prompt reused every few steps is predicted back soonest; a session's
+    context reused once a turn later; a block used once goes before both."""
+    policy = reuse_policy()
+    turn(policy, 0, [], ["system", "ctx"])
+    for step in (5, 10, 15):
+        turn(policy, step, ["system"], [])
+    turn(policy, 30, ["ctx"], [])  # its session came back after 30 steps
+    turn(policy, 31, [], ["once"])
+    assert drain(policy) == ["once", "ctx", "system"]
+
+
+def test_a_session_idle_past_the_dead_line_goes_first_oldest_first() -> None:
+    """First reuses come 30 steps after a store: a copy idle for DEAD_GAPS x 30 steps is
+    a session that ended, and goes before any live one, however old or reused."""
+    policy = reuse_policy()
+    turn(policy, 0, [], ["gone0", "gone1", "live"])
+    turn(policy, 30, ["gone0", "gone1", "live"], [])  # the gap is 30 steps
+    turn(policy, 31, [], ["fresh"])
+    quiet_step = 30 + round(DEAD_GAPS * 30) + 1
+    turn(policy, quiet_step, ["live"], [])  # live is used again; gone0/gone1 are not
+    policy.advance(quiet_step + 1)
+    assert policy.evict(2) == ["gone0", "gone1"]
+    assert drain(policy) == ["fresh", "live"]
+
+
+def test_a_sink_used_once_outranks_other_blocks_used_once_not_reused_ones() -> None:
+    policy = reuse_policy()
+    turn(policy, 0, [], ["reused"])
+    turn(policy, 5, ["reused"], [])
+    policy.advance(6)
+    policy.insert("sink", SINK)
+    policy.insert("plain", HELD)
+    assert drain(policy) == ["plain", "sink", "reused"]
+
+
+def test_the_hard_rule_protected_droppable_and_all_or_nothing() -> None:
+    policy = reuse_policy()
+    policy.insert("busy", BUSY)
+    policy.insert("held", HELD)  # referenced, dirty: not droppable
+    policy.insert("free", FREE)
+    assert policy.num_candidates() == 2
+    assert policy.evict(3) is None and policy.num_candidates() == 2  # nothing changed
+    assert policy.evict(1, protected={"held", "free"}) is None
+    assert policy.evict(2, droppable_only=True) is None
+    assert policy.evict(1, droppable_only=True) == ["free"]
+    policy.update("busy", FREE)  # its transfer ended
+    assert sorted(drain(policy)) == ["busy", "held"]
+    policy.check_integrity(set())
+
+
+def test_random_calls_keep_the_books_and_never_hand_out_what_may_not_leave() -> None:
+    """Many updates leave stale heap entries behind: each victim is live, may leave and
+    is handed out once; the counts and the heaps agree throughout."""
+    rng = random.Random(5)
+    policy = reuse_policy()
+    held: dict[str, BlockFacts] = {}
+    states = [HELD, FREE, SINK, BUSY, facts(referenced=False, clean=True)]
+    for step in range(3000):
+        policy.advance(step // 4)
+        key = f"k{rng.randrange(60)}"
+        action = rng.random()
+        if action < 0.6:
+            state = rng.choice(states)
+            (policy.update if key in held else policy.insert)(key, state)
+            held[key] = state
+        elif action < 0.7:
+            policy.touch([key])
+        elif action < 0.8 and key in held:
+            policy.remove(key)
+            del held[key]
+        else:
+            n = rng.randrange(1, 4)
+            victims = policy.evict(n)
+            may_leave = [k for k, f in held.items() if f.may_leave]
+            if victims is None:
+                assert len(may_leave) < n
+                continue
+            assert len(set(victims)) == n and all(held[v].may_leave for v in victims)
+            for victim in victims:
+                del held[victim]
+        assert policy.num_candidates() == sum(f.may_leave for f in held.values())
+        policy.check_integrity(set(held))
+
+
+@pytest.mark.parametrize("tier", [Tier.GPU, Tier.CPU, Tier.NVME])
+def test_reuse_is_a_built_in_name_on_every_tier(tier: Tier) -> None:
+    options = PolicyOptions(gpu_eviction_policy="reuse", cpu_eviction_policy="reuse",
+                            nvme_eviction_policy="reuse")  # fmt: skip
+    assert isinstance(build_policy(tier, options), ReusePolicy)
