@@ -143,6 +143,23 @@ def test_random_calls_keep_the_books_and_never_hand_out_what_may_not_leave() -> 
         policy.check_integrity(set(held))
 
 
+def test_a_key_removed_and_inserted_again_leaves_no_stale_entry_alive() -> None:
+    """Regression: versions restarted per key, so a key taken out and put back (the
+    store returns a victim it could not use) revived its old heap entries: one key held
+    thousands of live duplicates and the simulator slowed to a crawl."""
+    policy = reuse_policy()
+    for step in range(200):
+        policy.advance(step)
+        policy.insert("k", FREE)
+        assert policy.evict(1) == ["k"]
+    policy.insert("k", FREE)
+    version = policy._held["k"].version
+    assert [e for heap in policy._heaps for e in heap if e[1:] == (version, "k")] == [
+        e for heap in policy._heaps for e in heap if e[2] == "k" and e[1] == version
+    ] and sum(e[1:] == (version, "k") for heap in policy._heaps for e in heap) == 1
+    assert policy.evict(1) == ["k"] and policy.evict(1) is None
+
+
 @pytest.mark.parametrize("tier", [Tier.GPU, Tier.CPU, Tier.NVME])
 def test_reuse_is_a_built_in_name_on_every_tier(tier: Tier) -> None:
     options = PolicyOptions(gpu_eviction_policy="reuse", cpu_eviction_policy="reuse",

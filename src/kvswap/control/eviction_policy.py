@@ -154,6 +154,12 @@ class EvictionPolicy(ABC):
     def advance(self, step: int) -> None:  # noqa: B027 - a hook: most policies have no clock
         """A decode step began (`step` counts up). Default: nothing."""
 
+    def admit(self, num_offered: int, num_free: int) -> int:
+        """How many of `num_offered` new copies the tier should take, with `num_free`
+        slots free: a tier whose writer may store less (vLLM's `prepare_store` may answer
+        a subset) asks before it evicts for them. Default: all of them."""
+        return num_offered
+
     def check_integrity(self, keys_with_copy: Collection[BlockKey]) -> None:  # noqa: B027
         """Assert the policy's invariants; `keys_with_copy`: the blocks with a copy on this
         tier (every key held must be one). Default: nothing checked."""

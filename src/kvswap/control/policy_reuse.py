@@ -47,7 +47,7 @@ from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy,
 from kvswap.control.transfer import Tier
 
 #: A copy idle this many first-reuse gaps is taken for dead.
-DEAD_GAPS = 2.5
+DEAD_GAPS = 3.0
 #: How many recent first-reuse gaps the median is taken over.
 GAP_WINDOW = 512
 #: The classes after the dead, in eviction order (module docstring): their heaps' indexes.
@@ -85,6 +85,7 @@ class ReusePolicy(EvictionPolicy):
         self._heaps: list[list[_Entry]] = [[] for _ in range(REUSED + 1)]  # by class
         self._idle: list[_Entry] = []  # unreferenced copies by last use: the dead check
         self._step = 0
+        self._versions = 0  # the last version given to any entry
         self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
         self._num_candidates = 0
 
@@ -157,6 +158,15 @@ class ReusePolicy(EvictionPolicy):
             self.remove(key)
         return victims
 
+    def admit(self, num_offered: int, num_free: int) -> int:
+        """New copies are used once so far and the newest of them: each would be the
+        next victim after the dead. So take what free slots and dead copies make room
+        for, and no more: a new copy never displaces a live one only to leave next (and
+        a writer that stores less copies less)."""
+        if num_offered <= num_free:
+            return num_offered
+        return min(num_offered, num_free + self._num_dead(num_offered - num_free))
+
     def num_candidates(self) -> int:
         return self._num_candidates
 
@@ -185,8 +195,11 @@ class ReusePolicy(EvictionPolicy):
         return self._idle if heap_id == IDLE else self._heaps[heap_id]
 
     def _push(self, key: BlockKey, held: _Use) -> None:
-        """The copy's ranking inputs changed: its new entries; the old ones go stale."""
-        held.version += 1
+        """The copy's ranking inputs changed: its new entries; the old ones go stale. The
+        version is the policy's, not the key's: a key removed and inserted again must
+        not bring its old entries back to life."""
+        self._versions += 1
+        held.version = self._versions
         heap_id, order = held.class_and_order()
         heapq.heappush(self._heaps[heap_id], (order, held.version, key))
         if not held.facts.referenced:
@@ -199,6 +212,25 @@ class ReusePolicy(EvictionPolicy):
         for heap in (*self._heaps, self._idle):
             heap[:] = [e for e in heap if (h := self._held.get(e[2])) and h.version == e[1]]
             heapq.heapify(heap)
+
+    def _num_dead(self, at_most: int) -> int:
+        """How many dead copies may leave now, counting up to `at_most` (the idle heap's
+        head is popped and pushed back; stale entries found on the way are dropped)."""
+        dead_before = self._step - self._dead_after()
+        found: set[BlockKey] = set()
+        kept: list[_Entry] = []
+        idle = self._idle
+        while idle and len(found) < at_most and idle[0][0] < dead_before:
+            entry = heapq.heappop(idle)
+            held = self._held.get(entry[2])
+            if held is None or held.version != entry[1] or held.facts.referenced:
+                continue  # stale
+            kept.append(entry)
+            if held.facts.may_leave:
+                found.add(entry[2])
+        for entry in kept:
+            heapq.heappush(idle, entry)
+        return len(found)
 
     def _dead_after(self) -> float:
         if not self._gaps:

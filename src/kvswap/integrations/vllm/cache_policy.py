@@ -144,6 +144,11 @@ class KvswapCachePolicy(CachePolicy):
             self._release(key)
         self.touch(reversed(ordered))
 
+    def admit(self, num_offered: int, num_free: int) -> int:
+        """How many of `num_offered` new chunks to store, `num_free` chunks being free (the
+        ranking's `EvictionPolicy.admit`; a failure there admits what is free)."""
+        return self._rank(lambda policy: policy.admit(num_offered, num_free), num_free)
+
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Any]] | None:
         keys = self._rank(lambda policy: policy.evict(n, protected), None)
         if keys is None:

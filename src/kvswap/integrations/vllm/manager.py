@@ -93,6 +93,7 @@ class _ReportingHostTier(CPUOffloadingManager):
             self.report.warn_small(len(offered))
             self.report.counts.refused += len(offered) - self._num_chunks
             offered = offered[: self._num_chunks]
+        offered = self._admitted(offered)
         output = super().prepare_store(offered, req_context)
         counts = self.report.counts
         if output is None:
@@ -101,6 +102,17 @@ class _ReportingHostTier(CPUOffloadingManager):
             counts.stores += len(output.keys_to_store)
             counts.evictions += len(output.evicted_keys)
         return output
+
+    def _admitted(self, offered: list[Any]) -> list[Any]:
+        """The offer less the new chunks the ranking would not take (`admit`): a chunk
+        already held stays in (vLLM counts it a reuse); of the new ones, the first."""
+        new = [key for key in offered if self._policy.get(key) is None]
+        taken = self._policy.admit(len(new), self._get_num_free_chunks())
+        if taken >= len(new):
+            return offered
+        refused = set(new[taken:])
+        self.report.counts.refused += len(refused)
+        return [key for key in offered if key not in refused]
 
     def get_stats(self) -> Any:
         """vLLM's own stats of the tier, with kvswap's counts added (`HostReport.take`)."""
