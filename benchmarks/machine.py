@@ -1,0 +1,90 @@
+"""What a benchmark result needs to say about the machine that produced it.
+
+    record = machine_record()      CPU model, the ISA flags that matter to CPU kernels,
+                                   cores (all, and this process's), memory, load
+                                   average, the date (UTC) and the git commit
+
+Linux-only details (/proc) come back as None elsewhere. The load average is read
+when this is called: call it at the start and again at the end of a run on a
+machine others share, and keep both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The /proc/cpuinfo flags CPU attention and matmul kernels choose paths by.
+ISA_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
+
+
+def cpu_info() -> dict[str, Any]:
+    """The first processor's model name and which of ISA_FLAGS it has."""
+    model: str | None = None
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                if model is not None and flags:
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model or platform.processor() or platform.machine(),
+        "isa_flags": {flag: flag in flags for flag in ISA_FLAGS},
+    }
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD and whether the working tree differs from it (read-only git commands)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30, check=False)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def memory_total_mib() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
+
+
+def machine_record() -> dict[str, Any]:
+    return {
+        **cpu_info(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_total_mib": memory_total_mib(),
+        "load_average_1_5_15": load_average(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        **git_commit(),
+    }
