@@ -126,7 +126,10 @@ def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
     assert (first["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    assert hits >= 3  # A's three chunks, from the slab (a lookup retried counts again)
+    # A's chunks came back from the slab; the default reuse ranking keeps the oldest of a
+    # finished request's chunks in the 4-chunk host tier (its session comes back first),
+    # so A's first chunk may be loaded from there (a lookup retried counts again).
+    assert hits >= 2
     # kvswap in vLLM's own log (its format: "INFO ... [host_report.py:N] kvswap ...") and
     # vLLM's /metrics (issue 31, item 5): the start-up line, a stats line, the counters.
     (start,) = [line for line in lines if "inside vLLM: host tier 4 chunks" in line]

@@ -46,7 +46,7 @@ def test_kvswap_s_keys_take_kvswap_s_defaults_and_vllm_s_keys_are_left_alone() -
         "tier_poll_interval_s": 0.01, "backpressure": {}, "locality": "local",
     }  # fmt: skip
     assert adapter_settings(vllm_s) == settings
-    assert settings.policy.gpu_eviction_policy == "kvswap"
+    assert settings.policy.gpu_eviction_policy == "reuse"  # the reuse ranking, by default
     assert (settings.protected_sink_blocks, settings.policy.min_residency_steps) == (8, 64)
     assert (settings.nvme, settings.remote) == (None, None)
     assert not settings.has_secondary_tiers

@@ -43,6 +43,9 @@ PROMPT = tokens(0, 100)
 #: default, 50 ms, is for a store next to an idle engine).
 STORE_TIMEOUT_MS = 5000
 PUSHES = [tokens(100 * (i + 1), 100) for i in range(3)]
+#: The host tier's ranking where a scenario needs A's chunks all pushed out of its 4 chunks
+#: by the pushes (a recency order): the default, reuse, keeps A's oldest chunk there.
+PUSHED_OUT = "kvswap"
 CHUNK_BYTES = chunk_bytes()
 
 
@@ -94,7 +97,7 @@ def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
             "nvme_dir": str(nvme_dir),
             "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
             "remote_url": redis_url,
@@ -132,7 +135,7 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
             "remote_url": redis_url,
             "remote_timeout_ms": STORE_TIMEOUT_MS,
         },
@@ -161,6 +164,7 @@ def redeploy(model: Path, redis_url: str, work_dir: Path) -> dict[str, Any]:
     shutil.copytree(model, current)
     store_only = {
         "cpu_bytes_to_use": 4 * CHUNK_BYTES, "remote_url": redis_url,
+        "eviction_policy": PUSHED_OUT,
         "remote_timeout_ms": STORE_TIMEOUT_MS,
     }  # fmt: skip
     llm = make_llm(current, store_only)
@@ -186,7 +190,7 @@ def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
             "nvme_dir": str(nvme_dir),
             "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
         },

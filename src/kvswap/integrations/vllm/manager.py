@@ -21,7 +21,9 @@ policy:
 Both host-tier managers count what the host tier does (`host_report.HostReport`:
 the stats line and kvswap's counters on vLLM's /metrics) and keep a request that
 offers more chunks than the whole tier from storing nothing: its first chunks are
-offered (a prefix is found from its head), with one warning.
+offered (a prefix is found from its head), with one warning. Where the host tier is
+the last one, it stores only the new chunks its ranking admits (`EvictionPolicy.admit`);
+above secondary tiers it stores everything, which they are fed from.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class _ReportingHostTier(CPUOffloadingManager):
     _num_chunks: int
     report: HostReport
     clock: StepClock
+    #: Whether the ranking's `admit` may refuse new chunks: only where the host tier is
+    #: the last (with tiers below, what it stores also feeds them).
+    admits = True
 
     def _report_to(self, policy: KvswapCachePolicy, report: HostReport) -> None:
         # vLLM's factory passes a policy nothing but its capacity, so vLLM's constructor
@@ -106,6 +111,8 @@ class _ReportingHostTier(CPUOffloadingManager):
     def _admitted(self, offered: list[Any]) -> list[Any]:
         """The offer less the new chunks the ranking would not take (`admit`): a chunk
         already held stays in (vLLM counts it a reuse); of the new ones, the first."""
+        if not self.admits:
+            return offered
         new = [key for key in offered if self._policy.get(key) is None]
         taken = self._policy.admit(len(new), self._get_num_free_chunks())
         if taken >= len(new):
@@ -167,7 +174,10 @@ class SharedHostRows:
 
 
 class KvswapPrimaryTier(_ReportingHostTier, CPUPrimaryTierOffloadingManager):
-    """vLLM's primary (host) tier under secondary tiers, ranked by kvswap."""
+    """vLLM's primary (host) tier under secondary tiers, ranked by kvswap. It stores all
+    it is offered: each chunk it takes is cascaded to the tiers below."""
+
+    admits = False
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ allowed (types strict: the dict is JSON, so "8" is no count). A key that is
 neither kvswap's nor one vLLM reads (`VLLM_KEYS`) is refused the same way: a
 misspelt one would do nothing. The host tier's policy is named by vLLM's own
 key, `eviction_policy`, with kvswap's name table (`kvswap.control.policy`):
-"kvswap", "lru", or an import path "package.module:ClassName".
+"reuse" (the default), "kvswap", "lru", "arc", or an import path "package.module:ClassName".
 
 vLLM-free: the spec calls `adapter_settings` with the dict vLLM gave it.
 """
@@ -31,6 +31,9 @@ from kvswap.errors import ConfigError
 SOURCE = "kv_connector_extra_config"
 #: The key naming the host tier's policy (vLLM's name for it).
 POLICY_KEY = "eviction_policy"
+#: The host tier's ranking unless `eviction_policy` names another: kvswap's reuse
+#: ranking (control/policy_reuse.py), with its admission (docs/benchmarks.md).
+DEFAULT_HOST_POLICY = "reuse"
 #: kvswap's settings the adapter reads, under kvswap's names.
 ADAPTER_FIELDS = (
     "protected_sink_blocks",
@@ -114,11 +117,11 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
     _both_or_neither(extra_config, "nvme_dir", "nvme_kv_capacity_bytes")
     values = {key: extra_config[key] for key in ADAPTER_FIELDS if key in extra_config}
     config = config_from_values(values, SOURCE)
-    policy_name = extra_config.get(POLICY_KEY, "kvswap")
+    policy_name = extra_config.get(POLICY_KEY, DEFAULT_HOST_POLICY)
     if not isinstance(policy_name, str):
         raise ConfigError(
-            f"{POLICY_KEY} = {policy_name!r} ({SOURCE}): not a name; allowed: 'kvswap', "
-            "'lru', or an import path 'package.module:ClassName'"
+            f"{POLICY_KEY} = {policy_name!r} ({SOURCE}): not a name; allowed: 'reuse', "
+            "'kvswap', 'lru', 'arc', or an import path 'package.module:ClassName'"
         )
     policy_class(POLICY_KEY, policy_name, Tier.GPU)  # a bad name or import: one line, now
     swap, tiers, cache = config.swap, config.tiers, config.cache
