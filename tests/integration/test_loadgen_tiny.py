@@ -69,3 +69,25 @@ def test_calibrated_prompts_match_the_trace_within_10_percent(tmp_path: Path) ->
     assert len(kept) >= 15 and all(0.9 <= ratio <= 1.1 for ratio in kept), kept
     assert abs(summary["prompt_length"]["sent_per_intended"]["p50"] - 1) <= 0.05
     assert "prompt_length_mismatch" not in {f["rule"] for f in calibrated["diagnosis"]}
+
+
+def test_an_overloaded_server_is_diagnosed_as_queueing(tmp_path: Path) -> None:
+    """On a real server: `kvswap serve tiny` running one request at a time, 48 one-turn
+    chats arriving together, each generating 64 tokens. The requests queue, and the load
+    test's report says so from the client's TTFTs alone (rule 7: the median against the
+    fastest tenth)."""
+    with kvswap_server("--model", "tiny", "--device", "cpu", "--port", "0",
+                       "--max-num-seqs", "1") as url:  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-m", "kvswap", "loadgen", "--url", url, "--json",
+             "--num-sessions", "48", "--turns", "1", "--prompt-tokens", "32",
+             "--system-prompt-tokens", "0", "--output-tokens", "64", "--arrival-rate", "1000",
+             "--report", str(tmp_path / "lg")],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    report = json.loads((tmp_path / "lg" / "report.json").read_text())
+    assert summary["requests_completed"] == 48
+    (queued,) = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
+    assert queued["values"]["queue_share"] > 0.5
