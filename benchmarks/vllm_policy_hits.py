@@ -43,12 +43,14 @@ Runs in the vLLM venv, in one process, with this tree's src first on the path:
 
     .venv-vllm/bin/python benchmarks/vllm_policy_hits.py            # ~23 min on 2 shared cores
     .venv-vllm/bin/python benchmarks/vllm_policy_hits.py --quick    # the smoke test's scale
+    ... --out benchmarks/results/vllm_policy_hits.json              # keep the figures
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -63,10 +65,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.sim.policy_curve import CHAT, OURS, POLICIES  # noqa: E402
 from kvswap.units import ceil_div  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec  # noqa: E402
+from machine import machine_record, versions  # noqa: E402
 
 BLOCK_TOKENS = 32
 #: CHAT scaled down (module docstring).
@@ -204,6 +208,7 @@ def main() -> None:
     parser.add_argument(
         "--factors", type=float, nargs="+", help="working set / host tier (default 4 2)"
     )
+    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
     args = parser.parse_args()
     from tests.vllm_scripts.common import emit
     from tests.vllm_scripts.policy_hits import run
@@ -243,13 +248,19 @@ def main() -> None:
           f"({base['hit_tokens']} tokens: {base['device_hit_tokens']} device / "
           f"{base['host_hit_tokens']} host)")  # fmt: skip
     print(render(sized))
-    emit({
+    result = {
+        "benchmark": "vllm_policy_hits",
+        "command": " ".join(["benchmarks/vllm_policy_hits.py", *sys.argv[1:]]),
+        "machine": machine_record(), "versions": versions(),
         "shape": shape, "working_set_blocks": {"mean": round(mean_blocks, 3), "peak": peak_blocks},
         "unlimited": base,
         "sized": [{"working_set_over_host": f,
                    **{f"ratio_{ours}_over_best": round(ratio(rows, ours), 4) for ours in OURS},
                    "runs": rows} for f, rows in sized],
-    })  # fmt: skip
+    }  # fmt: skip
+    emit(result)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
