@@ -19,10 +19,10 @@ like it (seed, purpose, session): the same spec gives the same workload.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
-from kvswap.workload.request import FollowUp, Request, Workload
+from kvswap.workload.request import Workload
+from kvswap.workload.synthetic import DraftTurn, in_arrival_order, jittered
 from kvswap.workload.tokens import random_token_ids, seeded_rng
 
 
@@ -49,42 +49,29 @@ class AgentSpec:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class _Call:
-    arrival_s: float  # earliest: as if every earlier call took no time
-    turn: int
-    session_id: int
-    new_ids: tuple[int, ...]
-    max_new_tokens: int
-    wait_s: float  # after the call before it finished
-
-
-def _jittered(rng: random.Random, base_tokens: int, jitter: float) -> int:
-    return max(1, round(base_tokens * rng.uniform(1.0 - jitter, 1.0 + jitter)))
-
-
 def _session_calls(
     spec: AgentSpec, session_id: int, start_s: float, system_prompts: list[tuple[int, ...]]
-) -> list[_Call]:
+) -> list[DraftTurn]:
     shape_rng = seeded_rng("agents", spec.seed, "shape", session_id)
     token_rng = seeded_rng("agents", spec.seed, "tokens", session_id)
     system_ids = system_prompts[shape_rng.randrange(spec.num_system_prompts)]
-    calls: list[_Call] = []
+    calls: list[DraftTurn] = []
     arrival_s = start_s
     for task in range(spec.tasks_per_session):
         for call in range(spec.calls_per_task):
             if call == 0:  # a task from the user: after a think, except the first
                 wait_s = 0.0 if task == 0 else shape_rng.expovariate(1.0 / spec.think_time_s)
-                length = _jittered(shape_rng, spec.task_tokens, spec.length_jitter)
+                length = jittered(shape_rng, spec.task_tokens, spec.length_jitter, minimum=1)
             else:  # the last call's tool ran and its result comes back
                 wait_s = shape_rng.expovariate(1.0 / spec.tool_time_s)
-                length = _jittered(shape_rng, spec.tool_result_tokens, spec.length_jitter)
+                length = jittered(shape_rng, spec.tool_result_tokens, spec.length_jitter, minimum=1)
             new_ids = random_token_ids(token_rng, length, spec.vocab_size)
             if not calls:
                 new_ids = system_ids + new_ids
             arrival_s += wait_s
-            output = _jittered(shape_rng, spec.call_output_tokens, spec.length_jitter)
-            calls.append(_Call(arrival_s, len(calls), session_id, new_ids, output, wait_s))
+            output = jittered(shape_rng, spec.call_output_tokens, spec.length_jitter, minimum=1)
+            # arrival_s is the earliest: as if every earlier call took no time.
+            calls.append(DraftTurn(arrival_s, len(calls), session_id, new_ids, output, wait_s))
     return calls
 
 
@@ -99,33 +86,10 @@ def generate_agents(spec: AgentSpec) -> Workload:
         for index in range(spec.num_system_prompts)
     ]
     arrivals_rng = seeded_rng("agents", spec.seed, "arrivals")
-    calls: list[_Call] = []
+    calls: list[DraftTurn] = []
     start_s = 0.0
     for session_id in range(spec.num_sessions):
         calls.extend(_session_calls(spec, session_id, start_s, system_prompts))
         start_s += arrivals_rng.expovariate(spec.arrival_rate_per_s)
-    # Ties: earlier turns first, then by session; a call never sorts before the one it follows.
-    calls.sort(key=lambda call: (call.arrival_s, call.turn, call.session_id))
-    request_ids = {(call.session_id, call.turn): index for index, call in enumerate(calls)}
-    requests = []
-    for index, call in enumerate(calls):
-        follow_up = None
-        if call.turn > 0:
-            follow_up = FollowUp(
-                previous_request_id=request_ids[(call.session_id, call.turn - 1)],
-                new_user_ids=call.new_ids,
-                think_time_s=call.wait_s,
-            )
-        requests.append(
-            Request(
-                request_id=index,
-                arrival_s=call.arrival_s,
-                prompt_ids=() if follow_up is not None else call.new_ids,
-                max_new_tokens=call.max_new_tokens,
-                session_id=call.session_id,
-                turn=call.turn,
-                follow_up=follow_up,
-            )
-        )
     name = f"agents(sessions={spec.num_sessions}, tasks={spec.tasks_per_session}, seed={spec.seed})"
-    return Workload(requests=tuple(requests), name=name, vocab_size=spec.vocab_size)
+    return Workload(requests=in_arrival_order(calls), name=name, vocab_size=spec.vocab_size)

@@ -131,15 +131,16 @@ def _check_number(name: str, value: object, *, allow_inf: bool) -> float:
     return number
 
 
-def _jittered(rng: random.Random, base_tokens: int, jitter: float, minimum: int) -> int:
+def jittered(rng: random.Random, base_tokens: int, jitter: float, minimum: int) -> int:
+    """`base_tokens` times a uniform factor in 1 +- `jitter`, at least `minimum`."""
     # Always draw, so changing the jitter does not shift the rest of the stream.
     factor = rng.uniform(1.0 - jitter, 1.0 + jitter)
     return max(minimum, round(base_tokens * factor))
 
 
 @dataclass(frozen=True)
-class _Turn:
-    """A request before ids are known (ids follow arrival order)."""
+class DraftTurn:
+    """A request before ids are known (ids follow arrival order, `in_arrival_order`)."""
 
     arrival_s: float
     turn: int
@@ -151,17 +152,17 @@ class _Turn:
 
 def _session_turns(
     spec: SyntheticSpec, session_id: int, start_s: float, system_prompts: list[tuple[int, ...]]
-) -> list[_Turn]:
+) -> list[DraftTurn]:
     shape_rng = seeded_rng("synthetic", spec.seed, "shape", session_id)
     token_rng = seeded_rng("synthetic", spec.seed, "tokens", session_id)
     system_ids = system_prompts[shape_rng.randrange(spec.num_system_prompts)]
-    first_user_tokens = _jittered(
+    first_user_tokens = jittered(
         shape_rng,
         spec.prompt_tokens - spec.system_prompt_tokens,
         spec.length_jitter,
         minimum=0 if system_ids else 1,
     )
-    turns: list[_Turn] = []
+    turns: list[DraftTurn] = []
     arrival_s = start_s
     for turn in range(spec.turns_per_session):
         if turn == 0:
@@ -169,13 +170,13 @@ def _session_turns(
             think_s = 0.0
         else:
             think_s = shape_rng.expovariate(1.0 / spec.think_time_s) if spec.think_time_s else 0.0
-            num_user_tokens = _jittered(
+            num_user_tokens = jittered(
                 shape_rng, spec.user_tokens_per_turn, spec.length_jitter, minimum=1
             )
             user_ids = random_token_ids(token_rng, num_user_tokens, spec.vocab_size)
             arrival_s += think_s  # earliest arrival: as if the previous turn took no time
-        max_new_tokens = _jittered(shape_rng, spec.output_tokens, spec.length_jitter, minimum=1)
-        turns.append(_Turn(arrival_s, turn, session_id, user_ids, max_new_tokens, think_s))
+        max_new_tokens = jittered(shape_rng, spec.output_tokens, spec.length_jitter, minimum=1)
+        turns.append(DraftTurn(arrival_s, turn, session_id, user_ids, max_new_tokens, think_s))
     return turns
 
 
@@ -201,15 +202,25 @@ def generate_synthetic(spec: SyntheticSpec) -> Workload:
         )
         for index in range(spec.num_system_prompts)
     ]
-    drafts: list[_Turn] = []
+    drafts: list[DraftTurn] = []
     for session_id, start_s in enumerate(_session_starts(spec)):
         drafts.extend(_session_turns(spec, session_id, start_s, system_prompts))
+    requests = in_arrival_order(drafts)
+    name = (
+        f"synthetic(sessions={spec.num_sessions}, turns={spec.turns_per_session}, seed={spec.seed})"
+    )
+    return Workload(requests=requests, name=name, vocab_size=spec.vocab_size)
+
+
+def in_arrival_order(drafts: list[DraftTurn]) -> tuple[Request, ...]:
+    """The drafts of many sessions as requests, ids in arrival order, each later turn a
+    follow-up of its session's turn before it."""
     # Ties: first turns before later turns, then by session. A turn never
     # sorts before its predecessor: earlier-or-equal arrival and a lower turn.
-    drafts.sort(key=lambda draft: (draft.arrival_s, draft.turn, draft.session_id))
-    request_ids = {(d.session_id, d.turn): index for index, d in enumerate(drafts)}
+    ordered = sorted(drafts, key=lambda draft: (draft.arrival_s, draft.turn, draft.session_id))
+    request_ids = {(d.session_id, d.turn): index for index, d in enumerate(ordered)}
     requests = []
-    for index, draft in enumerate(drafts):
+    for index, draft in enumerate(ordered):
         follow_up = None
         if draft.turn > 0:
             follow_up = FollowUp(
@@ -228,7 +239,4 @@ def generate_synthetic(spec: SyntheticSpec) -> Workload:
                 follow_up=follow_up,
             )
         )
-    name = (
-        f"synthetic(sessions={spec.num_sessions}, turns={spec.turns_per_session}, seed={spec.seed})"
-    )
-    return Workload(requests=tuple(requests), name=name, vocab_size=spec.vocab_size)
+    return tuple(requests)
