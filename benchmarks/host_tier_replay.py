@@ -71,11 +71,13 @@ from vllm_policy_hits import (  # noqa: E402
     QUICK_SHAPE,
     QUICK_WORKLOAD,
     SHAPE,
+    VLLM_POLICIES,
     WORKLOAD,
+    ratios,
+    render,
     working_set_blocks,
 )
 
-VLLM_POLICIES = ("lru", "arc")
 DEFAULT_POLICIES = ("lru", "arc", "kvswap")
 FACTORS = (4.0, 2.0)
 CURVE_FACTORS = (8.0, 6.0, 4.0, 3.0, 2.0, 1.5, 1.0)
@@ -248,50 +250,6 @@ def run(case: Case, policy: str, host_chunks: int) -> dict[str, Any]:
         "host_held_mean_chunks": result.held_mean_chunks,
         "_records": records, "_prompts": result.prompts,
     }  # fmt: skip
-
-
-def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Each kvswap policy's hit tokens over the better of vLLM's LRU and ARC (those run)."""
-    best = max((r["hit_tokens"] for r in rows if r["policy"] in VLLM_POLICIES), default=0)
-    if not best:
-        return {}
-    return {
-        r["policy"]: round(r["hit_tokens"] / best, 4)
-        for r in rows
-        if r["policy"] not in VLLM_POLICIES
-    }
-
-
-def render(sized: Sequence[tuple[float, list[dict[str, Any]]]]) -> str:
-    lines = [
-        f"{'host':>5} {'WS/host':>7}  {'policy':<16}{'hit tokens':>11}  {'device / host':<16}"
-        f"{'hit rate':>9}{'prefill computed':>17}{'loads (blocks)':>16}{'evictions':>10}"
-        f"{'refused':>8}{'preempt':>8}{'run s':>7}"
-    ]
-    for factor, rows in sized:
-        for row in rows:
-            split = f"{row['device_hit_tokens']} / {row['host_hit_tokens']}"
-            loads = f"{row['host_loads']} ({row['host_blocks_loaded']})"
-            lines.append(
-                f"{row['host_chunks']:>5} {factor:>6.2f}x  {row['policy']:<16}"
-                f"{row['hit_tokens']:>11}  {split:<16}{100 * row['hit_rate']:>8.1f}%"
-                f"{row['prefill_tokens_computed']:>17}{loads:>16}{row['host_evictions']:>10}"
-                f"{row['refused_stores']:>8}{row['preemptions']:>8}{row['run_s']:>7.1f}"
-            )
-        for policy, value in ratios(rows).items():
-            lines.append(f"{'':>15}{policy} / max(lru, arc) = {value:.3f}")
-    lines.append(f"(host tier in chunks of one {BLOCK_TOKENS}-token block)")
-    lines.append("\nwhat the host tier held, mean chunks (sampled every 50 ticks):")
-    lines.append(f"{'host':>5}  {'policy':<16}{'system':>7}{'thinking':>9}{'running':>8}"
-                 f"{'done':>6}")  # fmt: skip
-    for _, rows in sized:
-        for row in rows:
-            held = row["host_held_mean_chunks"]
-            lines.append(
-                f"{row['host_chunks']:>5}  {row['policy']:<16}{held['system']:>7}"
-                f"{held['thinking']:>9}{held['running']:>8}{held['done']:>6}"
-            )
-    return "\n".join(lines)
 
 
 def validation(sized: dict[float, dict[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
