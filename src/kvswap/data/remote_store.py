@@ -53,7 +53,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvswap.control.remote import RemoteIndex
 from kvswap.data import remote_cluster
-from kvswap.data.redis_options import connection_options
+from kvswap.data.redis_options import server_client
 from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace
 from kvswap.data.remote_format import check_namespace, key_name
 from kvswap.data.remote_outage_log import OutageLog
@@ -71,8 +71,6 @@ MAX_LOOKUP_KEYS = 1024
 #: Bytes per socket read (redis-py's default: 64 KiB): a 1 MiB value arrives in a
 #: few reads instead of sixteen; the price is a 1 MiB buffer per connection.
 DEFAULT_SOCKET_READ_BYTES = MIB
-# Arguments above this size are sent as their own buffers (redis-py's own cutoff).
-_BUFFER_CUTOFF_BYTES = 6000
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 30.0
 
@@ -173,7 +171,7 @@ class RemoteStoreClient(RemoteIndex):
             check_cluster_namespace(namespace)
             self._cluster = LazyCluster(url, self.timeout_s, socket_read_bytes)
         else:
-            self._redis = _make_redis(url, self.timeout_s, socket_read_bytes)
+            self._redis = server_client(url, self.timeout_s, socket_read_bytes)
 
     # --- state ------------------------------------------------------------------
 
@@ -471,52 +469,3 @@ def _found(kind: object, value: object) -> bytes | WrongType | None:
     if isinstance(kind, bytes) and kind not in (b"none", b"string"):
         return WrongType(kind.decode("ascii", "replace"))
     return None  # absent, or a refused read
-
-
-def _make_redis(url: RemoteUrl, timeout_s: float, socket_read_bytes: int) -> redis.Redis:
-    """One client over one pool. No driver retries (an outage is ours to handle), RESP2
-    (every Redis and Valkey speaks it), bytes in and out, and a command packer that
-    sends large values from their own buffers (see `_zero_copy_packer`)."""
-    options = connection_options(url, timeout_s, socket_read_bytes)
-    options.update(db=url.db, health_check_interval=0)
-    packer = _zero_copy_packer()
-    if packer is not None:
-        options["command_packer"] = packer
-    connection_class: type[
-        redis.connection.Connection | redis.connection.UnixDomainSocketConnection
-    ]
-    if url.scheme == "unix":
-        connection_class = redis.connection.UnixDomainSocketConnection
-        options["path"] = url.socket_path
-    else:
-        options.update(host=url.host, port=url.port)
-        connection_class = redis.connection.Connection
-        if url.uses_tls:
-            connection_class = redis.connection.SSLConnection
-            options["ssl_ca_certs"] = url.ssl_ca_certs
-    pool = redis.ConnectionPool(connection_class=connection_class, **options)
-    return redis.Redis(connection_pool=pool)
-
-
-def _zero_copy_packer() -> object | None:
-    """redis-py's pure-Python command packer, which passes a memoryview argument to
-    `sendall` as it is. With hiredis installed redis-py packs every command with
-    hiredis, which copies each value twice (to bytes, then into the packed command):
-    two fresh 1 MiB allocations per block written. None (use the default) where this
-    redis-py has no such packer."""
-    serializer = getattr(redis.connection, "PythonRespSerializer", None)
-    if serializer is None:
-        return None
-    packer: object = serializer(_BUFFER_CUTOFF_BYTES, _encode_argument)
-    return packer
-
-
-def _encode_argument(value: object) -> bytes | bytearray | memoryview:
-    """A command argument as the protocol sends it (the packer's `encode`)."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value).encode()
-    raise TypeError(f"cannot send a {type(value).__name__} to the store")
