@@ -16,6 +16,7 @@ from kvswap.control.eviction_policy import EvictionPolicy
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
+from kvswap.control.policy_reuse import ReusePolicy
 from kvswap.control.scheduler_records import SequenceRun
 from kvswap.control.transfer import Tier
 from kvswap.sim.policy_curve import (
@@ -70,6 +71,7 @@ def test_the_working_set_is_the_reusable_kv_held_between_turns_averaged_over_the
 
 CPU_POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
     "kvswap": KvSwapLowerTierPolicy, "lru": LruPolicy, "arc": ArcPolicy,
+    "reuse": ReusePolicy,
 }  # fmt: skip
 
 
