@@ -67,7 +67,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from kvswap.signals import run_stoppable  # noqa: E402
-from kvswap.sim.policy_curve import CHAT, POLICIES  # noqa: E402
+from kvswap.sim.policy_curve import CHAT, POLICIES, live_blocks, reusable_blocks  # noqa: E402
 from kvswap.units import ceil_div  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec  # noqa: E402
 from machine import machine_record, versions  # noqa: E402
@@ -114,24 +114,17 @@ def working_set_blocks(
     (mean, peak) live reusable blocks."""
     system_blocks = spec.system_prompt_tokens // BLOCK_TOKENS
     turns = {(r["session"], r["turn"]): r for r in requests}
-    events: list[tuple[int, int]] = []
+    intervals = []
     for request in requests:
         previous = turns.get((request["session"], request["turn"] - 1))
-        if previous is None:
-            continue
-        computed = previous["prompt_tokens"] + previous["output_tokens"] - 1
-        blocks = max(0, computed // BLOCK_TOKENS - system_blocks)
-        events += [(previous["finish_tick"], blocks), (request["admitted_tick"], -blocks)]
-    events.sort()
+        if previous is not None:
+            blocks = reusable_blocks(previous["prompt_tokens"], previous["output_tokens"],
+                                     BLOCK_TOKENS, system_blocks)  # fmt: skip
+            intervals.append((previous["finish_tick"], request["admitted_tick"], blocks))
     end = max(r["finish_tick"] for r in requests)
-    live = peak = area = last = 0
-    for tick, change in events:
-        area += live * (tick - last)
-        live += change
-        peak = max(peak, live)
-        last = tick
     shared = min(spec.num_system_prompts, spec.num_sessions) * system_blocks
-    return (area / end if end else 0.0) + shared, peak + shared
+    working_set = live_blocks(intervals, end, shared)
+    return working_set.mean_blocks, working_set.peak_blocks
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:

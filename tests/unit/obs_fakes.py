@@ -7,9 +7,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvswap.drive.summary import percentiles_ms
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.timeseries import DIRECTIONS, TIERS, TimeSeries, TimeSeriesRecorder
+from kvswap.percentiles import percentiles_ms
 from kvswap.workload.synthetic import SyntheticSpec
 
 # A tiny model on a GPU pool too small for the workload: it swaps, preempts and fills

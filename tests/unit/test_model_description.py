@@ -226,4 +226,3 @@ def test_every_identity_field_changes_the_identity() -> None:
 def test_distinct_presets_have_distinct_identities() -> None:
     identities = {_identity(preset_description(name)) for name in PRESET_NAMES}
     assert len(identities) == len(PRESET_NAMES)
-

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvswap.drive.summary import percentiles_ms
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.rates import TrailingRate, format_rate
 from kvswap.obs.tail import DECODE, PREFILL, STEP_CLASSES, SWAP_WAIT, TailLatencies, TailRecorder
 from kvswap.obs.timeseries import TimeSeries, TimeSeriesRecorder
+from kvswap.percentiles import percentiles_ms
 
 from .obs_fakes import Step, samples
 

@@ -16,29 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.transfer import Direction, Tier
+from kvswap.percentiles import percentiles_ms
 
 #: The data plane's remote counters every summary carries (0 when none was reported).
 REMOTE_DATA_PLANE_KEYS = ("corrupt", "skipped_writes", "outages", "already_present")
-
-
-def percentiles_ms(values_s: Sequence[float]) -> dict[str, float]:
-    """{p50, p95, p99} in milliseconds (nearest-rank); zeros when there is no sample."""
-    if not values_s:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
-    ordered = sorted(values_s)
-
-    def rank(fraction: float) -> float:
-        index = max(0, math.ceil(fraction * len(ordered)) - 1)
-        return round(ordered[index] * 1e3, 3)
-
-    return {"p50": rank(0.50), "p95": rank(0.95), "p99": rank(0.99)}
 
 
 def outputs_digest(outputs: Sequence[tuple[int, Sequence[int]]]) -> str:

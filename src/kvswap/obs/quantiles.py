@@ -78,7 +78,7 @@ class LogHistogram:
         return value_s
 
     def quantile_s(self, fraction: float) -> float | None:
-        """Nearest-rank quantile (as `drive.summary.percentiles_ms`); None when empty."""
+        """Nearest-rank quantile (as `kvswap.percentiles.nearest_rank`); None when empty."""
         if self.count == 0:
             return None
         rank = max(1, math.ceil(fraction * self.count))

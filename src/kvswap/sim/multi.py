@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig
 from kvswap.control.transfer import Direction, Tier
-from kvswap.drive.summary import RunSummary, outputs_digest, percentiles_ms
+from kvswap.drive.summary import RunSummary, outputs_digest
+from kvswap.percentiles import percentiles_ms
 from kvswap.progress import RequestProgress
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.remote_store import SharedRemoteStore

@@ -46,7 +46,7 @@ over the run with an unlimited host tier (`live_reuse_blocks`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvswap.config import KvSwapConfig, load_config
@@ -183,13 +183,43 @@ class WorkingSet:
     peak_blocks: int
 
 
+def reusable_blocks(
+    prompt_tokens: int, output_tokens: int, block_tokens: int, system_blocks: int
+) -> int:
+    """The full blocks a turn leaves for its follow-up: its prompt and output but the last
+    sampled token (never fed back), less the shared system prompt's blocks."""
+    computed_tokens = prompt_tokens + output_tokens - 1
+    return max(0, computed_tokens // block_tokens - system_blocks)
+
+
+def live_blocks(
+    intervals: Iterable[tuple[float, float, int]], duration: float, shared_blocks: int
+) -> WorkingSet:
+    """The time-averaged and peak sum of `(from, until, blocks)` intervals over
+    `duration` (any unit of time, the intervals' own), plus `shared_blocks` always live."""
+    events: list[tuple[float, int]] = []
+    for start, end, blocks in intervals:
+        events += [(start, blocks), (end, -blocks)]
+    events.sort()
+    live = peak = 0
+    area = last = 0.0  # live blocks x time
+    for time, change in events:
+        area += live * (time - last)
+        live += change
+        peak = max(peak, live)
+        last = time
+    mean = area / duration if duration > 0 else 0.0
+    return WorkingSet(mean + shared_blocks, peak + shared_blocks)
+
+
 def live_reuse_blocks(
     workload: Workload, runs: Mapping[int, SequenceRun], spec: SyntheticSpec, block_tokens: int
 ) -> WorkingSet:
-    """The working set of a run of `workload` (a synthetic chat made from `spec`)."""
+    """The working set of a run of `workload` (a synthetic chat made from `spec`): each
+    turn's reusable blocks, live from its finish to its follow-up's admission."""
     system_blocks = spec.system_prompt_tokens // block_tokens
-    events: list[tuple[float, int]] = []  # (time, change in live blocks)
-    start_s = end_s = 0.0
+    intervals: list[tuple[float, float, int]] = []
+    end_s = 0.0
     for request in workload.requests:
         run = runs[request.request_id]
         end_s = max(end_s, run.finish_s or 0.0)
@@ -198,23 +228,12 @@ def live_reuse_blocks(
         previous = runs[request.follow_up.previous_request_id]
         if previous.finish_s is None or run.admitted_s is None:
             continue
-        # The previous turn's KV: its prompt and output, but the last sampled token.
-        computed = len(previous.prompt_ids) + len(previous.output_ids) - 1
-        blocks = max(0, computed // block_tokens - system_blocks)
-        events += [(previous.finish_s, blocks), (run.admitted_s, -blocks)]
-    events.sort()
+        blocks = reusable_blocks(
+            len(previous.prompt_ids), len(previous.output_ids), block_tokens, system_blocks
+        )
+        intervals.append((previous.finish_s, run.admitted_s, blocks))
     shared = min(spec.num_system_prompts, spec.num_sessions) * system_blocks
-    live = peak = 0
-    area = 0.0  # live blocks x seconds
-    last_s = start_s
-    for time_s, change in events:
-        area += live * (time_s - last_s)
-        live += change
-        peak = max(peak, live)
-        last_s = time_s
-    duration_s = end_s - start_s
-    mean = area / duration_s if duration_s > 0 else 0.0
-    return WorkingSet(mean + shared, peak + shared)
+    return live_blocks(intervals, end_s, shared)
 
 
 def chat_workload(shape: CurveShape) -> Workload:

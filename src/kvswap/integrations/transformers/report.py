@@ -17,7 +17,7 @@ from itertools import pairwise
 
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.transfer import Direction
-from kvswap.drive.summary import percentiles_ms
+from kvswap.percentiles import percentiles_ms
 
 
 @dataclass(frozen=True)

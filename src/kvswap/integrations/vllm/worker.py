@@ -140,4 +140,3 @@ class KvswapOffloadingWorker(OffloadingWorker):
             int(first_block_index),
             [int(chunk) for chunk in host_spec.block_ids],
         )
-

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvswap.drive.summary import percentiles_ms
 from kvswap.obs.loadgen_findings import http_kind
+from kvswap.percentiles import nearest_rank, percentiles_ms
 
 MAX_LISTED_ERRORS = 20
 
@@ -217,8 +216,7 @@ def fastest_ms(values_s: Sequence[float]) -> float | None:
     """The 10th percentile (nearest rank) in ms: the fast end, without the one outlier."""
     if not values_s:
         return None
-    ordered = sorted(values_s)
-    return round(ordered[max(0, math.ceil(0.10 * len(ordered)) - 1)] * 1e3, 3)
+    return round(nearest_rank(values_s, 0.10) * 1e3, 3)
 
 
 def error_kind(record: RequestRecord) -> str:
@@ -245,7 +243,7 @@ def _spread(values: Sequence[float], digits: int) -> dict[str, float]:
     ordered = sorted(values)
 
     def rank(fraction: float) -> float:
-        return round(ordered[max(0, math.ceil(fraction * len(ordered)) - 1)], digits)
+        return round(nearest_rank(ordered, fraction), digits)
 
     return {"min": round(ordered[0], digits), "p50": rank(0.50), "p95": rank(0.95),
             "max": round(ordered[-1], digits)}  # fmt: skip
