@@ -122,3 +122,25 @@ def test_loadgen_counts_what_vllm_counts(tiny_llama_dir: Path, tmp_path: Path) -
     assert calibrated_rise == replay_counts(calibrated)
     assert calibrated["cached_tokens"] > 0  # the first run's prompts, from vLLM's cache
     assert calibrated["prompt_tokens"] == raw["prompt_tokens"]  # counted whole all the same
+
+
+def test_an_overloaded_vllm_is_diagnosed_as_queueing(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`vllm serve` running one request at a time, 32 one-turn chats arriving together,
+    each generating 64 tokens: the requests queue, and loadgen's report says so from
+    the client's TTFTs alone (rule 7), as it does against `kvswap serve`."""
+    flags = list(SERVER_FLAGS)
+    flags[flags.index("--max-num-seqs") + 1] = "1"
+    with VllmServer(VLLM_VENV, tiny_llama_dir, flags).start() as server:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvswap", "loadgen", "--url", server.base_url, "--json",
+             "--endpoint", "completions", "--no-calibrate", "--num-sessions", "32",
+             "--turns", "1", "--prompt-tokens", "32", "--system-prompt-tokens", "0",
+             "--output-tokens", "64", "--arrival-rate", "1000",
+             "--report", str(tmp_path / "lg")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["requests_completed"] == 32
+    report = json.loads((tmp_path / "lg" / "report.json").read_text())
+    (queued,) = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
+    assert queued["values"]["queue_share"] > 0.5
