@@ -39,6 +39,7 @@ from kvswap.sim.findings import (
     findings,
     run_variants,
 )
+from machine import add_out_argument, keep_result
 
 CHAT_QUICK = FindingsScale(num_sessions=24, turns_per_session=6, prompt_tokens=3000,
                            output_tokens=256, user_tokens_per_turn=64, arrival_rate_per_s=2.0,
@@ -67,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2", help="workload seeds (default 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="the test-scale workloads")
+    add_out_argument(parser)
     args = parser.parse_args()
     seeds = tuple(int(part) for part in args.seeds.split(","))
     chat_scale, burst_scale = (CHAT_QUICK, BURST_QUICK) if args.quick else (CHAT, BURST)
@@ -91,11 +93,13 @@ def main() -> None:
         for name, summaries in {**{f"chat/{k}": v for k, v in chat.items()},
                                 **{f"burst/{k}": v for k, v in burst.items()}}.items()
     }  # fmt: skip
-    print(json.dumps({
+    report = {
         "seeds": list(seeds), "quick": args.quick,
         "wall_s": round(time.perf_counter() - start_s, 1),
         "findings": [f.to_json() for f in rows], "runs": per_seed,
-    }))  # fmt: skip
+    }  # fmt: skip
+    print(json.dumps(report))
+    keep_result(args.out, "article_findings", "article_findings.py", None, report)
 
 
 if __name__ == "__main__":

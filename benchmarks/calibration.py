@@ -38,6 +38,7 @@ from kvswap.sim.hardware import hardware_from_report, hardware_preset
 from kvswap.sim.simulator import Simulator
 from kvswap.units import GIB, MIB
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic
+from machine import add_out_argument, keep_result
 
 CONFIG: dict[str, object] = {
     "kv_block_tokens": 16, "gpu_kv_capacity_blocks": 30, "cpu_kv_capacity_blocks": 256,
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=160)
     parser.add_argument("--output-tokens", type=int, default=32)
+    add_out_argument(parser)
     args = parser.parse_args()
     config = load_config(None, overrides=CONFIG)
     workload = generate_synthetic(SyntheticSpec(
@@ -176,6 +178,7 @@ def main() -> None:
         shown = "n/a" if ratio is None else f"{ratio:.3f}"
         print(f"{label:<22}{m:>16.4g}{p:>16.4g}{shown:>20}")
     print(json.dumps(figures))
+    keep_result(args.out, "calibration", "calibration.py", None, figures)
 
 
 if __name__ == "__main__":

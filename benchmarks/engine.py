@@ -43,6 +43,7 @@ from engine_sections import section_modes, section_pressure, section_recompute, 
 from engine_support import Bench, Result, section_names, warm_up
 from kvswap.commands.outputs import check_output_file
 from kvswap.errors import KvSwapError
+from machine import load_average, result_header
 
 #: name -> (section, why it cannot run here or None); run in this order.
 SECTIONS: dict[str, tuple[Callable[[Bench], Result], Callable[[], str | None]]] = {
@@ -132,6 +133,8 @@ def run_section(
         seconds = time.perf_counter() - start_s
         render(name, result, seconds, stream)
         report["sections"][name] = {"seconds": round(seconds, 1), **result.to_json()}
+    if "machine" in report:  # the load while it ran, not only before
+        report["machine"]["load_average_1_5_15"] = load_average()
     if out:
         Path(out).write_text(to_json(report) + "\n")
 
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = sys.stderr if args.json else sys.stdout
     bench = Bench(args.model, args.device, args.threads, args.quick)
     report: dict[str, Any] = {
-        "benchmark": "engine", "device": args.device, "quick": args.quick, "model": args.model,
+        **result_header("engine", "engine.py", argv),
+        "device": args.device, "quick": args.quick, "model": args.model,
         "torch": torch.__version__, "torch_threads": args.threads,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "sections": {}, "skipped": {}, "failed": {},

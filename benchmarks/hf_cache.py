@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from kvswap.integrations.transformers import TieredCache  # noqa: E402
+from machine import add_out_argument, keep_result  # noqa: E402 - a sibling script in benchmarks/
 
 RESIDENT_SHARE = 0.25
 GOAL = 0.8
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, alternated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     for name in ("layers", "hidden", "prompt_tokens", "new_tokens", "batch", "block_tokens",
                  "threads", "repeats"):  # fmt: skip
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": GOAL,
         "report": asdict(report),
     }  # fmt: skip
+    keep_result(args.out, "hf_cache", "hf_cache.py", argv, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

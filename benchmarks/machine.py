@@ -3,6 +3,10 @@
     record = machine_record()      CPU model, the ISA flags that matter to CPU kernels,
                                    cores (all, and this process's), memory, load
                                    average, the date (UTC) and the git commit
+    header = result_header(...)    what every kept result starts with: the benchmark's
+                                   name, its command line, the machine, the versions
+    add_out_argument(parser)       `--out FILE.json`, checked before a run starts
+    keep_result(args.out, ...)     the header and the figures, written there
 
 Linux-only details (/proc) come back as None elsewhere. The load average is read
 when this is called: call it at the start and again at the end of a run on a
@@ -11,10 +15,13 @@ machine others share, and keep both.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +108,43 @@ def machine_record() -> dict[str, Any]:
         "platform": platform.platform(),
         **git_commit(),
     }
+
+
+def result_header(benchmark: str, script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The first keys of a kept result (benchmarks/render_results.py reads them)."""
+    arguments = sys.argv[1:] if argv is None else argv
+    return {
+        "benchmark": benchmark,
+        "command": " ".join([f"benchmarks/{script}", *arguments]),
+        "machine": machine_record(),
+        "versions": versions(),
+    }
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """`--out FILE.json`: keep the result (`keep_result`), checked before the run starts."""
+
+    def writable(path: str) -> str:
+        from kvswap.commands.outputs import check_output_file
+        from kvswap.errors import KvSwapError
+
+        try:
+            check_output_file(path, "--out")
+        except KvSwapError as error:
+            raise argparse.ArgumentTypeError(str(error).removeprefix("--out ")) from None
+        return path
+
+    parser.add_argument(
+        "--out", metavar="FILE.json", type=writable, default=None,
+        help="keep the result with the machine it ran on (benchmarks/results/ holds the kept ones)",
+    )  # fmt: skip
+
+
+def keep_result(
+    out: str | None, benchmark: str, script: str, argv: list[str] | None, figures: Any
+) -> None:
+    """Write `figures` under the result header to `out` (nothing when it is None)."""
+    if out is None:
+        return
+    kept = {**result_header(benchmark, script, argv), "figures": figures}
+    Path(out).write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")

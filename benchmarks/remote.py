@@ -55,6 +55,7 @@ from kvswap.data.remote_copy import (
 from kvswap.errors import KvSwapError
 from kvswap.signals import Terminated, report_stop, stop_signals_raise
 from kvswap.units import parse_size_bytes
+from machine import result_header
 from remote_bandwidth import section_bandwidth
 from remote_cluster import section_cluster
 from remote_sections import section_second, section_ttft
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(args.model, args.device, args.threads, args.quick)
     report: dict[str, Any] = {
-        "benchmark": "remote", "quick": args.quick, "model": args.model, "device": args.device,
+        **result_header("remote", "remote.py", argv),
+        "quick": args.quick, "model": args.model, "device": args.device,
         "torch_threads": args.threads, "store": "--url" if args.url else "private loopback",
         "sections": {}, "failed": {},
     }  # fmt: skip

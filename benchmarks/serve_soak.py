@@ -40,6 +40,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.unit.serve_fakes import CHILD_DEADLINE_S, child_stderr, kvswap_process, wait_for_line
 
+from machine import add_out_argument, keep_result
+
 GOAL_RSS_RATIO = 1.1
 #: Bounds on waiting for the server; not performance figures.
 REQUEST_TIMEOUT_S = 120.0
@@ -67,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="the server's device (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="the clients' random seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.bursts < 2 or args.burst_size < 1 or args.max_tokens < 2:
         parser.error(
@@ -256,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed: {failure}", file=out)
     if args.json:
         print(json.dumps(report, indent=2))
+    keep_result(args.out, "serve_soak", "serve_soak.py", argv, report)
     return 0 if ratio <= GOAL_RSS_RATIO and not tally.failed and code == 0 else 1
 
 

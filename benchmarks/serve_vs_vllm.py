@@ -20,7 +20,7 @@ and output-token throughput, TTFT and TPOT p50 / p99, with kvswap / vLLM ratios
 
 Both servers are stopped by pid (vLLM by its process group: SIGTERM, SIGKILL
 after a grace period, as it ignores SIGTERM); the checkpoint, the logs and the
-reports are in the temporary directory, removed at the end, unless --out DIR
+reports are in the temporary directory, removed at the end, unless --keep-reports DIR
 keeps the two reports and the comparison page.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py            # 12 layers, hidden 768: ~5 min
@@ -46,6 +46,7 @@ from tests.vllm_support import ROOT, VLLM_VENV, VllmServer, run_script, vllm_ven
 from kvswap.commands.outputs import check_output_dir
 from kvswap.errors import KvSwapError
 from kvswap.signals import run_stoppable
+from machine import add_out_argument, keep_result
 
 #: The checkpoint: the `small` preset's shape (as benchmarks/engine_hf.py), or a
 #: quarter of it with --quick.
@@ -87,20 +88,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, hidden 256")
     parser.add_argument(
-        "--out", metavar="DIR", type=Path, default=None,
+        "--keep-reports", metavar="DIR", type=Path, default=None,
         help="keep the two loadgen reports and the `kvswap report` page here (a new or "
         "empty directory); default: nothing is left on disk",
     )  # fmt: skip
+    add_out_argument(parser)
     return parser.parse_args(argv)
 
 
 def refusal(args: argparse.Namespace) -> str | None:
     """Why this run cannot start (one line), or None."""
-    out = args.out
+    out = args.keep_reports
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return f"--out {out}: not a new or empty directory"
+        return f"--keep-reports {out}: not a new or empty directory"
     try:
-        check_output_dir(None if out is None else str(out), "--out")  # before minutes of runs
+        check_output_dir(None if out is None else str(out), "--keep-reports")  # before the runs
     except KvSwapError as error:
         return str(error)
     return vllm_venv_missing(VLLM_VENV)
@@ -197,18 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         wall_s["vllm"] = round(time.monotonic() - started_s, 1)
         reports = [work / "kvswap", work / "vllm"]
         compare(reports, work / "comparison")
-        if args.out is not None:
+        if args.keep_reports is not None:
             for name in ("kvswap", "vllm", "comparison"):
-                shutil.copytree(work / name, args.out / name, dirs_exist_ok=True)
+                shutil.copytree(work / name, args.keep_reports / name, dirs_exist_ok=True)
     lines, ratios = table(runs)
     print("\n".join(lines))
-    print(json.dumps({
+    report = {
         "checkpoint": {**shape, "dtype": "float32"},
         "trace": " ".join(TRACE).replace(str(ROOT) + "/", ""),
         "servers": {"kvswap": " ".join(flags["kvswap"]), "vllm": " ".join(flags["vllm"])},
         "wall_s": wall_s, **ratios,
         "summaries": {name: {key: run[key] for key in COUNTS} for name, run in runs.items()},
-    }))  # fmt: skip
+    }  # fmt: skip
+    print(json.dumps(report))
+    keep_result(args.out, "serve_vs_vllm", "serve_vs_vllm.py", argv, report)
     return 0
 
 

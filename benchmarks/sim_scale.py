@@ -26,6 +26,7 @@ from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.simulator import Simulator
 from kvswap.sim.trace import load_trace_workload
 from kvswap.sim.tracegen import TraceSpec, generate_trace_rows, write_trace
+from machine import add_out_argument, keep_result
 
 CONFIG: dict[str, object] = {
     "kv_block_tokens": 16, "cpu_kv_capacity_blocks": 100_000,
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=None)
     parser.add_argument("--hardware", default="h200")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_out_argument(parser)
     args = parser.parse_args()
     start_s = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,6 +76,7 @@ def main() -> None:
         f"{figures['steps_per_wall_s']} steps/s (trace loaded in {load_s:.1f} s)"
     )
     print(json.dumps(figures))
+    keep_result(args.out, "sim_scale", "sim_scale.py", None, figures)
 
 
 if __name__ == "__main__":

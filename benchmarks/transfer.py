@@ -20,6 +20,7 @@ Each measured section is a function `section_*(bench) -> dict`; add one to
 SECTIONS to report more keys.
 
     .venv/bin/python benchmarks/transfer.py --num-blocks 200 --block-bytes 1MiB
+    .venv/bin/python benchmarks/transfer.py --out benchmarks/results/transfer.json
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kvswap.data.device_pool import DevicePool  # noqa: E402
 from kvswap.data.host_pool import HostPool  # noqa: E402
 from kvswap.data.layout import KVLayout  # noqa: E402
 from kvswap.units import format_bytes, parse_size_bytes  # noqa: E402
+from machine import add_out_argument, keep_result  # noqa: E402 - a sibling script in benchmarks/
 from policy_cost import section_policy_cost  # noqa: E402 - a sibling script in benchmarks/
 
 
@@ -96,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, help=f"({default_device})")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     args.block_bytes = parse_size_bytes(args.block_bytes, "--block-bytes")
     if args.num_blocks < args.chunk_blocks + args.latency_chunk_blocks:
@@ -480,6 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  round trip and resumes of every block (per-block checksums): {verdict}")
         print_table(report)
         print(json.dumps(report))
+        keep_result(args.out, "transfer", "transfer.py", argv, report)
         if not verified:
             raise SystemExit("a round trip or a resume corrupted bytes")
         return report

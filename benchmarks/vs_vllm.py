@@ -70,6 +70,7 @@ from engine_support import (  # noqa: E402
 from kvswap.commands.outputs import check_output_file  # noqa: E402
 from kvswap.errors import KvSwapError  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
+from machine import result_header  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.vllm_scripts.common import BLOCK_TOKENS as VLLM_BLOCK_TOKENS  # noqa: E402
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stream = sys.stderr if args.json else sys.stdout
     report: dict[str, Any] = {
-        "benchmark": "vs_vllm", "quick": args.quick, "torch": torch.__version__,
+        **result_header("vs_vllm", "vs_vllm.py", argv),
+        "quick": args.quick, "torch": torch.__version__,
         "torch_threads": args.threads, "cpu_count": os.cpu_count(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
         "checkpoint": {**CHECKPOINTS[args.quick], "dtype": "fp32"}, "repeats": args.repeats,
