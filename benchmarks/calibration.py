@@ -27,10 +27,10 @@ import time
 
 import torch
 
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.bench.bandwidth import run_bandwidth_bench
 from kvswap.config import load_config
 from kvswap.control.scheduler_records import ScheduledSeq, StepPlan
-from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.model.presets import preset_description

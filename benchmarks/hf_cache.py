@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from kvswap.model.openmp_env import prefer_passive_openmp_wait
+from kvswap.openmp_env import prefer_passive_openmp_wait
 
 prefer_passive_openmp_wait()  # before torch loads, as the command line does
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Callable
 from functools import partial
 
-from kvswap.control.identity import KeyNamespace, chain_key
+from kvswap.base.identity import KeyNamespace, chain_key
 
 BLOCK_SIZES_TOKENS = (16, 512)
 REPEATS = 7

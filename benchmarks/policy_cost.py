@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from kvswap.control.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
+from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.control.policy import build_policy
-from kvswap.control.transfer import Tier
 
 
 def populate(num_blocks: int) -> tuple[EvictionPolicy, list[BlockFacts]]:

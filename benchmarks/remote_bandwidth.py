@@ -20,7 +20,7 @@ import torch
 from redis.cluster import ClusterNode
 
 from engine_support import Goal, Result, require
-from kvswap.control.transfer import Direction, Priority, TransferChunk
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_copy import RemoteCopyEngine

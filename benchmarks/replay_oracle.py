@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from vllm.v1.kv_offload.base import make_offload_key
 
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy
 from replay_drive import NOW
 from replay_request import chain_hash
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvswap.model.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
+from kvswap.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
 
 # As the `kvswap` entry point does for every command, before anything loads torch.
 prefer_passive_openmp_wait()
@@ -50,7 +50,7 @@ from copy_baselines import (  # noqa: E402 - a sibling script in benchmarks/
     timed_numpy_copy,
     timed_torch_copy,
 )
-from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult  # noqa: E402
+from kvswap.base.transfer import Direction, Priority, TransferChunk, TransferResult  # noqa: E402
 from kvswap.data.copy_engine import LocalCopyEngine  # noqa: E402
 from kvswap.data.device_pool import DevicePool  # noqa: E402
 from kvswap.data.host_pool import HostPool  # noqa: E402

@@ -48,7 +48,7 @@ logs, reports and NVMe directories are in a temporary directory removed at the e
 
 from __future__ import annotations
 
-from kvswap.model.openmp_env import prefer_passive_openmp_wait
+from kvswap.openmp_env import prefer_passive_openmp_wait
 
 # Before anything loads torch, here and (through the environment) in vLLM's processes:
 # idle OpenMP threads sleep; spinning ones starve the copy threads on 2 shared cores.

@@ -6,7 +6,7 @@ command line arranges for itself, before torch loads; a setting of the user's
 wins): tests run servers, copy workers and subprocesses beside the model on
 few cores, where spinning threads slow every step down."""
 
-from kvswap.model.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
+from kvswap.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
 
 prefer_passive_openmp_wait()
 cap_onednn_caches()  # as the command line does: bounded oneDNN primitive caches

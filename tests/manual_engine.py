@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvswap.control.transfer import CopyEngine, TransferChunk, TransferResult
+from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
 
 
 class ManualCopyEngine(CopyEngine):

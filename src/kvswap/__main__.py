@@ -4,7 +4,7 @@ Importing the commands imports torch, which takes seconds; a Ctrl-C or a
 SIGTERM in that time ends with one line and 128 + the signal number, not a
 KeyboardInterrupt traceback from deep inside an import."""
 
-from kvswap.model.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
+from kvswap.openmp_env import cap_onednn_caches, prefer_passive_openmp_wait
 from kvswap.signals import Terminated, report_stop, stop_signals_raise
 
 

@@ -32,10 +32,9 @@ from pydantic import (
     model_validator,
 )
 
-from kvswap.config_capacities import TierCapacities, tier_blocks, validate_capacities
+from kvswap.base.remote_names import REMOTE_URL_SCHEMES, namespace_problem
+from kvswap.config_capacities import SizedRules, TierCapacities, tier_blocks, validate_capacities
 from kvswap.config_sources import read_toml, source_values
-from kvswap.data.remote_format import namespace_problem
-from kvswap.data.remote_url import REMOTE_URL_SCHEMES
 from kvswap.errors import ConfigError
 from kvswap.redact import redact_url
 from kvswap.units import parse_size_bytes
@@ -269,8 +268,14 @@ class KvSwapConfig(_Section):
             "nvme", cache.nvme_kv_capacity_blocks, cache.nvme_kv_capacity_bytes, block_bytes
         )
         capacities = TierCapacities(gpu or 0, cpu or 0, nvme or 0, gpu is not None)
-        validate_capacities(self, capacities, slab_needed=slab_needed)
+        validate_capacities(self.sized_rules(), capacities, slab_needed=slab_needed)
         return capacities
+
+    def sized_rules(self) -> SizedRules:
+        """The fields `validate_capacities` checks against the tiers' sizes."""
+        swap = self.swap
+        return SizedRules(swap.protected_sink_blocks, swap.swap_out_chunk_blocks,
+                          swap.swap_in_chunk_blocks, self.tiers.nvme_dir)  # fmt: skip
 
 
 def _size_or_value_error(value: SizeValue) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult
+from kvswap.base.transfer import Direction, Priority, TransferChunk, TransferResult
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_copy import RemoteCopyEngine

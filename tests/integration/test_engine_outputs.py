@@ -204,7 +204,7 @@ def test_a_full_disk_and_a_failing_copy_worker_cost_transfers_not_outputs(
     import errno
 
     import kvswap.data.block_copy as block_copy
-    from kvswap.control.transfer import Direction
+    from kvswap.base.transfer import Direction
 
     def no_space(*args: object, **kwargs: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")

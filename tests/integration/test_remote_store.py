@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult
+from kvswap.base.transfer import Direction, Priority, TransferChunk, TransferResult
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.host_pool import HostPool

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvswap.base.transfer import Tier
 from kvswap.config import load_config
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.control.transfer import Tier
 from kvswap.drive.backend import StepOutput
 from kvswap.engine import runner as runner_module
 from kvswap.engine.engine import Engine

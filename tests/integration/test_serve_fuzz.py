@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.base.identity import MAX_CACHE_SALT_CHARS
 from tests.integration.test_serve_end_to_end import server
 
 #: The client statuses a request may get; anything else (500, 503) is a server failure.

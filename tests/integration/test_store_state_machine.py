@@ -28,13 +28,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvswap.control.blocks import Block
-from kvswap.control.policy import PolicyOptions
-from kvswap.control.remote import RemoteIndex
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
-from kvswap.control.store_records import StoreLayout
-from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import (
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import (
     REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,
@@ -42,6 +37,11 @@ from kvswap.control.transfer import (
     TransferChunk,
     TransferResult,
 )
+from kvswap.control.blocks import Block
+from kvswap.control.policy import PolicyOptions
+from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
+from kvswap.control.store_records import StoreLayout
+from kvswap.control.swapper import Swapper
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool

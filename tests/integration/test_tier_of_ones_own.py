@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.config import load_config
-from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots, JobResult, SecondaryTier, TransferJob, job_result
 from kvswap.data.tiers.copy_adapter import TierCopyEngine

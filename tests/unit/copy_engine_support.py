@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from kvswap.control.transfer import Direction, Priority, TransferChunk
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvswap.control.identity import KeyNamespace
+from kvswap.base.identity import KeyNamespace
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import Direction, TransferChunk, TransferResult
 from kvswap.control.policy import PolicyOptions
-from kvswap.control.remote import RemoteIndex
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import SchedulerSettings
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Direction, TransferChunk, TransferResult
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.scheduler_support import run_step
 

@@ -7,9 +7,9 @@ ids in an assertion tell whose token is where.
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Direction, Tier, TransferChunk
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.control.transfer import Direction, Tier, TransferChunk
 from tests.manual_engine import ManualCopyEngine
 
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvswap.control import identity
-from kvswap.control.identity import KeyNamespace, chain_key, key_hex
+from kvswap.base import identity
+from kvswap.base.identity import KeyNamespace, chain_key, key_hex
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.store import BlockStore
 from kvswap.control.store_records import StoreLayout
@@ -101,7 +101,7 @@ def test_two_processes_with_different_hash_seeds_derive_the_same_keys() -> None:
     cases = [([1, 2, 3, 4], None), ([2**40, 0, 7, 2**63 - 1], "tenant-a"), ([5] * 16, "")]
     code = (
         "import json, sys\n"
-        "from kvswap.control.identity import KeyNamespace, chain_key\n"
+        "from kvswap.base.identity import KeyNamespace, chain_key\n"
         "ns = KeyNamespace('llama-3-8b/bf16', 4)\n"
         "out = []\n"
         "for ids, salt in json.loads(sys.argv[1]):\n"

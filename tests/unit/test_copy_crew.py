@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.control.transfer import Direction, TransferChunk
+from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.data import block_copy, copy_workers
 from kvswap.data.block_copy import Job
 from kvswap.data.copy_crew import CopyCrew

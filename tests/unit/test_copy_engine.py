@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     REMOTE_DIRECTIONS,
     Direction,
     Priority,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvswap.control.transfer import Direction
+from kvswap.base.transfer import Direction
 from kvswap.data import block_copy
 from kvswap.data.block_copy import Pools
 from kvswap.data.copy_crew import CopyCrew

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvswap.control.transfer import Direction
+from kvswap.base.transfer import Direction
 from kvswap.data import block_copy, copy_workers
 from kvswap.data.block_copy import Job
 from kvswap.data.copy_engine import MAX_PREFETCH_STREAMS, LocalCopyEngine

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvswap.base.transfer import Direction, Tier, direction_between
 from kvswap.control.demotion import tier_pairs
 from kvswap.control.settings import SwapSettings
-from kvswap.control.transfer import Direction, Tier, direction_between
 
 
 def test_pairs_walk_adjacent_slot_tiers_fastest_first_with_their_watermarks() -> None:

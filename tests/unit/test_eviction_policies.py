@@ -16,14 +16,14 @@ from collections.abc import Collection, Iterable
 
 import pytest
 
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.config import load_config
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
 from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.store import BlockStore
 from kvswap.control.store_records import StoreLayout
-from kvswap.control.transfer import Tier
 from kvswap.drive.settings import policy_options
 from kvswap.errors import ConfigError
 

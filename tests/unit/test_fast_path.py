@@ -25,7 +25,8 @@ from kvswap.model.generate import generate_reference, sample_token
 from kvswap.model.linear import LINEAR_TILE_ROWS, SlicedLinear, TiledLinear, make_linear
 from kvswap.model.llama import LlamaForCausal
 from kvswap.model.loader import PRESETS, load_model
-from kvswap.model.openmp_env import (
+from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
+from kvswap.openmp_env import (
     ONEDNN_CACHE_ENTRIES,
     ONEDNN_CACHE_VARIABLES,
     USER_SETTINGS,
@@ -33,7 +34,6 @@ from kvswap.model.openmp_env import (
     model_threads,
     prefer_passive_openmp_wait,
 )
-from kvswap.model.paged_attention import AttentionBatch, build_attention_metadata
 from kvswap.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -276,7 +276,7 @@ def test_generate_runs_in_either_mode_and_refuses_a_bad_switch(
 def test_the_passive_openmp_wait_is_chosen_before_torch_loads_and_never_over_a_user() -> None:
     probe = (
         "import os, sys\n"
-        "from kvswap.model.openmp_env import prefer_passive_openmp_wait\n"
+        "from kvswap.openmp_env import prefer_passive_openmp_wait\n"
         "assert 'torch' not in sys.modules\n"
         "print(prefer_passive_openmp_wait(), os.environ.get('OMP_WAIT_POLICY'))\n"
     )

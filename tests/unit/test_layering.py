@@ -1,12 +1,14 @@
 """The control plane's dependencies point one way.
 
 `kvswap.control` decides in ids, counts and hashes: it imports the standard
-library, itself, and the leaf modules `kvswap.units` / `kvswap.errors` /
+library, itself, the shared vocabulary `kvswap.base` (tiers, transfers, block keys,
+the policy door) and the leaf modules `kvswap.units` / `kvswap.errors` /
 `kvswap.sampling` (a request's sampling, which the scheduler carries to the backend),
 never torch, the data plane, the engine, the simulator, the monitoring or the
 pydantic configuration (settings reach it as plain records from `kvswap.drive`).
-The check reads every import statement of every control module, so a lazy
-import inside a function counts too.
+`kvswap.base` stands below both planes: it imports only `kvswap.errors`, and the
+data plane (`kvswap.data`) never imports the control plane. The check reads every
+import statement of every module, so a lazy import inside a function counts too.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import kvswap.control
 
 CONTROL_DIR = Path(kvswap.control.__file__).parent
+SRC = CONTROL_DIR.parent
 LEAF_MODULES = ("kvswap.units", "kvswap.errors", "kvswap.sampling")
-ALLOWED_KVSWAP = ("kvswap.control", *LEAF_MODULES)
+ALLOWED_KVSWAP = ("kvswap.control", "kvswap.base", *LEAF_MODULES)
 FORBIDDEN_OTHERS = ("torch", "numpy", "pydantic")
 
 
@@ -44,6 +47,25 @@ def test_control_imports_only_itself_and_leaf_modules() -> None:
             if root in FORBIDDEN_OTHERS:
                 offenders.append(f"{path.name}: {name}")
     assert offenders == []
+
+
+def kvswap_imports(directory: Path) -> dict[str, set[str]]:
+    """Every module under `directory` -> the kvswap modules it imports."""
+    found = {}
+    for path in sorted(directory.rglob("*.py")):
+        names = imported_modules(path)
+        found[str(path.relative_to(SRC))] = {n for n in names if n.split(".")[0] == "kvswap"}
+    return found
+
+
+def test_the_shared_vocabulary_imports_nothing_of_kvswap_but_itself_and_errors() -> None:
+    for module, names in kvswap_imports(SRC / "base").items():
+        assert {n for n in names if not n.startswith("kvswap.base")} <= {"kvswap.errors"}, module
+
+
+def test_the_data_plane_never_imports_the_control_plane() -> None:
+    for module, names in kvswap_imports(SRC / "data").items():
+        assert not [n for n in names if n.startswith("kvswap.control")], module
 
 
 def test_the_leaf_modules_import_nothing_of_kvswap_but_errors() -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvswap.base.transfer import Tier
+from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.tiers.base import JobResult, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
@@ -52,9 +54,10 @@ def block(buffer: bytes | bytearray, slot: int) -> bytes:
 def open_tier(tmp_path: Path, host: memoryview) -> Iterator[Callable[..., NvmeTier]]:
     tiers: list[NvmeTier] = []
 
-    def open_one(**options: object) -> NvmeTier:
+    def open_one(eviction_policy: str = "kvswap", **options: object) -> NvmeTier:
         disk = DiskPool(tmp_path, BLOCK_BYTES, NUM_NVME_SLOTS)
-        tiers.append(NvmeTier(host, disk, **options))  # type: ignore[arg-type]
+        policy = named_policy(Tier.NVME, eviction_policy)
+        tiers.append(NvmeTier(host, disk, policy=policy, **options))  # type: ignore[arg-type]
         return tiers[-1]
 
     yield open_one
@@ -174,13 +177,13 @@ def test_a_key_being_written_is_never_a_victim(
 
 
 def test_wrong_options_are_one_line_errors(tmp_path: Path, host: memoryview) -> None:
-    with DiskPool(tmp_path, BLOCK_BYTES, NUM_NVME_SLOTS) as disk:
-        with pytest.raises(ConfigError) as unknown:
-            NvmeTier(host, disk, eviction_policy="fifo")
-        assert "nvme_eviction_policy = 'fifo'" in str(unknown.value)
-        assert "\n" not in str(unknown.value)
+    with pytest.raises(ConfigError) as unknown:
+        named_policy(Tier.NVME, "fifo")
+    assert "nvme_eviction_policy = 'fifo'" in str(unknown.value)
+    assert "\n" not in str(unknown.value)
+    policy = named_policy(Tier.NVME, "kvswap")
     other = DiskPool(tmp_path, 2 * BLOCK_BYTES, NUM_NVME_SLOTS)
     with other, pytest.raises(ValueError, match="must match"):
-        NvmeTier(host, other)
+        NvmeTier(host, other, policy=policy)
     with pytest.raises(ValueError, match="2-D uint8"):
-        NvmeTier(memoryview(bytearray(BLOCK_BYTES)), other)
+        NvmeTier(memoryview(bytearray(BLOCK_BYTES)), other, policy=policy)

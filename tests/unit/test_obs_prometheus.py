@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvswap.base.transfer import Tier
 from kvswap.config import load_config
 from kvswap.control.metrics import KVMetrics
-from kvswap.control.transfer import Tier
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError

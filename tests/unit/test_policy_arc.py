@@ -17,13 +17,13 @@ import random
 
 import pytest
 
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.config import load_config
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, PolicyOptions
 from kvswap.control.policy import build_policy
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.store import BlockStore
 from kvswap.control.store_records import StoreLayout
-from kvswap.control.transfer import Tier
 from kvswap.drive.settings import policy_options
 
 

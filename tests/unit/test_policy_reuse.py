@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from kvswap.control.eviction_policy import BlockFacts, PolicyOptions
+from kvswap.base.eviction_policy import BlockFacts, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.control.policy import build_policy
 from kvswap.control.policy_reuse import DEAD_GAPS, ReusePolicy
-from kvswap.control.transfer import Tier
 from tests.unit.test_eviction_policies import drain, facts
 
 HELD = facts()  # referenced by a running request (its blocks are on the device)

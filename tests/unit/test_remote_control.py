@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from kvswap.base.identity import chain_key
+from kvswap.base.transfer import Direction, Priority, Tier
 from kvswap.config import load_config
-from kvswap.control.identity import chain_key
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
-from kvswap.control.transfer import Direction, Priority, Tier
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import StepTotals, build_summary

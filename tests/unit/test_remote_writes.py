@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.settings import RemoteWritePolicy
-from kvswap.control.transfer import Direction, Priority, Tier, TransferChunk
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import (
     FakeStore,

@@ -13,13 +13,13 @@ the documented intent; when the code is fixed, flip their assertions.
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import FinishReason, Preemption, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Direction, Priority, Tier, TransferChunk
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.scheduler_support import chunks, computed, output_token, placement, run_step
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.base.identity import MAX_CACHE_SALT_CHARS
 from kvswap.sampling import LogitsOptions
 from kvswap.serve.errors import ApiError
 from kvswap.serve.http_generation import MAX_RESPONSE_LOGPROBS, plan_generation

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Direction, Tier
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Direction, Tier
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.test_eviction_policies import FifoPolicy
 

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.bench.report import BenchReport, BenchResult
 from kvswap.control.scheduler_records import ScheduledSeq
-from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.errors import KvSwapError
 from kvswap.model.presets import preset_description
 from kvswap.sim.clock import VirtualClock

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.control.eviction_policy import EvictionPolicy
+from kvswap.base.eviction_policy import EvictionPolicy
+from kvswap.base.transfer import Tier
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.policy_reuse import ReusePolicy
 from kvswap.control.scheduler_records import SequenceRun
-from kvswap.control.transfer import Tier
 from kvswap.sim.policy_curve import (
     CHAT_QUICK,
     POLICIES,

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.config import load_config
 from kvswap.control.settings import RemoteWritePolicy
-from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine

@@ -14,8 +14,8 @@ import math
 
 import pytest
 
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.bench.report import BenchReport, BenchResult
-from kvswap.control.transfer import Direction, Priority, TransferChunk
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.hardware import (

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Direction, Priority, Tier
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import Direction, Priority, Tier
 from tests.manual_engine import ManualCopyEngine
 
 BT = 4  # tokens per block: tiny, so a few tokens fill a block

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvswap.base.transfer import Tier
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import Tier
 
 
 def test_slots_go_lowest_first_and_the_last_released_comes_back_first() -> None:

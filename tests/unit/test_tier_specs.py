@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvswap.control.blocks import Block, Copy
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     LOCAL_TIERS,
     REMOTE_DIRECTIONS,
     SLOT_TIERS,
@@ -13,6 +12,7 @@ from kvswap.control.transfer import (
     Direction,
     Tier,
 )
+from kvswap.control.blocks import Block, Copy
 
 
 def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:

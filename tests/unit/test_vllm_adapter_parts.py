@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvswap.control.identity import KEY_BYTES
-from kvswap.control.transfer import Direction, Priority, TransferChunk, TransferResult
+from kvswap.base.identity import KEY_BYTES
+from kvswap.base.transfer import Direction, Priority, TransferChunk, TransferResult
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.host_pool import HostPool
 from kvswap.errors import ConfigError, KvSwapError

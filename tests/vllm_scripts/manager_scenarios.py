@@ -23,7 +23,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
 from kvswap.integrations.vllm.host_report import HostReport

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         # The GPU tier came from the GPU's size: hold it to the rules a configured one
         # meets (protected blocks and chunks vs the tier), as `simulate` does.
         derived = dataclasses.replace(capacities, num_gpu_blocks=plan.gpu_kv_capacity_blocks)
-        validate_capacities(config, derived, slab_needed=False)
+        validate_capacities(config.sized_rules(), derived, slab_needed=False)
     # allow_nan=False: NaN and Infinity are not JSON; the checks above keep them out, and
     # should one slip through this fails rather than print what no JSON reader takes.
     assumptions = {

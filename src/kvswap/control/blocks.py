@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.control.transfer import LOCAL_TIERS, TIER_SPECS, TIERS_BELOW, Tier
+from kvswap.base.transfer import LOCAL_TIERS, TIER_SPECS, TIERS_BELOW, Tier
 
 
 @dataclass(slots=True)

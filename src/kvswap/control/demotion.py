@@ -43,6 +43,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvswap.base.transfer import SLOT_TIERS, Direction, Priority, Tier, direction_between
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
@@ -50,7 +51,6 @@ from kvswap.control.remote_tier import RemoteTier
 from kvswap.control.room import make_room
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import SLOT_TIERS, Direction, Priority, Tier, direction_between
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvswap.base.transfer import CPU_TIER, GPU_TIER, Direction, Priority
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.demotion import Demoter
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
 from kvswap.control.room import make_room
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import CPU_TIER, GPU_TIER, Direction, Priority
 
 
 class Evictor:

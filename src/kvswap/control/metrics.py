@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.control.transfer import Direction, Tier
+from kvswap.base.transfer import Direction, Tier
 
 
 @dataclass

@@ -28,10 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvswap.control.blocks import Block, Copy
-from kvswap.control.metrics import KVMetrics
-from kvswap.control.store import BlockStore
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     CPU_TO_REMOTE,
     GPU_TIER,
     HIGH_PRIORITY,
@@ -44,6 +41,9 @@ from kvswap.control.transfer import (
     TransferChunk,
     TransferResult,
 )
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.store import BlockStore
 
 #: Called with each chunk and its blocks as it is submitted (a read-only look: the
 #: simulator counts swap-ins per block through it).

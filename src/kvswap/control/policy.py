@@ -20,20 +20,20 @@ from __future__ import annotations
 
 import importlib
 
-from kvswap.control.eviction_policy import (
+from kvswap.base.eviction_policy import (
     BUILTIN_POLICY_NAMES,
     EvictionPolicy,
     PolicyOptions,
     policy_field,
 )
+from kvswap.base.transfer import Tier
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.policy_reuse import ReusePolicy
-from kvswap.control.transfer import Tier
 from kvswap.errors import ConfigError
 
-__all__ = ["PolicyOptions", "build_policy", "check_policy_names", "policy_class"]
+__all__ = ["PolicyOptions", "build_policy", "check_policy_names", "named_policy", "policy_class"]
 
 _ALLOWED = (
     f"{', '.join(repr(name) for name in BUILTIN_POLICY_NAMES[:-1])} or "
@@ -88,6 +88,17 @@ def build_policy(tier: Tier, options: PolicyOptions, *, field: str | None = None
             f"{field} = {options.policy_name(tier)!r}: {cls.__name__}(tier, options) "
             f"failed ({_one_line(error)}); allowed: {_ALLOWED}"
         ) from None
+
+
+def named_policy(tier: Tier, name: str) -> EvictionPolicy:
+    """`tier`'s policy by its name alone (a keyed tier of an adapter: the NVMe slab under
+    vLLM or SGLang), the other switches at their defaults."""
+    named = {
+        Tier.GPU: PolicyOptions(gpu_eviction_policy=name),
+        Tier.CPU: PolicyOptions(cpu_eviction_policy=name),
+        Tier.NVME: PolicyOptions(nvme_eviction_policy=name),
+    }
+    return build_policy(tier, named[tier])
 
 
 def check_policy_names(options: PolicyOptions) -> None:

@@ -66,9 +66,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.control.policy_recency import RecencyEntry, RecencyHeap
-from kvswap.control.transfer import Tier
 
 
 class ArcState(NamedTuple):

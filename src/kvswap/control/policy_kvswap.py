@@ -43,8 +43,8 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from typing import ClassVar
 
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.control.transfer import Tier
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 
 
 class RankedLru:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.control.policy_recency import RecencyEntry, RecencyHeap
-from kvswap.control.transfer import Tier
 
 
 class LruPolicy(EvictionPolicy):

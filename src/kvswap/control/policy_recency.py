@@ -19,7 +19,7 @@ import heapq
 import itertools
 from collections.abc import Collection
 
-from kvswap.control.eviction_policy import BlockKey
+from kvswap.base.eviction_policy import BlockKey
 
 #: A heap entry: (stamp, key). Stamps are unique, so keys are never compared.
 RecencyEntry = tuple[int, BlockKey]

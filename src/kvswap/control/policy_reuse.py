@@ -43,8 +43,8 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.control.transfer import Tier
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 
 #: A copy idle this many first-reuse gaps is taken for dead.
 DEAD_GAPS = 3.0

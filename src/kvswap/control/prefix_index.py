@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvswap.control import identity
+from kvswap.base import identity
 from kvswap.control.blocks import Block, same_prefix
 
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import Direction, Priority, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
-from kvswap.control.remote import RemoteIndex
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import Direction, Priority, Tier
 
 
 class RemoteTier:

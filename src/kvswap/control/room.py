@@ -8,10 +8,10 @@ first hop (NVMe or remote -> CPU).
 
 from __future__ import annotations
 
+from kvswap.base.transfer import Tier
 from kvswap.control.blocks import Block, Copy, is_ancestor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.store import BlockStore
-from kvswap.control.transfer import Tier
 
 
 def make_room(

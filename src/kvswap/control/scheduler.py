@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from kvswap.control.identity import check_cache_salt
+from kvswap.base.identity import check_cache_salt
 from kvswap.control.request_fault import RequestFailed, blame, failure_reason
 from kvswap.control.scheduler_records import (
     ACCEPTED,

@@ -41,7 +41,7 @@ DEFAULT_MAX_LOOKUP_BLOCKS = 512
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    """How the swapper uses a shared remote store (`kvswap.control.remote`).
+    """How the swapper uses a shared remote store (`kvswap.base.remote_index`).
 
     `namespace` is the store's key prefix; it is the model fingerprint (weights
     included) unless the configuration names one, so two models never share KV.

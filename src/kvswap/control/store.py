@@ -32,15 +32,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvswap.control import identity
+from kvswap.base import identity
+from kvswap.base.eviction_policy import EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.control.blocks import Block, Copy
-from kvswap.control.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
-from kvswap.control.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
@@ -489,5 +489,5 @@ class BlockStore:
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
         references equal the tables that hold each block (`store_integrity`)."""
-        check_store_integrity(self)
+        check_store_integrity(self.tiers, self.blocks, self.sequences, self.num_remote_copies)
         self._policies.check_integrity()

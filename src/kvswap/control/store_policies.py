@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
 from kvswap.control.blocks import Block, Copy
-from kvswap.control.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
 from kvswap.control.policy import build_policy
-from kvswap.control.transfer import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
 
 #: The tiers with an eviction policy (remote copies take no slot here: nothing to evict).
 POLICY_TIERS = (Tier.GPU, Tier.CPU, Tier.NVME)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvswap.control.identity import KeyNamespace
+from kvswap.base.identity import KeyNamespace
 
 
 @dataclass(frozen=True)

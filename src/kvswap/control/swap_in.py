@@ -12,12 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvswap.control.blocks import Block, Copy
-from kvswap.control.eviction import Evictor
-from kvswap.control.metrics import KVMetrics
-from kvswap.control.mover import Mover
-from kvswap.control.store import BlockStore
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     CPU_TIER,
     CPU_TO_GPU,
     GPU_TIER,
@@ -28,6 +23,11 @@ from kvswap.control.transfer import (
     REMOTE_TO_CPU,
     Tier,
 )
+from kvswap.control.blocks import Block, Copy
+from kvswap.control.eviction import Evictor
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.mover import Mover
+from kvswap.control.store import BlockStore
 
 
 @dataclass(frozen=True)

@@ -30,19 +30,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvswap.control.blocks import Block
-from kvswap.control.demotion import Demoter
-from kvswap.control.eviction import Evictor
-from kvswap.control.eviction_policy import PolicyOptions
-from kvswap.control.metrics import KVMetrics
-from kvswap.control.mover import Mover, SubmitHook
-from kvswap.control.remote import RemoteIndex
-from kvswap.control.remote_tier import RemoteTier
-from kvswap.control.settings import RemoteSettings, SwapSettings
-from kvswap.control.store import BlockStore
-from kvswap.control.store_records import StoreLayout
-from kvswap.control.swap_in import SwapIn, WaitResult
-from kvswap.control.transfer import (
+from kvswap.base.eviction_policy import PolicyOptions
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import (
     CPU_TIER,
     GPU_TIER,
     REMOTE_TIER,
@@ -51,6 +41,16 @@ from kvswap.control.transfer import (
     Priority,
     Tier,
 )
+from kvswap.control.blocks import Block
+from kvswap.control.demotion import Demoter
+from kvswap.control.eviction import Evictor
+from kvswap.control.metrics import KVMetrics
+from kvswap.control.mover import Mover, SubmitHook
+from kvswap.control.remote_tier import RemoteTier
+from kvswap.control.settings import RemoteSettings, SwapSettings
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
+from kvswap.control.swap_in import SwapIn, WaitResult
 
 #: The directions a pinned-pool copy leaves by for a tier below it.
 _DOWN_FROM_CPU = frozenset({Direction.CPU_TO_NVME, Direction.CPU_TO_REMOTE})

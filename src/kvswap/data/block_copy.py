@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvswap.control.transfer import Direction, TransferChunk, TransferResult
+from kvswap.base.transfer import Direction, TransferChunk, TransferResult
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool

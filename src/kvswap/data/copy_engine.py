@@ -1,6 +1,6 @@
 """The real copy engine: executes the control plane's chunks between the pools.
 
-`LocalCopyEngine` implements `kvswap.control.transfer.CopyEngine` over a
+`LocalCopyEngine` implements `kvswap.base.transfer.CopyEngine` over a
 device pool, a pinned host pool and (optionally) an NVMe slab. It decides
 nothing: the swapper picks slots, directions and priorities; this engine moves
 the bytes and reports, for every chunk, its id, bytes, start/end times (wall
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     Direction,
     Priority,
     Tier,

@@ -49,7 +49,7 @@ from typing import Protocol
 
 import torch
 
-from kvswap.control.transfer import Priority, TransferResult
+from kvswap.base.transfer import Priority, TransferResult
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.cpu_copies import CpuChunk

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvswap.control.transfer import TransferResult
+from kvswap.base.transfer import TransferResult
 from kvswap.data import block_copy
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools
 from kvswap.data.copy_crew import BatchOutcome, CopyCrew

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvswap.control.transfer import TransferResult
+from kvswap.base.transfer import TransferResult
 from kvswap.data import block_copy
 from kvswap.data.block_copy import Job, Pools
 

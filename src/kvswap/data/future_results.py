@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Generic, Protocol, TypeVar
 
-from kvswap.control.transfer import CopyEngine, TransferChunk, TransferResult
+from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
 from kvswap.data.block_copy import failed_result
 
 #: How often a waiter checks that the lane it waits on is still alive.

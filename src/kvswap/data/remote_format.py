@@ -53,7 +53,8 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from kvswap.control.identity import KEY_BYTES, key_hex
+from kvswap.base.identity import KEY_BYTES, key_hex
+from kvswap.base.remote_names import namespace_problem
 from kvswap.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ HEADER_BYTES = _HEADER.size  # 40
 LAYOUT_FINGERPRINT_BYTES = 8
 KEY_DIGEST_BYTES = 8
 #: Longest namespace accepted (characters); keys stay short next to their values.
-MAX_NAMESPACE_CHARS = 200
 
 RejectReason = Literal["short", "magic", "version", "layout", "key", "length", "checksum"]
 
@@ -95,18 +95,6 @@ def key_digest(store_key: bytes) -> bytes:
     return hashlib.blake2b(
         store_key, digest_size=KEY_DIGEST_BYTES, person=b"kvswap-key-v1"
     ).digest()
-
-
-def namespace_problem(namespace: object) -> str | None:
-    """Why `namespace` is no usable key prefix (printable, no spaces, 1..200 characters),
-    or None: the one rule, for the store and for the configuration that names it."""
-    if (
-        not isinstance(namespace, str)
-        or not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS
-        or any(char.isspace() or not char.isprintable() for char in namespace)
-    ):
-        return f"allowed: 1 to {MAX_NAMESPACE_CHARS} printable characters without spaces"
-    return None
 
 
 def check_namespace(namespace: str) -> str:

@@ -51,7 +51,7 @@ from redis.exceptions import AuthenticationError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvswap.control.remote import RemoteIndex
+from kvswap.base.remote_index import RemoteIndex
 from kvswap.data import remote_cluster
 from kvswap.data.redis_options import server_client
 from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
+from kvswap.base.remote_names import CLUSTER_SCHEMES
 from kvswap.config_sources import REMOTE_PASSWORD_VARIABLE
 from kvswap.errors import ConfigError
 from kvswap.redact import MASK, redact_url
@@ -51,15 +52,6 @@ _ALLOWED = (
     "redis://[user][:password]@host[:port][/db], rediss://... (TLS), unix:///path/to.sock[?db=N], "
     "redis+cluster://host:port[,host:port...] (or rediss+, valkey+, valkeys+cluster://)"
 )
-#: A cluster's scheme -> the scheme of its nodes (Valkey speaks the same protocol).
-CLUSTER_SCHEMES = {
-    "redis+cluster": "redis",
-    "rediss+cluster": "rediss",
-    "valkey+cluster": "redis",
-    "valkeys+cluster": "rediss",
-}
-#: Every scheme `remote_url` accepts (the config's first check names them).
-REMOTE_URL_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
 # Query parameters each scheme understands.
 _QUERY_KEYS: dict[str, frozenset[str]] = {
     "redis": frozenset(),

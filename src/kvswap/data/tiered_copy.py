@@ -14,7 +14,7 @@ by id alone.
 
 from __future__ import annotations
 
-from kvswap.control.transfer import REMOTE_DIRECTIONS, CopyEngine, TransferChunk, TransferResult
+from kvswap.base.transfer import REMOTE_DIRECTIONS, CopyEngine, TransferChunk, TransferResult
 
 
 class TieredCopyEngine(CopyEngine):

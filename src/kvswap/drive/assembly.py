@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import CopyEngine
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import SubmitHook
-from kvswap.control.remote import RemoteIndex
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import CopyEngine
 from kvswap.drive.settings import ControlSettings
 
 

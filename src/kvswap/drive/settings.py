@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvswap.base.identity import KeyNamespace
 from kvswap.config import KvSwapConfig
 from kvswap.config_capacities import TierCapacities
-from kvswap.control.identity import KeyNamespace
 from kvswap.control.policy import PolicyOptions, check_policy_names
 from kvswap.control.scheduler_records import Preemption, SchedulerSettings
 from kvswap.control.settings import (

@@ -19,9 +19,9 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvswap.base.transfer import Direction, Tier
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
-from kvswap.control.transfer import Direction, Tier
 from kvswap.percentiles import percentiles_ms
 
 #: The data plane's remote counters every summary carries (0 when none was reported).

@@ -22,8 +22,8 @@ from types import TracebackType
 
 import torch
 
+from kvswap.base.transfer import CopyEngine
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.control.transfer import CopyEngine
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
@@ -41,8 +41,8 @@ from kvswap.engine.settings import EngineSettings, pick_device
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
 from kvswap.model.loader import load_model
-from kvswap.model.openmp_env import model_threads
 from kvswap.obs.observer import StepObserver
+from kvswap.openmp_env import model_threads
 from kvswap.progress import RequestProgress
 from kvswap.sampling import SamplingParams
 from kvswap.signals import Terminated

@@ -61,9 +61,9 @@ class EngineOptions:
     """What a command says beyond the configuration: the model (a preset's name or a
     checkpoint directory, `kvswap.model.choice`), its dtype (None: the checkpoint's),
     and the threads for the model on a CPU device (None: OMP_NUM_THREADS when the
-    user set it, else every core, `kvswap.model.openmp_env.model_threads`; the copy
+    user set it, else every core, `kvswap.openmp_env.model_threads`; the copy
     workers sleep while idle, and the command line makes idle OpenMP threads sleep
-    too, `kvswap.model.openmp_env`, so a copy finds a free core). `secondary_tier`: the
+    too, `kvswap.openmp_env`, so a copy finds a free core). `secondary_tier`: the
     key-addressed tier, a factory called once the pinned pool exists
     (`kvswap.data.tiers.base`); it replaces the Redis store of `remote_url` and needs
     no URL (the `remote_*` write settings still apply). None: that store, if any."""
@@ -180,7 +180,7 @@ def _capacities(
         utilization, arch, block_bytes, cuda=pick_device(config.engine.device).type == "cuda"
     )
     sized = dataclasses.replace(capacities, num_gpu_blocks=num_gpu_blocks, gpu_is_configured=True)
-    validate_capacities(config, sized)
+    validate_capacities(config.sized_rules(), sized)
     return sized
 
 

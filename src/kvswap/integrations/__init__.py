@@ -8,6 +8,6 @@ kvswap's policy, copy engine and tiers, and hold no policy or tier logic of thei
 
 Which block leaves the device is an `EvictionPolicy`'s call, moves are the
 `Swapper`'s and the copy engine's, values are checked by `remote_format`, block
-keys come from `control.identity`. Each adapter imports its engine's package, which
+keys come from `base.identity`. Each adapter imports its engine's package, which
 kvswap itself does not depend on, and only when that adapter is loaded.
 """

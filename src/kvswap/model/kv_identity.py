@@ -1,7 +1,7 @@
 """THE identity of a block's bytes: the one namespace every engine kvswap serves keys in.
 
 A KV block is a function of its tokens and of everything that computed it. The
-tokens are chained into the block key (`kvswap.control.identity`); everything
+tokens are chained into the block key (`kvswap.base.identity`); everything
 else is this record, digested into the `KeyNamespace` the chain is rooted in:
 
     compute      whose kernels made the bytes, in which mode, on which device
@@ -28,7 +28,7 @@ switches, training-only settings, bookkeeping). A key not on that list counts,
 so a field an engine reads that kvswap has never heard of still splits the
 namespace: erring that way costs hits, never correctness.
 
-Torch-free (the standard library and `kvswap.control.identity`).
+Torch-free (the standard library and `kvswap.base.identity`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvswap.control.identity import KeyNamespace
+from kvswap.base.identity import KeyNamespace
 from kvswap.errors import KvSwapError
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.description import ModelDescription

@@ -12,9 +12,9 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvswap.base.transfer import Direction, Tier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.control.transfer import Direction, Tier
 
 
 @dataclass(frozen=True)

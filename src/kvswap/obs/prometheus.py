@@ -75,8 +75,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
+from kvswap.base.transfer import Direction, Tier
 from kvswap.control.metrics import KVMetrics
-from kvswap.control.transfer import Direction, Tier
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or
 from kvswap.obs.observer import StepObserver, StepSample

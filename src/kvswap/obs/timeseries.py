@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvswap.control.transfer import Direction, Tier
+from kvswap.base.transfer import Direction, Tier
 from kvswap.obs.jsonvalues import as_mapping, float_map, int_map, integer_or, lookup, number_or
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram

@@ -31,7 +31,7 @@ from pydantic import (
     field_validator,
 )
 
-from kvswap.control.identity import MAX_CACHE_SALT_CHARS
+from kvswap.base.identity import MAX_CACHE_SALT_CHARS
 from kvswap.errors import KvSwapError
 from kvswap.readers import parse_json
 from kvswap.sampling import (
@@ -190,7 +190,7 @@ class _Sampling(StrictBody):
     @field_validator("cache_salt", mode="after")
     @classmethod
     def _cache_salt(cls, value: str | None) -> str | None:
-        """The engine's rule (kvswap.control.identity), checked here: a salt it refuses
+        """The engine's rule (kvswap.base.identity), checked here: a salt it refuses
         must never reach its thread."""
         if value is None:
             return None

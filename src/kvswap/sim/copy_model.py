@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 
-from kvswap.control.transfer import (
+from kvswap.base.transfer import (
     REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvswap.control.transfer import Priority, TransferChunk
+from kvswap.base.transfer import Priority, TransferChunk
 
 
 @dataclass

@@ -22,8 +22,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvswap.base.transfer import Direction, Tier
 from kvswap.config import KvSwapConfig
-from kvswap.control.transfer import Direction, Tier
 from kvswap.drive.summary import RunSummary, outputs_digest
 from kvswap.percentiles import percentiles_ms
 from kvswap.progress import RequestProgress

@@ -49,9 +49,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from kvswap.base.transfer import Tier
 from kvswap.config import KvSwapConfig, load_config
 from kvswap.control.scheduler_records import SequenceRun
-from kvswap.control.transfer import Tier
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.hit_rate import HitRatePoint
 from kvswap.sim.simulator import Simulator

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvswap.control.remote import RemoteIndex
+from kvswap.base.remote_index import RemoteIndex
 from kvswap.sim.clock import VirtualClock
 
 

@@ -57,7 +57,7 @@ def resolve_setup(
     budget = hardware.gpu_mem_bytes - weights - hardware.gpu_reserve_bytes
     if not capacities.gpu_is_configured:
         capacities = dataclasses.replace(capacities, num_gpu_blocks=max(0, budget) // block_bytes)
-        validate_capacities(config, capacities)
+        validate_capacities(config.sized_rules(), capacities)
     if capacities.num_gpu_blocks < 1:
         raise ConfigError(
             f"{hardware.name}: {format_bytes(hardware.gpu_mem_bytes)} of GPU memory leaves no room "

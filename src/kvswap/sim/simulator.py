@@ -30,12 +30,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvswap.base.transfer import Direction, Tier, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.control.transfer import Direction, Tier, TransferChunk
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver, drive

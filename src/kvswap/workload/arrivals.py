@@ -14,13 +14,32 @@ import heapq
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvswap.control.scheduler import Scheduler
 from kvswap.sampling import SamplingParams, workload_request_seed
 from kvswap.workload.request import Workload, resolve_prompt
 
 
 class IdleClock(Protocol):
     def idle_until(self, t_s: float) -> None: ...
+
+
+class Answer(Protocol):
+    @property
+    def accepted(self) -> bool: ...
+
+
+class Admits(Protocol):
+    """Where requests enter: a scheduler (`kvswap.control.scheduler.Scheduler`)."""
+
+    def add_request(
+        self,
+        seq_id: int,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        arrival_s: float,
+        *,
+        cache_salt: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Answer: ...
 
 
 class ArrivalQueue:
@@ -48,7 +67,7 @@ class ArrivalQueue:
         if next_s is not None:
             backend.idle_until(next_s)
 
-    def admit_due(self, scheduler: Scheduler, now_s: float) -> None:
+    def admit_due(self, scheduler: Admits, now_s: float) -> None:
         """Hand every request arrived by `now_s` to the scheduler."""
         while self._heap and self._heap[0][0] <= now_s:
             arrival_s, request_id = heapq.heappop(self._heap)

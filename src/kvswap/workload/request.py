@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.control.identity import check_cache_salt
+from kvswap.base.identity import check_cache_salt
 from kvswap.errors import KvSwapError
 
 

@@ -7,7 +7,7 @@ later hand kvswap's tiers to vLLM: `lookup`, `submit_store(job)`,
 `submit_load(job)`, `get_finished_jobs()`, results with `success` and the keys
 that did succeed. A secondary tier never touches GPU memory: every byte moves
 between it and the host pool (vLLM's primary tier), which it sees as one byte
-view, and is named by its 32-byte block key (`kvswap.control.identity`):
+view, and is named by its 32-byte block key (`kvswap.base.identity`):
 
     host_slots: [num_host_slots, block_bytes] uint8  (numpy array or 2-D memoryview)
     store   host_slots[job.host_slots[i]]  ->  the tier, as job.keys[i]
@@ -53,7 +53,7 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
-from kvswap.control.identity import KEY_BYTES
+from kvswap.base.identity import KEY_BYTES
 
 #: The host pool as a tier sees it: [num_host_slots, block_bytes] uint8, rows contiguous.
 HostSlots = npt.NDArray[np.uint8]

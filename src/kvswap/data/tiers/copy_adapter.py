@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvswap.control.remote import RemoteIndex
-from kvswap.control.transfer import (
+from kvswap.base.remote_index import RemoteIndex
+from kvswap.base.transfer import (
     REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,

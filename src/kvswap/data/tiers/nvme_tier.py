@@ -5,9 +5,9 @@
                                                 BAD:     failed a read; dropped with its
                                                          last reader
     free     slots no key holds
-    policy   kvswap's eviction policy by name ("kvswap", "lru", or "package.module:Class",
-             `kvswap.control.policy.build_policy`) over the keys held; one lock guards
-             all three, and the copies run outside it
+    policy   the eviction policy the caller built for the NVMe tier (the adapters:
+             `kvswap.control.policy.build_policy` by name) over the keys held; one lock
+             guards all three, and the copies run outside it
 
 A store job (on a store lane), key by key:
     held already (READY or WRITING)    succeeds without a copy: a block never changes
@@ -39,9 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from kvswap.control.eviction_policy import BlockFacts, PolicyOptions
-from kvswap.control.policy import build_policy
-from kvswap.control.transfer import Tier
+from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy
 from kvswap.data.disk_pool import DiskPool, DiskSlotError
 from kvswap.data.tiers.base import HostSlots, JobResult, TransferJob, as_host_slots, job_result
 from kvswap.data.tiers.lanes import LaneTier, Totals
@@ -98,7 +96,7 @@ class NvmeTier(LaneTier):
         host_slots: memoryview | HostSlots,
         disk: DiskPool,
         *,
-        eviction_policy: str = "kvswap",
+        policy: EvictionPolicy,
         num_read_lanes: int = 1,
         num_write_lanes: int = 1,
         clock: Callable[[], float] = time.perf_counter,
@@ -110,8 +108,7 @@ class NvmeTier(LaneTier):
                 "they must match"
             )
         self.disk = disk
-        # A bad name is a one-line ConfigError, before any thread starts.
-        self._policy = build_policy(Tier.NVME, PolicyOptions(nvme_eviction_policy=eviction_policy))
+        self._policy = policy
         self._lock = threading.Lock()  # guards the index, the free slots and the policy
         self._index: dict[bytes, _Entry] = {}
         self._free = list(range(disk.num_slots - 1, -1, -1))  # pop() hands out slot 0 first

@@ -21,6 +21,8 @@ import itertools
 import threading
 from collections.abc import Mapping, Sequence
 
+from kvswap.base.transfer import Tier
+from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.remote_format import layout_fingerprint
 from kvswap.data.remote_store import RemoteStoreClient
@@ -106,7 +108,8 @@ def open_page_store(
     assert options.nvme_dir is not None  # StorageOptions.check: one or the other
     disk = DiskPool(options.nvme_dir, shape.half_bytes, 2 * options.nvme_pages)
     try:
-        tier = NvmeTier(host_slots, disk, eviction_policy=options.nvme_eviction_policy)
+        policy = named_policy(Tier.NVME, options.nvme_eviction_policy)
+        tier = NvmeTier(host_slots, disk, policy=policy)
     except BaseException:
         disk.close()
         raise

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvswap.control.identity import foreign_key
+from kvswap.base.identity import foreign_key
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots
 from kvswap.errors import ConfigError

@@ -37,11 +37,11 @@ from contextlib import ExitStack
 
 import torch
 
+from kvswap.base.transfer import CopyEngine, Tier
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
-from kvswap.control.transfer import CopyEngine, Tier
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool

@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
 
+from kvswap.base.transfer import Direction
 from kvswap.control.metrics import KVMetrics
-from kvswap.control.transfer import Direction
 from kvswap.percentiles import percentiles_ms
 
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvswap.control.eviction_policy import PolicyOptions
+from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.control.policy import check_policy_names
 from kvswap.errors import ConfigError
 

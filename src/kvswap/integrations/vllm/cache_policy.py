@@ -48,10 +48,10 @@ from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
-from kvswap.control.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
+from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.control.policy import build_policy
 from kvswap.control.request_fault import failure_reason
-from kvswap.control.transfer import Tier
 from kvswap.units import ceil_div
 
 LOGGER = logging.getLogger("vllm.kvswap")  # under vLLM's logger (host_report.py)

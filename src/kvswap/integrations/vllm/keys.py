@@ -19,7 +19,7 @@ import hashlib
 import secrets
 from typing import Any
 
-from kvswap.control.identity import foreign_key
+from kvswap.base.identity import foreign_key
 from kvswap.errors import ConfigError
 from kvswap.model.kv_identity import KvIdentity, Shard, checkpoint_identity, find_checkpoint
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvswap.base.eviction_policy import PolicyOptions
+from kvswap.base.transfer import Tier
 from kvswap.config import FIELD_SPELLINGS, config_from_values, suggest
-from kvswap.control.eviction_policy import PolicyOptions
 from kvswap.control.policy import policy_class
-from kvswap.control.transfer import Tier
 from kvswap.errors import ConfigError
 
 #: Where the values come from, as an error names it.

@@ -33,6 +33,8 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOfflo
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvswap.base.transfer import Tier
+from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import layout_fingerprint
@@ -154,7 +156,7 @@ class KvswapNvmeTier(_KvswapTier):
             )
         disk = DiskPool(nvme.directory, self.block_size_bytes, num_slots)
         try:
-            return NvmeTier(host_rows, disk, eviction_policy=nvme.eviction_policy)
+            return NvmeTier(host_rows, disk, policy=named_policy(Tier.NVME, nvme.eviction_policy))
         except BaseException:
             disk.close()
             raise

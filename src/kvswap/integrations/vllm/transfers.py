@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvswap.control.transfer import CopyEngine, Direction, Priority, TransferChunk, TransferResult
+from kvswap.base.transfer import CopyEngine, Direction, Priority, TransferChunk, TransferResult
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvswap.control.transfer import Tier
+from kvswap.base.transfer import Tier
 
 #: What a policy calls a block: the store passes its block ids.
 BlockKey = Hashable

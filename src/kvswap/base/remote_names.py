@@ -1,0 +1,27 @@
+"""What names a shared store, checked where it is configured and where it is used:
+the URL schemes kvswap connects by, and the rule for a key namespace."""
+
+from __future__ import annotations
+
+#: A cluster's scheme -> the scheme of its nodes (Valkey speaks the same protocol).
+CLUSTER_SCHEMES = {
+    "redis+cluster": "redis",
+    "rediss+cluster": "rediss",
+    "valkey+cluster": "redis",
+    "valkeys+cluster": "rediss",
+}
+#: Every scheme `kvswap.data.remote_url` accepts (the config's first check names them).
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+MAX_NAMESPACE_CHARS = 200
+
+
+def namespace_problem(namespace: object) -> str | None:
+    """Why `namespace` is no usable key prefix (printable, no spaces, 1..200 characters),
+    or None: the one rule, for the store and for the configuration that names it."""
+    if (
+        not isinstance(namespace, str)
+        or not 1 <= len(namespace) <= MAX_NAMESPACE_CHARS
+        or any(char.isspace() or not char.isprintable() for char in namespace)
+    ):
+        return f"allowed: 1 to {MAX_NAMESPACE_CHARS} printable characters without spaces"
+    return None
