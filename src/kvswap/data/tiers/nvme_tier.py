@@ -6,7 +6,7 @@
                                                          last reader
     free     slots no key holds
     policy   the eviction policy the caller built for the NVMe tier (the adapters:
-             `kvswap.control.policy.build_policy` by name) over the keys held; one lock
+             `kvswap.control.policy.named_policy`) over the keys held; one lock
              guards all three, and the copies run outside it
 
 A store job (on a store lane), key by key:
