@@ -74,8 +74,8 @@ def test_calibrated_prompts_match_the_trace_within_10_percent(tmp_path: Path) ->
 def test_an_overloaded_server_is_diagnosed_as_queueing(tmp_path: Path) -> None:
     """On a real server: `kvswap serve tiny` running one request at a time, 48 one-turn
     chats arriving together, each generating 64 tokens. The requests queue, and the load
-    test's report says so from the client's TTFTs alone (rule 7: the median against the
-    fastest tenth)."""
+    test's report says so from the client's TTFTs alone (rule 7: the median against what
+    a request costs when it does not wait)."""
     with kvswap_server("--model", "tiny", "--device", "cpu", "--port", "0",
                        "--max-num-seqs", "1") as url:  # fmt: skip
         run = subprocess.run(

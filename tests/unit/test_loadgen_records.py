@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from kvswap.commands.loadgen import MAX_REPORTED_REQUESTS
+from kvswap.obs.loadgen_findings import judge
 from kvswap.obs.loadgen_page import loadgen_sections
 from kvswap.obs.report import load_report
 from kvswap.readers import MAX_REPORT_BYTES
-from kvswap.serve.loadgen.results import Outcome, RequestRecord
+from kvswap.serve.loadgen.results import Outcome, RequestRecord, unwaited_ttft_ms
 from kvswap.workload.mooncake import read_trace_rows, scaled_input_tokens
 
 from .cli_checks import cli, one_error_line
@@ -127,3 +128,28 @@ def test_a_run_of_413s_shows_them_and_never_calls_itself_healthy(
     assert "goodput 0: no request counted" in html and "healthy" not in html
     assert "<h2>Failed requests</h2>" in html and "<td>HTTP 413</td><td>413</td>" in html
     assert all(r["http_status"] == 413 for r in report.requests)
+
+
+def completed(request_id: int, sent_s: float, first_token_s: float, done_s: float) -> RequestRecord:
+    return RequestRecord(
+        request_id, request_id, 0, 8, due_s=sent_s, outcome=Outcome.COMPLETED, sent_s=sent_s,
+        done_s=done_s, chunk_times_s=[first_token_s, done_s], output_tokens=2, cached_tokens=0,
+    )  # fmt: skip
+
+
+def test_what_a_request_costs_unwaited_comes_from_one_sent_alone_when_all_others_queued() -> None:
+    """48 requests sent together to a server that delivers every first token but the
+    first one's at the end: the fastest tenth waited as long as the median, the request
+    sent alone (nothing else in flight) did not, and rule 7 names the queue."""
+    records = [completed(0, 0.0, 0.07, 0.2)]
+    records += [completed(i, 0.001 * i, 7.0, 7.1) for i in range(1, 48)]
+    summary = {"ttft_ms": {"p50": 7000.0}, "ttft_fastest_ms": unwaited_ttft_ms(records)}
+    assert summary["ttft_fastest_ms"] == pytest.approx(70.0)
+    (finding,) = [f for f in judge(summary) if f.rule == "requests_queued"]
+    assert finding.values["queue_share"] == pytest.approx(0.99)
+    # Sent together, none is alone: the fastest tenth stands.
+    together = [completed(i, 0.0, 0.1 * (i + 1), 1.0 + i) for i in range(10)]
+    assert unwaited_ttft_ms(together) == pytest.approx(100.0)
+    # One at a time, each alone: their median.
+    spaced = [completed(i, 10.0 * i, 10.0 * i + 0.05 * (i + 1), 10.0 * i + 1) for i in range(5)]
+    assert unwaited_ttft_ms(spaced) == pytest.approx(50.0)

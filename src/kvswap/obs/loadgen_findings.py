@@ -23,9 +23,10 @@ records, so a load test's page and `kvswap report` show them like a diagnosis:
    TTFT P50 (and `min_send_delay_ms`): requests left late, held by
    --max-concurrency or a client that could not keep up, so the offered load was
    not the workload's.
-7. Queued at the server: the TTFT P50 at least `queue_ttft_ratio` (4x) the TTFT of
-   the fastest tenth of the requests with nothing cached (`ttft_fastest_ms`: what a
-   request costs when it does not wait), and longer by `min_queue_ms` (1 s): the
+7. Queued at the server: the TTFT P50 at least `queue_ttft_ratio` (4x) what a
+   request's first token costs when it does not wait (`ttft_fastest_ms`: the fastest
+   tenth of the requests with nothing cached, or the median of those sent while no
+   other request was in flight, the lower), and longer by `min_queue_ms` (1 s): the
    server was over capacity and requests waited for it; the share of the time to
    first token spent waiting is estimated as 1 - fastest / P50.
 
@@ -392,8 +393,8 @@ def requests_queued(
         rule="requests_queued",
         symptom=f"requests waited: about {100 * share:.0f}% of the time to first token",
         metric="ttft_ms, ttft_fastest_ms",
-        figure=f"TTFT P50 {ttft_ms:.0f} ms against {fastest_ms:.0f} ms for the fastest tenth of "
-        "the requests with nothing cached",
+        figure=f"TTFT P50 {ttft_ms:.0f} ms against {fastest_ms:.0f} ms for a request that did "
+        "not wait (nothing cached)",
         cause="the server was over capacity: requests queued before it computed them (their "
         "token latencies can look healthy meanwhile)",
         advice="offer less load (a lower --time-scale rate, fewer requests at once) or give "
