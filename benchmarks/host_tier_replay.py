@@ -60,7 +60,7 @@ from kvswap.errors import KvSwapError  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.workload.request import Workload  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic  # noqa: E402
-from machine import machine_record, versions  # noqa: E402
+from machine import result_header  # noqa: E402
 from replay_agents import AgentSpec, generate_agents  # noqa: E402
 from replay_connector import ReplayConnector  # noqa: E402
 from replay_drive import drive  # noqa: E402
@@ -391,9 +391,7 @@ def main() -> int:
         replay_case(chosen[name], policies, factors, not args.quick and name == "chat", progress)
         for name in args.workloads
     ]
-    result = {"benchmark": "host_tier_replay",
-              "command": " ".join(["benchmarks/host_tier_replay.py", *sys.argv[1:]]),
-              "machine": machine_record(), "versions": versions(),
+    result = {**result_header("host_tier_replay", "host_tier_replay.py", None),
               "policies": policies, "workloads": results,
               "total_s": round(time.perf_counter() - start_s, 1)}  # fmt: skip
     line = json.dumps(result)

@@ -110,14 +110,23 @@ def machine_record() -> dict[str, Any]:
     }
 
 
-def result_header(benchmark: str, script: str, argv: list[str] | None) -> dict[str, Any]:
-    """The first keys of a kept result (benchmarks/render_results.py reads them)."""
+def result_header(
+    benchmark: str,
+    script: str,
+    argv: list[str] | None,
+    *,
+    machine: dict[str, Any] | None = None,
+    found_versions: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The first keys of a kept result (benchmarks/render_results.py reads them). The
+    machine is recorded now unless given (one recorded when the run began); the versions
+    are this interpreter's unless given (those of the venv a server ran in)."""
     arguments = sys.argv[1:] if argv is None else argv
     return {
         "benchmark": benchmark,
         "command": " ".join([f"benchmarks/{script}", *arguments]),
-        "machine": machine_record(),
-        "versions": versions(),
+        "machine": machine_record() if machine is None else machine,
+        "versions": versions() if found_versions is None else found_versions,
     }
 
 

@@ -45,7 +45,7 @@ from kvswap.sim.policy_curve import (
     simulate_policy,
     unlimited_host_blocks,
 )
-from machine import machine_record, versions
+from machine import result_header
 
 #: Host-tier sizes as the working set over these factors (2-4: the band asked about).
 WORKING_SET_FACTORS = (8.0, 4.0, 3.0, 2.0, 1.0)
@@ -189,9 +189,7 @@ def main() -> None:
         )
         print(f"\ncurve: {args.plot}")
     report = {
-        "benchmark": "policy_hit_rates",
-        "command": " ".join(["benchmarks/policy_hit_rates.py", *sys.argv[1:]]),
-        "machine": machine_record(), "versions": versions(),
+        **result_header("policy_hit_rates", "policy_hit_rates.py", None),
         "shape": shape.to_json(),
         "working_set_blocks": {
             "mean": round(working_set.mean_blocks, 3), "peak": working_set.peak_blocks

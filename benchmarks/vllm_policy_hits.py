@@ -70,7 +70,7 @@ from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.sim.policy_curve import CHAT, POLICIES, live_blocks, reusable_blocks  # noqa: E402
 from kvswap.units import ceil_div  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec  # noqa: E402
-from machine import machine_record, versions  # noqa: E402
+from machine import result_header  # noqa: E402
 
 BLOCK_TOKENS = 32
 #: CHAT scaled down (module docstring).
@@ -247,9 +247,7 @@ def main() -> None:
           f"{base['host_hit_tokens']} host)")  # fmt: skip
     print(render(sized))
     result = {
-        "benchmark": "vllm_policy_hits",
-        "command": " ".join(["benchmarks/vllm_policy_hits.py", *sys.argv[1:]]),
-        "machine": machine_record(), "versions": versions(),
+        **result_header("vllm_policy_hits", "vllm_policy_hits.py", None),
         "shape": shape, "working_set_blocks": {"mean": round(mean_blocks, 3), "peak": peak_blocks},
         "unlimited": base,
         "sized": [{"working_set_over_host": f,

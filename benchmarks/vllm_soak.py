@@ -70,7 +70,7 @@ from typing import IO, Any  # noqa: E402
 from kvswap.commands.outputs import check_output_file  # noqa: E402
 from kvswap.errors import KvSwapError  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
-from machine import git_commit, load_average, machine_record  # noqa: E402
+from machine import git_commit, load_average, result_header  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.redis_server import RedisServer, redis_server_missing  # noqa: E402
@@ -404,12 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {key: case[key] for key in (*SHAPES, "requests", "concurrency", "threads",
                                           "seed", "store_stop_at", "store_start_at")}  # fmt: skip
     report: dict[str, Any] = {
-        "benchmark": "vllm_soak",
-        "command": " ".join(["benchmarks/vllm_soak.py", *(argv or sys.argv[1:])]),
         # the machine as the run ends (its load average then), as every result records it
-        "machine": machine_record(), "load_average_at_start": load_at_start,
-        "git_at_start": git_at_start,
-        "versions": soak["versions"], "torch_threads": args.threads,
+        **result_header("vllm_soak", "vllm_soak.py", argv, found_versions=soak["versions"]),
+        "load_average_at_start": load_at_start, "git_at_start": git_at_start,
+        "torch_threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "shapes": shapes,
         "host_policy": soak["host_policy"], "warm_up_requests": soak["warm_up_requests"],
         "wall_s": soak["wall_s"], **figures(case, soak),
