@@ -29,7 +29,7 @@ import torch
 
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.bench.bandwidth import run_bandwidth_bench
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import ScheduledSeq, StepPlan
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.obs.progress import ProgressBar
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.simulator import Simulator

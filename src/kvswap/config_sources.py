@@ -1,6 +1,6 @@
 """Reading raw settings: a TOML file and `KVSWAP_*` environment variables.
 
-Values come back unvalidated; `kvswap.config.load_config` merges and checks them.
+Values come back unvalidated; `kvswap.config_load.load_config` merges and checks them.
 """
 
 from __future__ import annotations

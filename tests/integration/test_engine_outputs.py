@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.model.generate import generate_reference

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine import runner
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings

@@ -18,7 +18,7 @@ import pytest
 from redis.cluster import RedisCluster
 
 from kvswap.base.identity import chain_key
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import key_name, layout_fingerprint
 from kvswap.data.remote_store import RemoteStoreClient

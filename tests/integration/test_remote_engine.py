@@ -15,7 +15,7 @@ import torch
 from redis import Redis
 from safetensors.torch import save_file
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError

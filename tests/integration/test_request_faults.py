@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.swapper import Swapper
 from kvswap.engine.engine import Engine

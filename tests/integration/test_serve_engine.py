@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvswap.base.transfer import Tier
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.backend import StepOutput
 from kvswap.engine import runner as runner_module

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvswap.base.transfer import Direction, Priority, TransferChunk
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots, JobResult, SecondaryTier, TransferJob, job_result
 from kvswap.data.tiers.copy_adapter import TierCopyEngine

@@ -13,7 +13,7 @@ import pytest
 from kvswap.cli import build_parser
 from kvswap.commands import serve as serve_command
 from kvswap.commands.engine_flags import dtype_flag, model_flag
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine import device_tier
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.config import config_from_values, load_config
+from kvswap.config_load import config_from_values, load_config
 from kvswap.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.data.layout import KVLayout
 from kvswap.drive.settings import control_settings
 from kvswap.engine.settings import EngineOptions, RemoteStoreSettings, engine_settings

@@ -18,7 +18,7 @@ import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
 from kvswap.base.transfer import Tier
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy

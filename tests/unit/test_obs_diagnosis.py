@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvswap.commands import simulate as simulate_command
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.obs.diagnosis import (

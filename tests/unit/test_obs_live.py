@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 from kvswap.obs.live import LivePanel, occupancy_bar
 from kvswap.obs.progress import ProgressBar

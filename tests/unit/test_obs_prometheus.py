@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvswap.base.transfer import Tier
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.metrics import KVMetrics
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings

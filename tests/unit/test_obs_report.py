@@ -18,7 +18,7 @@ import pytest
 from kvswap import staged_dir
 from kvswap.cli import main
 from kvswap.commands import report as report_command
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 from kvswap.obs import report as report_module
 from kvswap.obs import wiring

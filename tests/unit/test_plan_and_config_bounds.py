@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvswap.cli import main
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.ledger import check_measured_link, make_plan
 from tests.unit.test_ledger import article_plan

@@ -19,7 +19,7 @@ import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, PolicyOptions
 from kvswap.base.transfer import Tier
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.policy import build_policy
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.store import BlockStore

@@ -9,7 +9,7 @@ import pytest
 
 from kvswap.base.identity import chain_key
 from kvswap.base.transfer import Direction, Priority, Tier
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.settings import control_settings

@@ -23,7 +23,7 @@ import pytest
 
 import kvswap.__main__ as kvswap_main
 from kvswap.cli import main
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.data import pinned
 from kvswap.data.disk_pool import DiskPool
 from kvswap.engine.engine import Engine

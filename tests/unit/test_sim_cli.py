@@ -10,7 +10,7 @@ import pytest
 
 from kvswap.commands import simulate as simulate_command
 from kvswap.commands import tune as tune_command
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 
 SMALL_FLAGS = [

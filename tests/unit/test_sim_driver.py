@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.model.kv_identity import kvswap_identity
 from kvswap.sim.hardware import hardware_preset

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvswap.base.transfer import Direction, Priority, TransferChunk
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.settings import RemoteWritePolicy
 from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.data.pinned import PinnedBuffer
 from kvswap.data.shared_file import SharedFile
 from kvswap.engine.engine import Engine

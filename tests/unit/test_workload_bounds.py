@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvswap.cli import main
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import SchedulerSettings

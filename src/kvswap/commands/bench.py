@@ -10,7 +10,7 @@ from typing import Any
 from kvswap.bench.bandwidth import run_bandwidth_bench
 from kvswap.bench.report import BenchReport, save_report
 from kvswap.commands.outputs import attempt_write, check_output_file
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 from kvswap.units import format_bytes, parse_size_bytes
 

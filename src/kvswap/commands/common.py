@@ -9,13 +9,8 @@ from typing import Literal, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvswap.config import (
-    FIELD_SECTIONS,
-    RENAMED_FIELDS,
-    SWITCH_FIELDS,
-    KvSwapConfig,
-    load_config,
-)
+from kvswap.config import FIELD_SECTIONS, RENAMED_FIELDS, SWITCH_FIELDS, KvSwapConfig
+from kvswap.config_load import load_config
 
 #: Flags whose names differ from the config field they set.
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {

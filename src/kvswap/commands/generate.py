@@ -9,7 +9,7 @@ from typing import Any
 from kvswap.commands.argument_text import utf8_text
 from kvswap.commands.engine_flags import add_model_arguments, dtype_flag, model_flag
 from kvswap.commands.run import engine_model
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.engine.settings import pick_device
 from kvswap.errors import KvSwapError
 from kvswap.model.generate import check_generation_length, generate_reference

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvswap.commands.outputs import check_output_dir
-from kvswap.config import load_config
+from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 from kvswap.obs.report import (
     REPORT_FILE,

@@ -53,7 +53,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvswap.config import KvSwapConfig, load_config
+from kvswap.config import KvSwapConfig
+from kvswap.config_load import load_config
 from kvswap.control.policy import PolicyOptions
 from kvswap.progress import StageProgress as Progress
 from kvswap.sim.hardware import HardwareProfile, copy_engines, hardware_preset

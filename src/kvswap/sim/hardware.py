@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvswap.bench.report import BenchReport, link_gb_per_s, load_report
-from kvswap.config import suggest
+from kvswap.config_load import suggest
 from kvswap.errors import KvSwapError
 from kvswap.ledger import check_link_gb_per_s, check_measured_link
 from kvswap.units import GIB

@@ -50,7 +50,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvswap.base.transfer import Tier
-from kvswap.config import KvSwapConfig, load_config
+from kvswap.config import KvSwapConfig
+from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import SequenceRun
 from kvswap.sim.hardware import hardware_preset
 from kvswap.sim.hit_rate import HitRatePoint

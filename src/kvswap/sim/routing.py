@@ -28,7 +28,7 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from kvswap.config import suggest
+from kvswap.config_load import suggest
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import FollowUp, Request, Workload
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.base.identity import check_cache_salt
-from kvswap.config import suggest
+from kvswap.config_load import suggest
 from kvswap.control.policy import check_policy_names
 from kvswap.data.remote_format import check_namespace
 from kvswap.data.remote_url import parse_remote_url

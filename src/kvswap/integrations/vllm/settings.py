@@ -3,7 +3,7 @@
 vLLM hands its offloading spec one untyped dict. The keys vLLM reads itself
 (`cpu_bytes_to_use`, `block_size`, `blocks_per_chunk`, `spec_name`, ...) stay
 vLLM's; kvswap's keep kvswap's names and kvswap's validation
-(`kvswap.config.config_from_values`), so a bad value is the one-line
+(`kvswap.config_load.config_from_values`), so a bad value is the one-line
 `ConfigError` kvswap gives everywhere, naming the key, the value and what is
 allowed (types strict: the dict is JSON, so "8" is no count). A key that is
 neither kvswap's nor one vLLM reads (`VLLM_KEYS`) is refused the same way: a
@@ -23,7 +23,8 @@ from typing import Any
 
 from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.base.transfer import Tier
-from kvswap.config import FIELD_SPELLINGS, config_from_values, suggest
+from kvswap.config import FIELD_SPELLINGS
+from kvswap.config_load import config_from_values, suggest
 from kvswap.control.policy import policy_class
 from kvswap.errors import ConfigError
 
