@@ -1,6 +1,7 @@
 """Nearest-rank percentiles: the one rule every summary, report and benchmark uses.
 
     nearest_rank([3.0, 1.0, 2.0], 0.5)   -> 2.0
+    ranked([1.0, 2.0, 3.0], 0.5)         -> 2.0 (already sorted)
     percentiles_ms([0.010, 0.020])       -> {"p50": 10.0, "p95": 20.0, "p99": 20.0}
 
 Torch-free and dependency-free, so any layer may read it.
@@ -14,9 +15,14 @@ from collections.abc import Sequence
 
 def nearest_rank(values: Sequence[float], fraction: float) -> float:
     """The nearest-rank percentile `fraction` (0-1] of `values`; 0.0 when there is none."""
-    if not values:
+    return ranked(sorted(values), fraction)
+
+
+def ranked(ordered: Sequence[float], fraction: float) -> float:
+    """`nearest_rank` of values already in ascending order (several percentiles of one
+    sample sort it once)."""
+    if not ordered:
         return 0.0
-    ordered = sorted(values)
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
@@ -25,6 +31,6 @@ def percentiles_ms(values_s: Sequence[float]) -> dict[str, float]:
     there is no sample."""
     ordered = sorted(values_s)
     return {
-        f"p{round(fraction * 100)}": round(nearest_rank(ordered, fraction) * 1e3, 3)
+        f"p{round(fraction * 100)}": round(ranked(ordered, fraction) * 1e3, 3)
         for fraction in (0.50, 0.95, 0.99)
     }

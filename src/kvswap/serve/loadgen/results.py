@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvswap.obs.loadgen_findings import http_kind
-from kvswap.percentiles import nearest_rank, percentiles_ms
+from kvswap.percentiles import nearest_rank, percentiles_ms, ranked
 
 MAX_LISTED_ERRORS = 20
 
@@ -266,7 +266,7 @@ def _spread(values: Sequence[float], digits: int) -> dict[str, float]:
     ordered = sorted(values)
 
     def rank(fraction: float) -> float:
-        return round(nearest_rank(ordered, fraction), digits)
+        return round(ranked(ordered, fraction), digits)
 
     return {"min": round(ordered[0], digits), "p50": rank(0.50), "p95": rank(0.95),
             "max": round(ordered[-1], digits)}  # fmt: skip
