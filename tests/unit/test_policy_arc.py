@@ -314,10 +314,11 @@ def test_through_the_store_a_recomputed_prefix_is_recognised_by_its_content() ->
     first_ids = finish_turn(1)
     assert policy.state().t1 == tuple(first_ids)
     # Both CPU copies are evicted: nobody references them, so the blocks are forgotten.
-    for _ in range(2):
-        victim = store.pop_victim(Tier.CPU, droppable_only=True)
-        assert victim is not None
-        store.drop_copy(victim, Tier.CPU)
+    with store.victims(Tier.CPU, droppable_only=True) as victims:
+        for _ in range(2):
+            victim = victims.next()
+            assert victim is not None
+            store.drop_copy(victim, Tier.CPU)
     assert all(block_id not in store.blocks for block_id in first_ids)
     assert len(policy.state().b1) == 2
     # The same prompt again: no hit, computed again under new block ids, stored again.

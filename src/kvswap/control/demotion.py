@@ -7,8 +7,8 @@ One demoter walks the pairs of adjacent tiers addressed by slots, fastest first
     CPU -> NVMe   cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
 
 Cheap directions first, ahead of need and on the LOW queue: nobody waits for
-them. A pass pops the upper tier's victims from its policy
-(`store.pop_victim`) until the tier is back under its low watermark, and each
+them. A pass takes the upper tier's victims from the store
+(`store.victims`, as its policy ranks them) until the tier is back under its low watermark, and each
 victim meets the same rule (`Demoter.move_down`):
 
     a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`)
@@ -102,7 +102,7 @@ def tier_pairs(settings: SwapSettings) -> tuple[TierPair, ...]:
 
 class _Outcome(enum.Enum):
     LEFT = "left"  # dropped, discarded, or on its way down (or to the remote store)
-    STAYS = "stays"  # returned to its policy at the end of the pass
+    STAYS = "stays"  # ranked again when the pass's round closes
     STOP = "stop"  # stays, and the pass ends: nothing below has room
 
 
@@ -134,10 +134,10 @@ class Demoter:
         """Apply the rule to victims the caller chose (synchronous eviction, preemption):
         each leaves, or stays ranked on its tier."""
         moves: list[tuple[Block, Copy]] = []
-        for block in victims:
-            self.store.unrank(pair.upper, block)  # a victim not popped (preemption) too
-            if self._place(pair, block, reason, moves, None) is not _Outcome.LEFT:
-                self.store.return_victim(pair.upper, block)
+        with self.store.victims(pair.upper) as chosen:
+            for block in victims:
+                chosen.take(block)
+                self._place(pair, block, reason, moves, None)
         self.mover.submit(pair.direction, priority, moves, evict=True)
 
     def make_room_now(self, tier: Tier, num_blocks: int) -> None:
@@ -168,22 +168,16 @@ class Demoter:
                 return
             target = pair.low_watermark * upper.num_slots
         moves: list[tuple[Block, Copy]] = []
-        stayed: list[Block] = []
-        while used > target:
-            victim = self.store.pop_victim(pair.upper)
-            if victim is None:
-                break
-            outcome = self._place(pair, victim, pair.reason, moves, writes)
-            if outcome is _Outcome.LEFT:
-                used -= 1
-                continue
-            stayed.append(victim)
-            if outcome is _Outcome.STOP:
-                break
-            if pair.stayers_count:
-                used -= 1
-        for block in stayed:
-            self.store.return_victim(pair.upper, block)
+        with self.store.victims(pair.upper) as victims:  # those that stay are ranked again
+            while used > target:
+                victim = victims.next()
+                if victim is None:
+                    break
+                outcome = self._place(pair, victim, pair.reason, moves, writes)
+                if outcome is _Outcome.STOP:
+                    break
+                if outcome is _Outcome.LEFT or pair.stayers_count:
+                    used -= 1
         self.mover.submit(pair.direction, priority, moves, evict=True)
         if writes is not None:
             # With evict both ways: the copy is freed by whichever lands last, successfully.

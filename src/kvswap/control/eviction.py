@@ -45,13 +45,14 @@ class Evictor:
             return True
         victims: list[Block] = []
         expected_free = gpu.num_free_slots + self.mover.num_gpu_evictions_pending
-        while expected_free < num_blocks:
-            victim = self.store.pop_victim(GPU_TIER)
-            if victim is None:
-                break
-            victims.append(victim)
-            expected_free += 1
-        self.evict(victims, reason="sync", priority=Priority.HIGH)
+        with self.store.victims(GPU_TIER) as ranked:
+            while expected_free < num_blocks:
+                victim = ranked.next()
+                if victim is None:
+                    break
+                victims.append(victim)
+                expected_free += 1
+            self.evict(victims, reason="sync", priority=Priority.HIGH)
         if gpu.num_free_slots < num_blocks and self.mover.num_gpu_evictions_pending:
             self.metrics.sync_stalls += 1
             start_s = self._clock_s()

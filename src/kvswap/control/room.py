@@ -20,7 +20,7 @@ def make_room(
     """A copy of `block` placed on `tier` (CPU or NVMe) being written, or None.
 
     When `tier` has no free slot, its policy's cheapest droppable copies leave
-    (`pop_victim(tier, droppable_only=True)`) until one is free. A copy with a ready
+    (`store.victims(tier, droppable_only=True)`) until one is free. A copy with a ready
     copy further down, or of a block referenced elsewhere (a ready copy above), is
     dropped (`{tier}_drop`); an unreferenced block with nothing further down is
     discarded, every copy of it (`{tier}_discard`). The only copy of a referenced
@@ -31,20 +31,22 @@ def make_room(
     prefix.
     """
     copy = store.place(block, tier, ready=False)
-    while copy is None:
-        victim = store.pop_victim(tier, droppable_only=True)
-        if victim is None:
-            return None
-        if not victim.has_ready_copy_below(tier) and victim.ref_count == 0:
-            if block.ref_count == 0 and (not displace_cache or is_ancestor(victim, block)):
-                # Stays: one cache entry for another is no gain; nor is a prefix's head
-                # for its own tail (the tail is found only through the head).
-                store.return_victim(tier, victim)
+    if copy is not None:
+        return copy
+    with store.victims(tier, droppable_only=True) as victims:
+        while copy is None:
+            victim = victims.next()
+            if victim is None:
                 return None
-            store.delete_block(victim)
-            metrics.evictions_by_reason[f"{tier.value}_discard"] += 1
-        else:
-            store.drop_copy(victim, tier)
-            metrics.evictions_by_reason[f"{tier.value}_drop"] += 1
-        copy = store.place(block, tier, ready=False)
+            if not victim.has_ready_copy_below(tier) and victim.ref_count == 0:
+                if block.ref_count == 0 and (not displace_cache or is_ancestor(victim, block)):
+                    # Stays: one cache entry for another is no gain; nor is a prefix's
+                    # head for its own tail (the tail is found only through the head).
+                    return None
+                store.delete_block(victim)
+                metrics.evictions_by_reason[f"{tier.value}_discard"] += 1
+            else:
+                store.drop_copy(victim, tier)
+                metrics.evictions_by_reason[f"{tier.value}_drop"] += 1
+            copy = store.place(block, tier, ready=False)
     return copy

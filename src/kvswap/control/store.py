@@ -8,7 +8,8 @@ every change to a block's references or copies goes through here, and the
 store alone tells the policies, each call with the `BlockFacts` of that tier's
 copy. Only the tiers holding a copy hear of a change, and not those whose
 facts it cannot alter (a copy placed but not yet written). The swapper's
-parts ask the store for victims (`pop_victim`), never a policy.
+parts take victims from the store (`victims(tier)`: a `VictimRound`), never from
+a policy, and never rank one again themselves.
 
     sequence 3: [b0 b1 b2 b3]      b0, b1 shared with sequence 5 (same prefix)
                   |  |  |  '-- partial, GPU only
@@ -38,7 +39,7 @@ from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, 
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_integrity import check_store_integrity
-from kvswap.control.store_policies import TierPolicies
+from kvswap.control.store_policies import TierPolicies, VictimRound
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
 from kvswap.control.tiers import TierSlots
 from kvswap.errors import KvSwapError
@@ -297,18 +298,12 @@ class BlockStore:
         """A decode step began (residency windows age)."""
         self._policies.advance(step)
 
-    def pop_victim(self, tier: Tier, *, droppable_only: bool = False) -> Block | None:
-        """The block whose `tier` copy should leave next, as that tier's policy ranks
-        it (it stops being a candidate there); None when nothing may leave. With
-        `droppable_only`, only a copy that goes without a transfer and without a
-        sequence losing its KV. Whoever pops a victim drops, moves or deletes it, or
-        returns it (`return_victim`: it stays)."""
-        return self._policies.pop_victim(tier, droppable_only=droppable_only)
-
-    def unrank(self, tier: Tier, block: Block) -> None:
-        """`tier`'s policy stops ranking `block` (a victim the caller chose itself, as
-        preemption does); it is ranked again at its next change."""
-        self._policies.dropped(block, tier)
+    def victims(self, tier: Tier, *, droppable_only: bool = False) -> VictimRound:
+        """A round over `tier`'s victims as its policy ranks them (`VictimRound`): with
+        `droppable_only`, only copies that go without a transfer and without a sequence
+        losing its KV. The store ranks again, at the round's end, every victim whose
+        copy stayed."""
+        return VictimRound(self._policies, tier, droppable_only=droppable_only)
 
     def num_eviction_candidates(self, tier: Tier) -> int:
         """Copies `tier`'s policy could evict now."""
@@ -389,11 +384,6 @@ class BlockStore:
             block.lost = True
             return
         del self.blocks[block.block_id]
-
-    def return_victim(self, tier: Tier, block: Block) -> None:
-        """A victim popped (or unranked) from `tier` stays after all: its policy ranks
-        it again."""
-        self._policies.changed(block)
 
     # ----------------------------------------------------------------- transfers
 

@@ -115,6 +115,10 @@ class TierPolicies:
         self._cpu = self.by_tier[CPU_TIER]
         self._nvme = self.by_tier[NVME_TIER]
         self._blocks = blocks  # the store's: a forgotten block is nobody's to rank
+        # Victims handed out by a `VictimRound` and not ranked on their tier since:
+        # block id -> that tier. A change ranks the block again there and ends its loan;
+        # the round ranks the rest again when it closes.
+        self.loans: dict[int, Tier] = {}
 
     def changed(self, block: Block, *, gpu: bool = True) -> None:
         """Something about `block` changed; `gpu=False`: nothing its GPU copy's facts hold."""
@@ -126,6 +130,10 @@ class TierPolicies:
         (`facts`: `tier_facts(block)`, when the caller has them)."""
         gpu, cpu, nvme = tier_facts(block, skip=skip) if facts is None else facts
         block_id = block.block_id
+        if self.loans:
+            loan = self.loans.get(block_id)
+            if loan is not None and loan is not skip:
+                del self.loans[block_id]  # its copy there is ranked again just below
         if gpu is not None and skip is not GPU_TIER:
             self._gpu.update(block_id, gpu)
         if cpu is not None and skip is not CPU_TIER:
@@ -137,7 +145,7 @@ class TierPolicies:
         """A change only a GPU copy's facts hold (`running`, `sink`)."""
         gpu = tier_facts(block, only=GPU_TIER)[0]
         if gpu is not None:
-            self._gpu.update(block.block_id, gpu)
+            self._rank_gpu(block.block_id, gpu)
 
     def placed(self, block: Block, tier: Tier, copy: Copy) -> None:
         """`copy` was placed on `tier`: that tier's policy inserts it. A copy placed
@@ -159,15 +167,24 @@ class TierPolicies:
         policy = self.by_tier.get(tier)
         if policy is not None:
             policy.remove(block.block_id)
+        if self.loans and self.loans.get(block.block_id) is tier:
+            del self.loans[block.block_id]
 
     def forget(self, block: Block) -> None:
         for policy in self.by_tier.values():
             policy.remove(block.block_id)
+        if self.loans:
+            self.loans.pop(block.block_id, None)
 
     def swapped_in(self, block: Block) -> None:
         gpu = tier_facts(block, brought_back=True, only=GPU_TIER)[0]
         if gpu is not None:
-            self._gpu.update(block.block_id, gpu)
+            self._rank_gpu(block.block_id, gpu)
+
+    def _rank_gpu(self, block_id: int, facts: BlockFacts) -> None:
+        self._gpu.update(block_id, facts)
+        if self.loans and self.loans.get(block_id) is GPU_TIER:
+            del self.loans[block_id]
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         keys = list(keys)
@@ -179,7 +196,8 @@ class TierPolicies:
             policy.advance(step)
 
     def pop_victim(self, tier: Tier, *, droppable_only: bool) -> Block | None:
-        """`tier`'s policy's next victim, checked against the hard rule."""
+        """`tier`'s policy's next victim, checked against the hard rule (a `VictimRound`'s
+        step: the round lends it)."""
         policy = self.by_tier[tier]
         keys = policy.evict(1, droppable_only=droppable_only)
         if keys is None:
@@ -204,7 +222,57 @@ class TierPolicies:
         return block
 
     def check_integrity(self) -> None:
+        assert not self.loans, f"victims of a round still unranked: {self.loans}"
         for tier, policy in self.by_tier.items():
             policy.check_integrity(
                 {block_id for block_id, block in self._blocks.items() if tier in block.copies}
             )
+
+
+class VictimRound:
+    """One pass over a tier's victims, as its policy ranks them, closed by the store.
+
+    `next()` hands out the next victim (it stops being ranked there: the next call
+    offers another); `take(block)` makes a copy the caller chose itself (preemption's)
+    a victim the same way. The caller then drops, moves or deletes the victim through
+    the store, or leaves it be. Every store call that changes the copy ranks it again
+    (a move reserves its source: ranked busy); when the round closes (`with`, or
+    `close()`), the store ranks again each victim that no change reached and whose
+    copy is still there. No caller returns or re-ranks a victim."""
+
+    def __init__(self, policies: TierPolicies, tier: Tier, *, droppable_only: bool) -> None:
+        self._policies = policies
+        self.tier = tier
+        self.droppable_only = droppable_only
+        self._lent: list[Block] = []
+
+    def next(self) -> Block | None:
+        """The tier's next victim, or None when nothing (droppable, if asked) may leave."""
+        block = self._policies.pop_victim(self.tier, droppable_only=self.droppable_only)
+        if block is not None:
+            self._lend(block)
+        return block
+
+    def take(self, block: Block) -> None:
+        """`block`'s copy on the tier is a victim the caller chose (it must have one)."""
+        self._policies.by_tier[self.tier].remove(block.block_id)
+        self._lend(block)
+
+    def _lend(self, block: Block) -> None:
+        self._policies.loans[block.block_id] = self.tier
+        self._lent.append(block)
+
+    def close(self) -> None:
+        loans = self._policies.loans
+        for block in self._lent:
+            if loans.get(block.block_id) is self.tier:
+                del loans[block.block_id]
+                if self.tier in block.copies:
+                    self._policies.changed(block)
+        self._lent.clear()
+
+    def __enter__(self) -> VictimRound:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
