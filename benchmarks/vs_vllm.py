@@ -6,7 +6,9 @@
   pressure  16 requests of 512+256 at once, their KV 3x the device pool (the same
             tokens on both sides): vLLM preempts by recomputing, without offloading
             and with kvswap's OffloadingSpec as its host tier (vLLM's own CPU
-            offloading refuses the CPU platform); kvswap preempts by swapping. The
+            offloading refuses the CPU platform), and with that spec ranked by a
+            policy that admits no store (tests/vllm_scripts/store_nothing.py: the
+            connector's own cost, no byte moved); kvswap preempts by swapping. The
             section fails unless each run did so: vLLM's preemptions
             (`vllm:num_preemptions`) and recomputed tokens (what its scheduler
             computed beyond one pass), kvswap's swap-outs, swap-ins and bytes
@@ -145,14 +147,16 @@ def vllm_run(
     new_tokens: int,
     limits: dict[str, int],
     offload_bytes: int | None = None,
+    extra_config: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One vLLM process serving this case; the JSON it printed."""
+    """One vLLM process serving this case; the JSON it printed. With `offload_bytes`,
+    kvswap's spec is its host tier, `extra_config` added to the connector's keys."""
     case = {
         "model": sides.bench.model, "threads": sides.bench.threads, "repeats": sides.repeats,
         "kind": kind, "prompts": prompts, "new_tokens": new_tokens, "llm": limits,
-        "offload_bytes": offload_bytes,
+        "offload_bytes": offload_bytes, "extra_config": extra_config or {},
     }  # fmt: skip
-    path = sides.work_dir / f"case-{kind}-{offload_bytes is not None}.json"
+    path = sides.work_dir / f"case-{kind}-{len(list(sides.work_dir.glob('case-*')))}.json"
     path.write_text(json.dumps(case))
     threads = str(sides.bench.threads)
     result: dict[str, Any] = run_script(
@@ -265,11 +269,16 @@ def section_pressure(sides: Sides) -> Result:
     offload_bytes = 2 * demand_tokens * kv_token_bytes
     recompute_side = vllm_run(sides, "pressure", prompts, new_tokens, limits)
     offload_side = vllm_run(sides, "pressure", prompts, new_tokens, limits, offload_bytes)
+    idle_side = vllm_run(
+        sides, "pressure", prompts, new_tokens, limits, offload_bytes, STORE_NOTHING
+    )
     recompute_runs, offload_runs = recompute_side["runs"], offload_side["runs"]
+    idle_runs = idle_side["runs"]
     # The fastest run of each side is reported, and must have done what it is named for.
     ours = max(ours_runs, key=lambda run: float(run["throughput_tok_s"]))
     recompute = max(recompute_runs, key=lambda run: float(run["tok_s"]))
     offload = max(offload_runs, key=lambda run: float(run["tok_s"]))
+    idle = max(idle_runs, key=lambda run: float(run["tok_s"]))
     moved = ours["transfers_by_direction"]
     require(ours["preemptions"] > 0, "kvswap preempted no sequence")
     require(moved.get("gpu_to_cpu", 0) > 0, "kvswap swapped nothing out")
@@ -278,6 +287,7 @@ def section_pressure(sides: Sides) -> Result:
     require(recompute["preemptions"] > 0, "vLLM (no offloading) preempted no request")
     require(recompute["recomputed_tokens"] > 0, "vLLM (no offloading) recomputed nothing")
     require(offload["preemptions"] > 0, "vLLM (kvswap's spec) preempted no request")
+    require(idle["offload"]["num_stores"] == 0, "the store-nothing ranking stored chunks")
     off = offload["offload"]
     figures: dict[str, object] = {
         "kv_demand_x_pool": ratio(demand_tokens, pool_tokens),
@@ -288,9 +298,15 @@ def section_pressure(sides: Sides) -> Result:
         "speedup_vs_vllm_offload": ratio(ours["throughput_tok_s"], offload["tok_s"]),
         # What kvswap's host tier costs vLLM where little is reused (issue: >= 0.97).
         "vllm_offload_over_recompute": ratio(offload["tok_s"], recompute["tok_s"]),
+        # Where the time goes: the connector with no byte moved, against no connector
+        # (its own overhead), and the host tier against it (what stores and loads cost).
+        "vllm_store_nothing_tok_s": round(idle["tok_s"], 2),
+        "vllm_store_nothing_over_recompute": ratio(idle["tok_s"], recompute["tok_s"]),
+        "vllm_offload_over_store_nothing": ratio(offload["tok_s"], idle["tok_s"]),
         "kvswap_tok_s_runs": [round(float(run["throughput_tok_s"]), 2) for run in ours_runs],
         "vllm_recompute_tok_s_runs": [round(run["tok_s"], 2) for run in recompute_runs],
         "vllm_offload_tok_s_runs": [round(run["tok_s"], 2) for run in offload_runs],
+        "vllm_store_nothing_tok_s_runs": [round(run["tok_s"], 2) for run in idle_runs],
         "kvswap_preemptions_by_swap": ours["preemptions"],
         "kvswap_swap_out_chunks": moved.get("gpu_to_cpu", 0),
         "kvswap_swap_in_chunks": moved.get("cpu_to_gpu", 0),
@@ -317,6 +333,10 @@ def section_pressure(sides: Sides) -> Result:
         "vllm_torch_threads": recompute_side["torch_threads"],
     }  # fmt: skip
     return Result(shapes, figures, {"vllm_offload_over_recompute": Goal(">=", 0.97)})
+
+
+#: The pressure section's third vLLM side: kvswap's spec, a ranking that stores nothing.
+STORE_NOTHING = {"eviction_policy": "tests.vllm_scripts.store_nothing:AdmitNothing"}
 
 
 def kv_bytes_per_token(model_dir: str) -> int:

@@ -6,7 +6,8 @@ Run by `vs_vllm.py` through `tests/vllm_support.run_script` (the engine in this
 process, nothing downloaded). CASE.json holds the checkpoint directory, the
 torch thread count, the repeats, the prompts, the new tokens per request and
 the LLM's limits; with `offload_bytes` the LLM gets kvswap's OffloadingSpec as
-its host tier (vLLM's own CPU offloading refuses the CPU platform). Kinds:
+its host tier (vLLM's own CPU offloading refuses the CPU platform), with the
+case's `extra_config` keys added to the connector's. Kinds:
 
   long      one request, stepped by hand: prefill tok/s (admission to first
             token) and the median gap between later tokens (ms/token)
@@ -54,7 +55,11 @@ def make_llm(case: dict[str, Any]) -> Any:
         arguments["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {**SPEC, "cpu_bytes_to_use": case["offload_bytes"]},
+            "kv_connector_extra_config": {
+                **SPEC,
+                "cpu_bytes_to_use": case["offload_bytes"],
+                **case["extra_config"],
+            },
         }
     return LLM(**arguments)
 

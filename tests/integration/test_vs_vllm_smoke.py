@@ -78,6 +78,8 @@ def test_quick_pressure_exercises_what_it_names() -> None:
     # What vLLM offloaded through kvswap's spec came back instead of being recomputed.
     assert figures["vllm_offload_tokens_loaded"] > 0
     assert figures["vllm_offload_recomputed_tokens"] < figures["vllm_recompute_recomputed_tokens"]
+    # The store-nothing side ran (the section requires that it stored nothing).
+    assert figures["vllm_store_nothing_tok_s"] > 0
     # The same checkpoint on both sides: greedy outputs agree (all 8 here; two fp32
     # kernels may still part at a near tie of a random model's logits).
     assert figures["requests_same_tokens_as_vllm_recompute"] >= 6
