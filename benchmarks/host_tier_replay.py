@@ -203,7 +203,8 @@ def build_manager(policy: str, num_chunks: int) -> Any:
 
     settings = adapter_settings({"eviction_policy": policy.partition(":")[2] or "kvswap"})
     ranking = HostRanking(
-        policy=settings.policy,
+        policy_name=settings.policy_name,
+        options=settings.policy,
         protected_sink_blocks=settings.protected_sink_blocks,
         tokens_per_chunk=BLOCK_TOKENS,
     )

@@ -431,7 +431,7 @@ class Soak:
             # the host tier's ranking as built (kv_connector_extra_config names none: the
             # adapter's default), and the class ranking at the end (a failure falls to LRU)
             "host_policy": {
-                "name": self.policy.ranking.policy.gpu_eviction_policy,
+                "name": self.policy.ranking.policy_name,
                 "class_at_end": type(self.policy.policy).__name__,
             },
             "tokens": self.driver.tally.tokens.as_json(),

@@ -19,7 +19,8 @@ import pytest
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
 from kvswap.base.transfer import Tier
 from kvswap.config_load import load_config
-from kvswap.control.policy import build_policy, check_policy_names
+from kvswap.control.policy import build_named, build_policy, check_policy_names
+from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.store import BlockStore
@@ -304,4 +305,25 @@ def test_the_config_names_each_tier_s_policy_and_a_bad_name_stops_at_the_edge() 
 
 def test_a_caller_may_name_the_setting_its_users_know_the_policy_by() -> None:
     with pytest.raises(ConfigError, match=r"^eviction_policy = 'mru': unknown policy; "):
-        build_policy(Tier.GPU, PolicyOptions(gpu_eviction_policy="mru"), field="eviction_policy")
+        build_named("mru", Tier.CPU, PolicyOptions(), field="eviction_policy", top=True)
+
+
+def test_kvswap_names_the_top_tier_s_table_wherever_the_builder_says_the_tier_is_top() -> None:
+    # vLLM's host tier is the CPU, and the top tier kvswap ranks there (vLLM ranks its
+    # device pool itself): it gets the table with sinks and residency, not the GPU's name.
+    top = build_named("kvswap", Tier.CPU, PolicyOptions(), field="eviction_policy", top=True)
+    below = build_named("kvswap", Tier.CPU, PolicyOptions(), field="eviction_policy", top=False)
+    assert (type(top), type(below)) == (KvSwapGpuPolicy, KvSwapLowerTierPolicy)
+    assert top.tier is Tier.CPU
+    # The engine's tiers: the GPU is the top one.
+    assert isinstance(build_policy(Tier.GPU, PolicyOptions()), KvSwapGpuPolicy)
+    assert isinstance(build_policy(Tier.CPU, PolicyOptions()), KvSwapLowerTierPolicy)
+
+
+def test_the_store_builds_each_tier_s_policy_with_that_tier_s_size() -> None:
+    options = PolicyOptions(gpu_eviction_policy="arc", cpu_eviction_policy="arc")
+    store = BlockStore(StoreLayout(4, 6, 3, 0, 0), options)
+    sizes = {tier: policy.options.capacity_blocks for tier, policy in store.policies.items()}
+    assert sizes == {Tier.GPU: 6, Tier.CPU: 3, Tier.NVME: 0}
+    arc = store.policies[Tier.GPU]
+    assert isinstance(arc, ArcPolicy) and arc.state().capacity_blocks == 6  # c before any use

@@ -46,7 +46,7 @@ def test_kvswap_s_keys_take_kvswap_s_defaults_and_vllm_s_keys_are_left_alone() -
         "tier_poll_interval_s": 0.01, "backpressure": {}, "locality": "local",
     }  # fmt: skip
     assert adapter_settings(vllm_s) == settings
-    assert settings.policy.gpu_eviction_policy == "reuse"  # the reuse ranking, by default
+    assert settings.policy_name == "reuse"  # the reuse ranking, by default
     assert (settings.protected_sink_blocks, settings.policy.min_residency_steps) == (8, 64)
     assert (settings.nvme, settings.remote) == (None, None)
     assert not settings.has_secondary_tiers
@@ -64,7 +64,7 @@ def test_the_tiers_are_read_under_kvswap_s_names() -> None:
     )
     assert settings.nvme is not None and settings.nvme.capacity_bytes == 2 << 20
     assert settings.remote is not None and settings.remote.timeout_ms == 50.0
-    assert settings.policy.gpu_eviction_policy == "lru"
+    assert settings.policy_name == "lru"
     assert settings.policy.sink_protection is False
 
 

@@ -85,7 +85,8 @@ def host_manager(num_chunks: int, policy: str, **options: Any) -> Any:
     if policy == "vllm-lru":
         return CPUOffloadingManager(num_chunks=num_chunks, cache_policy="lru")
     ranking = HostRanking(
-        policy=PolicyOptions(gpu_eviction_policy=policy, **options),
+        policy_name=policy,
+        options=PolicyOptions(**options),
         protected_sink_blocks=1,
         tokens_per_chunk=TOKENS_PER_CHUNK,
     )
@@ -133,7 +134,7 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     both host chunks. Within c0's residency window that is refused; min_residency_steps
     scheduler steps later it is not."""
     ranking = HostRanking(
-        policy=PolicyOptions(min_residency_steps=min_residency_steps),
+        options=PolicyOptions(min_residency_steps=min_residency_steps),
         protected_sink_blocks=0,
         tokens_per_chunk=TOKENS_PER_CHUNK,
     )

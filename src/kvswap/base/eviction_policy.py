@@ -35,8 +35,9 @@ Hard rule: never return a key whose facts are `busy`, `lost` or `running`
 (the store checks every victim: a copy under transfer cannot be freed, and a
 running sequence's step reads its GPU copies). Everything else is policy.
 
-A policy class is built as `cls(tier, options)` (`PolicyOptions`), by name
-through `kvswap.control.policy.build_policy`: "kvswap", "lru", "arc", or an
+A policy class is built as `cls(tier, options)` (`PolicyOptions`: the switches,
+and `capacity_blocks`, the size of the tier it ranks), by name through
+`kvswap.control.policy.build_named`: "kvswap", "lru", "arc", "reuse", or an
 import path "package.module:ClassName".
 """
 
@@ -67,6 +68,9 @@ class PolicyOptions:
     gpu_eviction_policy: str = "kvswap"
     cpu_eviction_policy: str = "kvswap"
     nvme_eviction_policy: str = "kvswap"
+    # The size of the tier one policy ranks, in its blocks, set by whoever builds it
+    # (`kvswap.control.policy.build_named`): ARC's c. None: unknown (ARC learns it).
+    capacity_blocks: int | None = None
 
     def policy_name(self, tier: Tier) -> str:
         return str(getattr(self, policy_field(tier)))

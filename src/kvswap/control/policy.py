@@ -12,6 +12,11 @@
     "package.module:ClassName"  a user's `EvictionPolicy` subclass, built as
                                 `ClassName(tier, options)`
 
+"kvswap" names one of two rank tables: the top tier's (sinks, residency, cost
+ranks: the GPU in kvswap's engine, and the host tier inside vLLM, whose device
+pool vLLM ranks itself) or the one for the tiers below it. The builder says
+which (`top`), and gives the policy the size of its tier (`capacity_blocks`).
+
 An unknown name, a failed import or a class that is not an `EvictionPolicy`
 is a `ConfigError` in one line naming the field, the value and what is allowed.
 """
@@ -19,6 +24,7 @@ is a `ConfigError` in one line naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 from kvswap.base.eviction_policy import (
     BUILTIN_POLICY_NAMES,
@@ -33,7 +39,10 @@ from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.policy_reuse import ReusePolicy
 from kvswap.errors import ConfigError
 
-__all__ = ["PolicyOptions", "build_policy", "check_policy_names", "named_policy", "policy_class"]
+__all__ = [
+    "PolicyOptions", "build_named", "build_policy", "check_policy_names", "named_policy",
+    "policy_class",
+]  # fmt: skip
 
 _ALLOWED = (
     f"{', '.join(repr(name) for name in BUILTIN_POLICY_NAMES[:-1])} or "
@@ -43,10 +52,11 @@ _ALLOWED = (
 _BUILTIN_CLASSES = (KvSwapGpuPolicy, KvSwapLowerTierPolicy, LruPolicy, ArcPolicy, ReusePolicy)
 
 
-def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
-    """The class `value` names for `tier`; importing a user's module if it is a path."""
+def policy_class(field: str, value: str, *, top: bool) -> type[EvictionPolicy]:
+    """The class `value` names, for the top tier kvswap ranks or one below it (`top`);
+    importing a user's module if it is a path."""
     if value == "kvswap":
-        return KvSwapGpuPolicy if tier is Tier.GPU else KvSwapLowerTierPolicy
+        return KvSwapGpuPolicy if top else KvSwapLowerTierPolicy
     if value == "lru":
         return LruPolicy
     if value == "arc":
@@ -73,38 +83,55 @@ def policy_class(field: str, value: str, tier: Tier) -> type[EvictionPolicy]:
     return found
 
 
-def build_policy(tier: Tier, options: PolicyOptions, *, field: str | None = None) -> EvictionPolicy:
-    """`tier`'s policy as `options` names it (`options.gpu_eviction_policy`, ...).
-    `field`: the setting an error names, when the caller's users know the policy by
-    another name (vLLM's adapter: "eviction_policy"); default `policy_field(tier)`."""
-    field = policy_field(tier) if field is None else field
-    cls = policy_class(field, options.policy_name(tier), tier)
+def build_named(
+    name: str,
+    tier: Tier,
+    options: PolicyOptions,
+    *,
+    field: str,
+    top: bool,
+    capacity_blocks: int | None = None,
+) -> EvictionPolicy:
+    """The policy `name` names for `tier` (`top`: the top tier kvswap ranks), with the
+    switches of `options` and the tier's size. `field`: the setting an error names."""
+    cls = policy_class(field, name, top=top)
+    if capacity_blocks is not None:
+        options = replace(options, capacity_blocks=capacity_blocks)
     if cls in _BUILTIN_CLASSES:
         return cls(tier, options)
     try:
         return cls(tier, options)
     except Exception as error:  # a user's constructor: reported like its import
         raise ConfigError(
-            f"{field} = {options.policy_name(tier)!r}: {cls.__name__}(tier, options) "
-            f"failed ({_one_line(error)}); allowed: {_ALLOWED}"
+            f"{field} = {name!r}: {cls.__name__}(tier, options) failed "
+            f"({_one_line(error)}); allowed: {_ALLOWED}"
         ) from None
 
 
-def named_policy(tier: Tier, name: str) -> EvictionPolicy:
-    """`tier`'s policy by its name alone (a keyed tier of an adapter: the NVMe slab under
-    vLLM or SGLang), the other switches at their defaults."""
-    named = {
-        Tier.GPU: PolicyOptions(gpu_eviction_policy=name),
-        Tier.CPU: PolicyOptions(cpu_eviction_policy=name),
-        Tier.NVME: PolicyOptions(nvme_eviction_policy=name),
-    }
-    return build_policy(tier, named[tier])
+def build_policy(
+    tier: Tier, options: PolicyOptions, *, capacity_blocks: int | None = None
+) -> EvictionPolicy:
+    """A tier of kvswap's engine: its policy as `options` names it
+    (`options.gpu_eviction_policy`, ...); the GPU is the top tier."""
+    return build_named(
+        options.policy_name(tier), tier, options, field=policy_field(tier),
+        top=tier is Tier.GPU, capacity_blocks=capacity_blocks,
+    )  # fmt: skip
+
+
+def named_policy(tier: Tier, name: str, *, capacity_blocks: int | None = None) -> EvictionPolicy:
+    """A keyed tier of an adapter (the NVMe slab under vLLM or SGLang), below the top
+    one: its policy by its name alone, the switches at their defaults."""
+    return build_named(
+        name, tier, PolicyOptions(), field=policy_field(tier), top=False,
+        capacity_blocks=capacity_blocks,
+    )  # fmt: skip
 
 
 def check_policy_names(options: PolicyOptions) -> None:
     """Resolve every tier's policy name once (imports included), at the edge."""
     for tier in (Tier.GPU, Tier.CPU, Tier.NVME):
-        policy_class(policy_field(tier), options.policy_name(tier), tier)
+        policy_class(policy_field(tier), options.policy_name(tier), top=tier is Tier.GPU)
 
 
 def _one_line(error: Exception) -> str:

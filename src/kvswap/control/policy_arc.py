@@ -44,11 +44,13 @@ when the reference is taken and a refresh when the blocks become resident
 (`touch`). A request sharing a block another still holds is not seen as a
 reuse here (the facts say referenced already); vLLM counts it.
 
-Capacity. vLLM's policy is built with the tier's size c (`cache_capacity`); a
-kvswap policy is built with (tier, options) only. A tier evicts only when it is
-full (the GPU: past its watermark), so by the first eviction the most copies
-ever held at once is c: that high-water mark bounds p (0..c) and each ghost
-list (|B1|, |B2| <= c, trimmed oldest first, as vLLM bounds them).
+Capacity. vLLM's policy is built with the tier's size c (`cache_capacity`), and
+so is this one when its builder knows it (`options.capacity_blocks`: the
+store's slots of the tier, vLLM's host chunks, the NVMe slab's slots). c bounds
+p (0..c) and each ghost list (|B1|, |B2| <= c, trimmed oldest first, as vLLM
+bounds them). Built without a size, c is the most copies held at once so far:
+a tier evicts only when it is nearly full, so that is close to its size by the
+first eviction.
 
 Ghosts are content keys (`BlockFacts.content_key`, the chain key), not block
 ids: a dropped block is recomputed under a new id, and recognising that it
@@ -79,7 +81,7 @@ class ArcState(NamedTuple):
     b1: tuple[bytes, ...]
     b2: tuple[bytes, ...]
     target_t1_blocks: float  # p
-    capacity_blocks: int  # c: the most copies held at once so far
+    capacity_blocks: int  # c: the tier's size, or the most copies held at once so far
 
 
 class ArcPolicy(EvictionPolicy):
@@ -91,7 +93,7 @@ class ArcPolicy(EvictionPolicy):
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._target_t1_blocks = 0.0
-        self._capacity_blocks = 0
+        self._capacity_blocks = options.capacity_blocks or 0
         self._num_candidates = 0
 
     def state(self) -> ArcState:

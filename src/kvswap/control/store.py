@@ -74,7 +74,7 @@ class BlockStore:
         self.blocks: dict[int, Block] = {}
         self.sequences: dict[int, SequenceState] = {}
         self.index = PrefixIndex(layout.block_tokens)
-        self._policies = TierPolicies(options, self.blocks)
+        self._policies = TierPolicies(options, self.blocks, num_slots)
         self._next_block_id = 0
         self._unpublished: list[Block] = []
         # Blocks marked lost while referenced: lets the scheduler skip its per-step

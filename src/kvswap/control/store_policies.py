@@ -107,9 +107,12 @@ def facts_of(block: Block, tier: Tier) -> BlockFacts:
 class TierPolicies:
     """The policies of the store's tiers, built by name (`PolicyOptions`)."""
 
-    def __init__(self, options: PolicyOptions, blocks: Mapping[int, Block]):
+    def __init__(
+        self, options: PolicyOptions, blocks: Mapping[int, Block], num_slots: Mapping[Tier, int]
+    ):
         self.by_tier: dict[Tier, EvictionPolicy] = {
-            tier: build_policy(tier, options) for tier in POLICY_TIERS
+            tier: build_policy(tier, options, capacity_blocks=num_slots[tier])
+            for tier in POLICY_TIERS
         }
         self._gpu = self.by_tier[GPU_TIER]
         self._cpu = self.by_tier[CPU_TIER]

@@ -108,7 +108,9 @@ def open_page_store(
     assert options.nvme_dir is not None  # StorageOptions.check: one or the other
     disk = DiskPool(options.nvme_dir, shape.half_bytes, 2 * options.nvme_pages)
     try:
-        policy = named_policy(Tier.NVME, options.nvme_eviction_policy)
+        policy = named_policy(
+            Tier.NVME, options.nvme_eviction_policy, capacity_blocks=disk.num_slots
+        )
         tier = NvmeTier(host_slots, disk, policy=policy)
     except BaseException:
         disk.close()

@@ -1,9 +1,9 @@
 """vLLM's `CachePolicy` in kvswap's words: kvswap's `EvictionPolicy` ranks the host tier.
 
 vLLM's device pool and its prefix-cache eviction are not pluggable; its host
-tier is, so the host tier is the top tier kvswap ranks here, and it gets the
-table kvswap ranks its top tier with (`build_policy(Tier.GPU, ...)`: sinks,
-minimum residency, cost). Every vLLM call becomes the kvswap call with the
+tier is, so the host tier is the top tier kvswap ranks here (`build_named(...,
+top=True)`: "kvswap" is the table with sinks, minimum residency and cost), sized
+by vLLM's `cache_capacity`. Every vLLM call becomes the kvswap call with the
 `BlockFacts` of the chunk at that moment; kvswap's policy decides, this class
 only keeps what vLLM's calls say about each chunk:
 
@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
 from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
 from kvswap.base.transfer import Tier
-from kvswap.control.policy import build_policy
+from kvswap.control.policy import build_named
 from kvswap.control.request_fault import failure_reason
 from kvswap.units import ceil_div
 
@@ -60,11 +60,12 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class HostRanking:
-    """How the host tier is ranked: kvswap's policy (named in `policy`) and, for sinks,
-    the tokens of one host-tier block (an offloaded chunk). `tokens_per_chunk` None:
-    no sinks (the block size is unknown)."""
+    """How the host tier is ranked: kvswap's policy `policy_name` with the switches of
+    `options` and, for sinks, the tokens of one host-tier block (an offloaded chunk).
+    `tokens_per_chunk` None: no sinks (the block size is unknown)."""
 
-    policy: PolicyOptions = field(default_factory=lambda: PolicyOptions(min_residency_steps=0))
+    policy_name: str = "kvswap"
+    options: PolicyOptions = field(default_factory=lambda: PolicyOptions(min_residency_steps=0))
     protected_sink_blocks: int = 8
     tokens_per_chunk: int | None = None
     field_name: str = "eviction_policy"
@@ -86,7 +87,7 @@ class KvswapCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int, ranking: HostRanking | None = None) -> None:
         super().__init__(cache_capacity)
         self.ranking = ranking if ranking is not None else HostRanking()
-        self.policy = build_policy(Tier.GPU, self.ranking.policy, field=self.ranking.field_name)
+        self.policy = self._build(self.ranking.policy_name)
         self.num_failures = 0  # calls the policy raised in (it is then replaced by LRU)
         self._chunks: dict[bytes, _Chunk] = {}
         self._refs: dict[bytes, int] = {}  # key -> live requests holding it
@@ -228,10 +229,17 @@ class KvswapCachePolicy(CachePolicy):
                 "refused and the tier is ranked by kvswap's LRU from now on",
                 type(self.policy).__name__, failure_reason(error),
             )  # fmt: skip
-        fallback = replace(self.ranking.policy, gpu_eviction_policy="lru")
-        self.policy = build_policy(Tier.GPU, fallback, field=self.ranking.field_name)
+        self.policy = self._build("lru")
         for key in self._chunks:
             self.policy.insert(key, self._facts(key))
+
+    def _build(self, name: str) -> EvictionPolicy:
+        """The host tier's policy `name`: the top tier kvswap ranks, of vLLM's size."""
+        ranking = self.ranking
+        return build_named(
+            name, Tier.CPU, ranking.options, field=ranking.field_name, top=True,
+            capacity_blocks=self.cache_capacity,
+        )  # fmt: skip
 
     def _facts(self, key: bytes, *, brought_back: bool = False) -> BlockFacts:
         chunk = self._chunks[key]
@@ -276,7 +284,7 @@ class KvswapCachePolicy(CachePolicy):
         """Among the first `protected_sink_blocks` host blocks of the request, by the end
         position vLLM records for each key (`ReqContext.get_offload_key_position`)."""
         tokens = self.ranking.tokens_per_chunk
-        if tokens is None or not self.ranking.policy.sink_protection:
+        if tokens is None or not self.ranking.options.sink_protection:
             return False
         end_position = req_context.get_offload_key_position(key)
         if end_position is None:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from kvswap.base.eviction_policy import PolicyOptions
-from kvswap.base.transfer import Tier
 from kvswap.config import FIELD_SPELLINGS
 from kvswap.config_load import config_from_values, suggest
 from kvswap.control.policy import policy_class
@@ -97,7 +96,8 @@ class AdapterSettings:
     (`blocks_per_chunk` GPU blocks, 1 by default): `protected_sink_blocks` and the
     chunk sizes count them."""
 
-    policy: PolicyOptions  # the host tier's policy: `policy.gpu_eviction_policy`
+    policy_name: str  # the host tier's policy (`eviction_policy`)
+    policy: PolicyOptions  # its switches: sinks, residency
     protected_sink_blocks: int
     swap_in_chunk_blocks: int
     swap_out_chunk_blocks: int
@@ -124,14 +124,14 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
             f"{POLICY_KEY} = {policy_name!r} ({SOURCE}): not a name; allowed: 'reuse', "
             "'kvswap', 'lru', 'arc', or an import path 'package.module:ClassName'"
         )
-    policy_class(POLICY_KEY, policy_name, Tier.GPU)  # a bad name or import: one line, now
+    policy_class(POLICY_KEY, policy_name, top=True)  # a bad name or import: one line, now
     swap, tiers, cache = config.swap, config.tiers, config.cache
-    policy_class("nvme_eviction_policy", swap.nvme_eviction_policy, Tier.NVME)
+    policy_class("nvme_eviction_policy", swap.nvme_eviction_policy, top=False)
     return AdapterSettings(
+        policy_name=policy_name,
         policy=PolicyOptions(
             sink_protection=swap.protected_sink_blocks > 0,
             min_residency_steps=swap.min_residency_steps,
-            gpu_eviction_policy=policy_name,
         ),
         protected_sink_blocks=swap.protected_sink_blocks,
         swap_in_chunk_blocks=swap.swap_in_chunk_blocks,

@@ -133,7 +133,8 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         policy = KvswapCachePolicy(
             self.num_chunks,
             HostRanking(
-                policy=settings.policy,
+                policy_name=settings.policy_name,
+                options=settings.policy,
                 protected_sink_blocks=settings.protected_sink_blocks,
                 tokens_per_chunk=self.tokens_per_chunk,
             ),
@@ -164,7 +165,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         """How the host tier is ranked, for the start-up line."""
         settings = self.settings
         return (
-            f"policy {settings.policy.gpu_eviction_policy}, sinks "
+            f"policy {settings.policy_name}, sinks "
             f"{settings.protected_sink_blocks} chunks, residency "
             f"{settings.policy.min_residency_steps} steps"
         )

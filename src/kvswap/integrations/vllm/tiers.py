@@ -156,7 +156,8 @@ class KvswapNvmeTier(_KvswapTier):
             )
         disk = DiskPool(nvme.directory, self.block_size_bytes, num_slots)
         try:
-            return NvmeTier(host_rows, disk, policy=named_policy(Tier.NVME, nvme.eviction_policy))
+            policy = named_policy(Tier.NVME, nvme.eviction_policy, capacity_blocks=num_slots)
+            return NvmeTier(host_rows, disk, policy=policy)
         except BaseException:
             disk.close()
             raise
