@@ -84,6 +84,28 @@ def test_a_session_idle_past_the_dead_line_goes_first_oldest_first() -> None:
     assert drain(policy) == ["fresh", "live"]
 
 
+def test_quick_re_references_do_not_make_a_waiting_session_dead() -> None:
+    """Nine copies taken up again 2 steps after they arrived (a prefix between two
+    requests) and one session back after 100 steps: the return gap is the session's,
+    so a session idle 60 steps is waiting, not dead (a median gap would call it dead
+    after a few steps), and the newest goes first as usual."""
+    policy = reuse_policy()
+    for index in range(9):
+        step = 10 * index
+        turn(policy, step, [], [f"prefix{index}"])
+        turn(policy, step + 2, [f"prefix{index}"], [])
+        policy.remove(f"prefix{index}")  # only its gap stays
+    turn(policy, 0, [], ["back"])
+    turn(policy, 100, ["back"], [])
+    turn(policy, 101, [], ["waiting"])
+    turn(policy, 110, [], ["newer"])
+    policy.advance(161)  # "waiting" idle 60 steps: past 1.5 quick gaps, not 1.5 returns
+    assert policy.evict(1) == ["newer"]
+    policy.advance(101 + round(DEAD_GAPS * 100) + 1)
+    # Idle past 1.5 return gaps: dead, the oldest first (the session back at step 100 too).
+    assert policy.evict(2) == ["back", "waiting"]
+
+
 def test_a_sink_used_once_outranks_other_blocks_used_once_not_reused_ones() -> None:
     policy = reuse_policy()
     turn(policy, 0, [], ["reused"])
