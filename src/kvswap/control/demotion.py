@@ -7,9 +7,9 @@ One demoter walks the pairs of adjacent tiers addressed by slots, fastest first
     CPU -> NVMe   cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
 
 Cheap directions first, ahead of need and on the LOW queue: nobody waits for
-them. A pass takes the upper tier's victims from the store
-(`store.victims`, as its policy ranks them) until the tier is back under its low watermark, and each
-victim meets the same rule (`Demoter.move_down`):
+them. A pass takes the upper tier's victims from the store (`store.victims`,
+as its policy ranks them) until the tier is back under its low watermark, and
+each victim meets the same rule (`Demoter.move_down`):
 
     a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`)
     a copy below still in flight  -> stays for a later pass
