@@ -272,6 +272,37 @@ def test_a_user_policy_named_by_import_path_is_used_by_the_store() -> None:
     assert store.num_eviction_candidates(Tier.GPU) == 2
 
 
+def test_a_victim_round_ranks_again_only_what_stayed_and_no_change_reached() -> None:
+    """Four paused one-block sequences on the GPU, ranked by LRU. A round hands out
+    a, b, c: a stays, b is moved (its source reserved: ranked busy at once), c's
+    GPU copy is dropped (a CPU copy holds it). A nested round takes d, chosen by
+    the caller, and leaves it. Closed, every copy left is ranked exactly once."""
+    store = BlockStore(StoreLayout(4, 4, 4, 0, 0), PolicyOptions(gpu_eviction_policy="lru"))
+    blocks = []
+    for seq_id in range(4):
+        tokens = list(range(10 * seq_id, 10 * seq_id + 4))
+        store.open_sequence(seq_id, tokens)
+        block = store.append_tokens(seq_id, tokens)[0]
+        store.place(block, Tier.GPU, ready=True)
+        blocks.append(block)
+    a, b, c, d = blocks
+    store.place(c, Tier.CPU, ready=True)
+    with store.victims(Tier.GPU) as victims:
+        assert [victims.next(), victims.next(), victims.next()] == [a, b, c]
+        assert store.num_eviction_candidates(Tier.GPU) == 1  # only d is ranked now
+        store.reserve_source(b, Tier.GPU)  # a move: ranked again, busy
+        store.drop_copy(c, Tier.GPU)  # gone from the tier
+        with store.victims(Tier.GPU) as chosen:
+            chosen.take(d)
+            assert store.num_eviction_candidates(Tier.GPU) == 0
+        assert store.num_eviction_candidates(Tier.GPU) == 1  # d, ranked again
+    store.check_integrity()
+    assert store.num_eviction_candidates(Tier.GPU) == 2  # a and d; b is busy, c gone
+    store.release_source(b, Tier.GPU)
+    assert store.num_eviction_candidates(Tier.GPU) == 3
+    store.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [
