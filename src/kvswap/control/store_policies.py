@@ -170,8 +170,7 @@ class TierPolicies:
         policy = self.by_tier.get(tier)
         if policy is not None:
             policy.remove(block.block_id)
-        if self.loans and self.loans.get(block.block_id) is tier:
-            del self.loans[block.block_id]
+        self._end_loan(block.block_id, tier)
 
     def forget(self, block: Block) -> None:
         for policy in self.by_tier.values():
@@ -186,7 +185,11 @@ class TierPolicies:
 
     def _rank_gpu(self, block_id: int, facts: BlockFacts) -> None:
         self._gpu.update(block_id, facts)
-        if self.loans and self.loans.get(block_id) is GPU_TIER:
+        self._end_loan(block_id, GPU_TIER)
+
+    def _end_loan(self, block_id: int, tier: Tier) -> None:
+        """`block_id`'s copy on `tier` was ranked again or left: a loan there ends."""
+        if self.loans and self.loans.get(block_id) is tier:
             del self.loans[block_id]
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
