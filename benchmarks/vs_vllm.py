@@ -156,8 +156,12 @@ def vllm_run(
         "kind": kind, "prompts": prompts, "new_tokens": new_tokens, "llm": limits,
         "offload_bytes": offload_bytes, "extra_config": extra_config or {},
     }  # fmt: skip
-    path = sides.work_dir / f"case-{kind}-{len(list(sides.work_dir.glob('case-*')))}.json"
-    path.write_text(json.dumps(case))
+    # One file per side (in the run's temporary directory, removed with it).
+    with tempfile.NamedTemporaryFile(
+        "w", dir=sides.work_dir, prefix=f"case-{kind}-", suffix=".json", delete=False
+    ) as file:
+        file.write(json.dumps(case))
+    path = Path(file.name)
     threads = str(sides.bench.threads)
     result: dict[str, Any] = run_script(
         VLLM_VENV, SIDE_SCRIPT, str(path), timeout_s=SIDE_TIMEOUT_S,
