@@ -11,6 +11,8 @@ the blocks go through in one test; CUDA is tested where a GPU is present.
 from __future__ import annotations
 
 import os
+import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
+from kvswap.base.transfer import Direction  # noqa: E402
+from kvswap.data import block_copy  # noqa: E402
 from kvswap.errors import ConfigError, KvSwapError  # noqa: E402
 from kvswap.integrations.transformers import TieredCache  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -149,17 +153,37 @@ def test_blocks_go_through_the_remote_store(
     assert moved["cpu_to_remote"] > 0 and moved["remote_to_cpu"] > 0
 
 
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block copy sleeps first (a slow disk, busy cores): up to 20 ms an NVMe
+    leg, 2 ms a device leg, so copies are still landing when a step looks for room."""
+    original = block_copy.copy_block
+    pace = random.Random(2)
+
+    def slowed(pools: Any, direction: Direction, *args: Any, **kwargs: Any) -> None:
+        slow = direction in (Direction.CPU_TO_NVME, Direction.NVME_TO_CPU)
+        time.sleep(pace.random() * (0.02 if slow else 0.002))
+        original(pools, direction, *args, **kwargs)
+
+    monkeypatch.setattr(block_copy, "copy_block", slowed)
+
+
+@pytest.mark.parametrize("pace", ["fast", "slow"])
 @pytest.mark.parametrize("below", ["nvme", "store"])
 def test_the_tiers_below_add_capacity_under_a_pinned_pool_smaller_than_a_step(
     model: Any,
     caches: list[TieredCache],
     tmp_path: Path,
     request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
     below: str,
+    pace: str,
 ) -> None:
     """36 blocks, 14 on the device, and the smallest pinned pool each tier below allows:
     every step moves far more than it holds through it, so it must send its copies
-    below mid-step (demotion at the step's end alone came too late: no room)."""
+    below mid-step (demotion at the step's end alone came too late: no room). With
+    slow copies, room that only copies still landing hold must not read as none."""
+    if pace == "slow":
+        slow_copies(monkeypatch)
     if below == "nvme":
         sizes: dict[str, Any] = {"cpu_blocks": 2, "nvme_blocks": 64, "nvme_dir": tmp_path}
         directions = ("cpu_to_nvme", "nvme_to_cpu")

@@ -97,7 +97,8 @@ def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "eviction_policy": PUSHED_OUT,
             "nvme_dir": str(nvme_dir),
             "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
             "remote_url": redis_url,
@@ -135,7 +136,8 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "eviction_policy": PUSHED_OUT,
             "remote_url": redis_url,
             "remote_timeout_ms": STORE_TIMEOUT_MS,
         },
@@ -190,7 +192,8 @@ def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT,
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "eviction_policy": PUSHED_OUT,
             "nvme_dir": str(nvme_dir),
             "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
         },

@@ -239,20 +239,33 @@ class Swapper:
         tier below (NVMe, the store) on the HIGH queue, by the demotion rule, and the
         call waits for them. For a caller whose one step pushes more through the pinned
         pool than it holds (a layer-wise cache), where `end_step`'s demotion comes too
-        late; the time counts as swap wait. Returns the slots freed (0: the room was
-        there, or nothing could leave)."""
+        late; the time counts as swap wait. Copies still landing in the pool hold
+        slots that cannot leave before they land: when the room is still short, the
+        call lets them land and demotes once more (a slow disk or busy cores must not
+        turn into no room). Returns the slots freed (0: the room was there, or nothing
+        could leave)."""
         self.mover.poll()
         cpu = self.store.tiers[CPU_TIER]
         free_before = cpu.num_free_slots
         wanted = min(num_blocks, cpu.num_slots)
         if free_before >= wanted:
             return 0
-        self.demoter.make_room_now(CPU_TIER, wanted)
         start_s = self._clock_s()
-        for transfer_id, record in list(self.mover.inflight.items()):
-            if cpu.num_free_slots >= wanted:
+        for _ in range(2):
+            self.demoter.make_room_now(CPU_TIER, wanted)
+            for transfer_id, record in list(self.mover.inflight.items()):
+                if cpu.num_free_slots >= wanted:
+                    break
+                if record.evict and record.chunk.direction in _DOWN_FROM_CPU:
+                    self.mover.wait(transfer_id)
+            landing = [
+                transfer_id
+                for transfer_id, record in self.mover.inflight.items()
+                if record.chunk.direction.dst_tier is CPU_TIER
+            ]
+            if cpu.num_free_slots >= wanted or not landing:
                 break
-            if record.evict and record.chunk.direction in _DOWN_FROM_CPU:
+            for transfer_id in landing:
                 self.mover.wait(transfer_id)
         self.metrics.swap_wait_s += self._clock_s() - start_s
         return max(0, cpu.num_free_slots - free_before)

@@ -211,11 +211,19 @@ class PagedLayers:
     def _allocate_new(self, seq_id: int, positions: list[int]) -> bool:
         """Device slots for the new tokens' blocks. Other layers' blocks leave the
         device for them through the pinned pool; while it is too full to take them,
-        room is made below it (`_bring_up`) and the allocation is tried again."""
+        room is made below it (`_bring_up`) and the allocation is tried again. Room
+        that was there already (copies landed since the allocation was tried) earns
+        one more try; a second try with no slot freed means the pinned pool is not
+        the cause."""
         num_blocks = ceil_div(len(positions), self.layout.block_tokens) + 1
+        room_was_there = False
         while not self.swapper.allocate(seq_id, positions):
-            if not self._has_tier_below or not self.swapper.make_cpu_room(num_blocks):
-                return False  # nothing more can leave the pinned pool: it is not the cause
+            if not self._has_tier_below:
+                return False
+            freed = self.swapper.make_cpu_room(num_blocks)
+            if not freed and room_was_there:
+                return False
+            room_was_there = not freed
         return True
 
     def _bring_up(self, layer: int, seq_ids: list[int]) -> None:
