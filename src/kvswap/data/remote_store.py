@@ -52,9 +52,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.data import remote_cluster
-from kvswap.data.redis_options import server_client
-from kvswap.data.remote_cluster import LazyCluster, check_cluster_namespace
+from kvswap.data.redis_clients import (
+    CLUSTER_OUTAGE_ERRORS,
+    LazyCluster,
+    check_cluster_namespace,
+    server_client,
+)
 from kvswap.data.remote_format import check_namespace, key_name
 from kvswap.data.remote_outage_log import OutageLog
 from kvswap.data.remote_url import PASSWORD_ENV, RemoteUrl
@@ -77,7 +80,7 @@ MAX_RETRY_S = 30.0
 # The store is unreachable, timed out or not speaking the protocol: an outage.
 _OUTAGE_ERRORS = (
     RedisConnectionError, RedisTimeoutError, InvalidResponse, OSError,
-    *remote_cluster.OUTAGE_ERRORS,
+    *CLUSTER_OUTAGE_ERRORS,
 )  # fmt: skip
 T = TypeVar("T")
 #: What a command runs on: one server's client, or a cluster's.
@@ -164,7 +167,7 @@ class RemoteStoreClient(RemoteIndex):
         self._logged_refusals: set[str] = set()
         self.server_version: str | None = None
         # One server: its client now (it connects on first use). A cluster: built by
-        # the first call that reaches a seed node (remote_cluster.py).
+        # the first call that reaches a seed node (redis_clients.py).
         self._redis: redis.Redis | None = None
         self._cluster: LazyCluster | None = None
         if url.is_cluster:
