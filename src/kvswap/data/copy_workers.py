@@ -14,7 +14,7 @@ whose source is another pending chunk's destination (a source must be a
 ready copy), so HIGH chunks may finish in any order.
 
 CPU path (no GPU, and every NVMe leg): a lane runs its chunk as one batch on
-the engine's `CopyCrew` (`CpuChunk`, cpu_copies.py). With the device pool on
+the engine's `CopyCrew` (`CpuChunk`, below). With the device pool on
 the CPU, the crew's helper threads take blocks of the same chunk too, each
 block one memcpy that releases the GIL, so a chunk moves on every core; NVMe
 legs stay on their lane. The lane moves on to its next chunk once nothing of
@@ -44,19 +44,20 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from kvswap.base.transfer import Priority, TransferResult
+from kvswap.data import block_copy
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
-from kvswap.data.copy_crew import CopyCrew
-from kvswap.data.cpu_copies import CpuChunk
-from kvswap.data.cuda_copies import CudaChunk
+from kvswap.data.copy_crew import BatchOutcome, CopyCrew
+from kvswap.data.disk_pool import DiskSlotError
 from kvswap.data.link_arbiter import LinkArbiter
 
 _EXITED = "copy worker exited"
+_MAX_ERRORS_IN_TEXT = 3
 
 
 class _Started(Protocol):
@@ -250,3 +251,154 @@ class QueueWorker:
 
 def _runs_on_stream(job: Job, lane: torch.cuda.Stream | None) -> bool:
     return lane is not None and job.chunk.direction in GPU_DIRECTIONS
+
+
+class CpuChunk:
+    """One chunk started on `crew`; `report(job, result)` runs once, when its last
+    block is copied or lost. `yield_to`: a LOW chunk's arbiter, None for HIGH.
+
+        lane thread                      crew helper(s)
+        CpuChunk(job_k)  -- post -->     join batch k
+          copy its blocks                copy its blocks
+          nothing left to take: return   last block of k lands: report k (future set)
+        CpuChunk(job_k+1) -- post -->    join batch k+1 without going to sleep
+        finish(k): wait() -> nothing of k is touched any more
+
+    The lane returns as soon as no block of the chunk is left to take, so it starts
+    its next chunk while a helper copies the last blocks of this one; the chunk's
+    result is set by whichever thread copies last, at that moment, so it is reported
+    as early as if the lane had waited. `wait()` is the lane's check that no thread
+    touches the chunk any more (before it exits, or drops it from what it holds).
+    GPU legs (the device pool in host memory) spread over the crew (a LOW one's
+    blocks in pieces, see copy_crew); NVMe legs stay on the lane, block by block.
+    Errors are per block: `DiskSlotError` loses that block; anything else stops the
+    chunk (copy_crew)."""
+
+    def __init__(
+        self,
+        job: Job,
+        pools: Pools,
+        crew: CopyCrew,
+        *,
+        yield_to: LinkArbiter | None,
+        report: Callable[[Job, TransferResult], None],
+    ) -> None:
+        self.job = job
+        self._start_s = time.perf_counter()
+        chunk = job.chunk
+        direction = chunk.direction
+
+        def copy(src_slot: int, dst_slot: int) -> str | None:
+            try:
+                # Looked up at call time: tests replace it to inject faults and hooks.
+                block_copy.copy_block(pools, direction, src_slot, dst_slot)
+            except DiskSlotError as exc:
+                return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
+            return None
+
+        block_bytes = chunk.num_bytes // chunk.num_blocks
+
+        def copy_piece(src_slot: int, dst_slot: int, piece: int, num_pieces: int) -> str | None:
+            start_byte = piece * block_bytes // num_pieces
+            stop_byte = (piece + 1) * block_bytes // num_pieces
+            block_copy.copy_block(
+                pools, direction, src_slot, dst_slot, byte_range=(start_byte, stop_byte)
+            )
+            return None
+
+        self._batch = crew.start(
+            list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
+            copy,
+            num_bytes=chunk.num_bytes,
+            yield_to=yield_to,
+            spread=direction in GPU_DIRECTIONS,
+            on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
+            copy_piece=copy_piece,  # GPU legs only (spread): no NVMe slot is split
+        )
+
+    @property
+    def done(self) -> bool:
+        """True once no thread touches the chunk (and it has been reported)."""
+        return self._batch.done.is_set()
+
+    def wait(self) -> TransferResult:
+        """Block until no thread touches the chunk; its result."""
+        return self._result(*self._batch.wait())
+
+    def _result(self, outcome: BatchOutcome, end_s: float) -> TransferResult:
+        chunk = self.job.chunk
+        return TransferResult(
+            transfer_id=chunk.transfer_id,
+            success=not outcome.failed_dst_slots,
+            num_bytes=chunk.num_bytes,
+            start_s=self._start_s,
+            end_s=end_s,
+            error=_join_errors(outcome.errors),
+            failed_dst_slots=outcome.failed_dst_slots,
+        )
+
+
+def _join_errors(errors: tuple[str, ...]) -> str | None:
+    if not errors:
+        return None
+    text = "; ".join(errors[:_MAX_ERRORS_IN_TEXT])
+    if len(errors) > _MAX_ERRORS_IN_TEXT:
+        text += f"; and {len(errors) - _MAX_ERRORS_IN_TEXT} more"
+    return text
+
+
+class CudaChunk:
+    """One chunk issued on `stream`, at once; `wait()` blocks until its end event is
+    reached.
+
+        lane thread                           copy stream (HIGH or LOW priority)
+        CudaChunk(job) -- wait(ready_event) -> [ready]
+                       -- record(start)     -> [start]
+                       -- copy_ x num_blocks-> [blk][blk][blk]...   (non_blocking)
+                       -- record(end)       -> [end]
+        .wait()  ------- end.synchronize() <-- end reached (a blocking event: sleeps)
+
+    Each block is one `copy_(non_blocking=True)` between the device pool and a
+    page-locked host slot, so it is a real asynchronous DMA. The chunk's duration is
+    the GPU's own (start/end events); several chunks can be in flight on one stream
+    and each one's events still time only its own copies."""
+
+    def __init__(self, job: Job, pools: Pools, stream: torch.cuda.Stream) -> None:
+        self.job = job
+        self.issue_s = time.perf_counter()
+        self._start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        # blocking: the worker waiting in wait() sleeps instead of spinning on a core
+        # that the engine's own thread needs to queue the next step.
+        self._end = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+        chunk = job.chunk
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                if job.ready_event is not None:
+                    # The copy must see every kernel queued before submit() on the
+                    # caller's stream (the one that wrote, or still reads, the block).
+                    stream.wait_event(job.ready_event)
+                self._start.record(stream)
+                for src_slot, dst_slot in zip(chunk.src_slots, chunk.dst_slots, strict=True):
+                    block_copy.copy_block(
+                        pools, chunk.direction, src_slot, dst_slot, non_blocking=True
+                    )
+                self._end.record(stream)
+        except BaseException:
+            # Copies already queued still write their slots: let them land before
+            # the caller reports the chunk failed and the slots get reused.
+            stream.synchronize()
+            raise
+
+    def wait(self) -> TransferResult:
+        """Block until the chunk's last copy is done; its result, timed by the GPU."""
+        self._end.synchronize()
+        end_s = time.perf_counter()
+        elapsed_s = self._start.elapsed_time(self._end) / 1000.0
+        chunk = self.job.chunk
+        return TransferResult(
+            transfer_id=chunk.transfer_id,
+            success=True,
+            num_bytes=chunk.num_bytes,
+            start_s=max(self.issue_s, end_s - elapsed_s),
+            end_s=end_s,
+        )
