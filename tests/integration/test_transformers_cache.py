@@ -153,15 +153,20 @@ def test_blocks_go_through_the_remote_store(
     assert moved["cpu_to_remote"] > 0 and moved["remote_to_cpu"] > 0
 
 
+#: The longest sleep `slow_copies` puts before an NVMe leg's block and a device leg's.
+NVME_LEG_MAX_DELAY_S = 0.02
+DEVICE_LEG_MAX_DELAY_S = 0.002
+
+
 def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block copy sleeps first (a slow disk, busy cores): up to 20 ms an NVMe
-    leg, 2 ms a device leg, so copies are still landing when a step looks for room."""
+    """Every block copy sleeps first (a slow disk, busy cores), a seeded random share
+    of its leg's longest delay, so copies are still landing when a step looks for room."""
     original = block_copy.copy_block
     pace = random.Random(2)
 
     def slowed(pools: Any, direction: Direction, *args: Any, **kwargs: Any) -> None:
-        slow = direction in (Direction.CPU_TO_NVME, Direction.NVME_TO_CPU)
-        time.sleep(pace.random() * (0.02 if slow else 0.002))
+        on_nvme = direction in (Direction.CPU_TO_NVME, Direction.NVME_TO_CPU)
+        time.sleep(pace.random() * (NVME_LEG_MAX_DELAY_S if on_nvme else DEVICE_LEG_MAX_DELAY_S))
         original(pools, direction, *args, **kwargs)
 
     monkeypatch.setattr(block_copy, "copy_block", slowed)
