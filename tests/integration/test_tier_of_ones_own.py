@@ -1,17 +1,17 @@
 """A secondary tier of one's own, through the `SecondaryTier` interface alone.
 
-`DictTier` below (a dict of bytes, jobs done at submit) is all a user writes: the
-adapter makes it the control plane's remote tier (`TierCopyEngine`), and the engine
-takes it in place of the Redis store (`EngineOptions.secondary_tier`). No module of
-`kvswap.control` knows it exists. Exact mode, tiny model: outputs are compared
-digest for digest with a run that offloads nothing.
+`DictTier` (`tests/unit/dict_tier_support.py`: a dict of bytes, jobs done at
+submit) is all a user writes: the adapter makes it the control plane's remote tier
+(`TierCopyEngine`), and the engine takes it as its key-addressed tier, or as one more
+tier below the Redis store (`EngineOptions.secondary_tiers`, a `TierList`). No module
+of `kvswap.control` knows it exists. Exact mode, tiny model: outputs are compared digest for digest
+with a run that offloads nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,62 +20,14 @@ import pytest
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.config_load import load_config
 from kvswap.data.layout import KVLayout
-from kvswap.data.tiers.base import HostSlots, JobResult, SecondaryTier, TransferJob, job_result
+from kvswap.data.tiers.base import HostSlots, SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request, Workload
-
-
-class DictTier(SecondaryTier):
-    """Blocks in a dict (shared by every engine given it), copied at submit."""
-
-    def __init__(self, host_slots: HostSlots, values: dict[bytes, bytes]) -> None:
-        super().__init__(host_slots)
-        self.values = values
-        self.num_loaded_blocks = 0
-        self._finished: dict[int, JobResult] = {}
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        return next((i for i, key in enumerate(keys) if key not in self.values), len(keys))
-
-    def submit_store(self, job: TransferJob) -> None:
-        for key, slot in zip(job.keys, job.host_slots, strict=True):
-            self.values.setdefault(key, self.host_slots[slot].tobytes())
-        self._finish(job, failed=())
-
-    def submit_load(self, job: TransferJob) -> None:
-        failed = {key for key in job.keys if key not in self.values}
-        for key, slot in zip(job.keys, job.host_slots, strict=True):
-            if key not in failed:
-                self.host_slots[slot] = np.frombuffer(self.values[key], np.uint8)
-                self.num_loaded_blocks += 1
-        self._finish(job, failed)
-
-    def _finish(self, job: TransferJob, failed: Collection[bytes]) -> None:
-        moved_bytes = (job.num_blocks - len(failed)) * self.block_bytes
-        now_s = time.perf_counter()
-        self._finished[job.job_id] = job_result(
-            job, failed, transfer_bytes=moved_bytes, start_s=now_s, end_s=now_s
-        )
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        done, self._finished = list(self._finished.values()), {}
-        return done
-
-    def wait(self, job_id: int) -> JobResult:
-        return self._finished.pop(job_id)
-
-    def drain(self) -> None:
-        pass  # every job finished at submit
-
-    def close(self) -> None:
-        pass
-
-    def counters(self) -> Mapping[str, int]:
-        return {"loaded_blocks": self.num_loaded_blocks}
-
+from tests.redis_server import RedisServer, redis_server_missing
+from tests.unit.dict_tier_support import DictTier
 
 # --- the adapter: chunks in, jobs to the tier, results back ------------------------------
 
@@ -149,7 +101,7 @@ def run(values: dict[bytes, bytes] | None, **settings: object) -> dict[str, Any]
         return DictTier(host_slots, values)
 
     config = load_config(environ={}, overrides={**BASE, **settings})
-    options = EngineOptions(model="tiny", secondary_tier=None if values is None else dict_tier)
+    options = EngineOptions(model="tiny", secondary_tiers=() if values is None else (dict_tier,))
     with Engine(engine_settings(config, options)) as engine:
         return engine.run(workload()).to_json()
 
@@ -175,6 +127,36 @@ def test_a_tier_built_over_other_slots_is_refused_in_one_line() -> None:
 
     config = load_config(environ={}, overrides=BASE)
     with pytest.raises(KvSwapError) as refused:
-        Engine(engine_settings(config, EngineOptions(model="tiny", secondary_tier=wrong)))
+        Engine(engine_settings(config, EngineOptions(model="tiny", secondary_tiers=(wrong,))))
     message = str(refused.value)
-    assert message.startswith("secondary_tier: the tier has 1 host slots") and "\n" not in message
+    assert message.startswith("secondary_tiers[0]: the tier has 1 host slots")
+    assert "\n" not in message
+
+
+# --- five tiers: GPU, pinned CPU, NVMe, the Redis store, and one's own below it -------------
+
+
+@pytest.mark.skipif(redis_server_missing() is not None, reason="no redis-server")
+def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path) -> None:
+    """The tier list of the engine: `DictTier` appended below the Redis store (and the
+    NVMe slab, the pinned pool and the device above). Every stored block reaches both
+    keyed tiers; once the store is emptied, a new engine's prefix misses there and
+    comes from the tier below. No module of `kvswap.control` changed for it."""
+    reference = run(None, gpu_kv_capacity_blocks=64, cpu_kv_capacity_blocks=0)
+    values: dict[bytes, bytes] = {}
+    nvme = {"nvme_dir": str(tmp_path), "nvme_kv_capacity_blocks": 32, "cpu_kv_capacity_blocks": 8}
+    with RedisServer(tmp_path / "redis").start() as server:
+        first = run(values, remote_url=server.url, **nvme)
+        stored = server.client().dbsize()
+        assert stored > 0 and len(values) == stored  # each block in both keyed tiers
+        assert first["remote"]["tier0_written_blocks"] == stored
+        server.client().flushall()
+        second = run(values, remote_url=server.url, **nvme)
+    assert first["preemptions"] > 0 and first["bytes_cpu_to_nvme"] > 0  # every tier in use
+    assert second["prefix_hit_tokens"]["remote"] >= len(SYSTEM)
+    remote = second["remote"]
+    assert remote["tier0_hits_blocks"] == 0 and remote["tier0_misses_blocks"] > 0
+    assert remote["tier1_loaded_blocks"] == remote["loaded_blocks"] > 0
+    for summary in (first, second):
+        assert summary["outputs_digest"] == reference["outputs_digest"]
+        assert summary["requests_completed"] == 4

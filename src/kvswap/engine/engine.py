@@ -31,7 +31,9 @@ from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_copy import TierFactory, host_slot_bytes, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
+from kvswap.data.tiers.base import SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
+from kvswap.data.tiers.tier_list import TierList
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
@@ -112,26 +114,32 @@ class Engine(Backend):
         self.runner = ModelRunner(model, device_pool.kv)
 
     def _open_remote(self) -> TierCopyEngine:
-        """The key-addressed tier: a tier of one's own (`options.secondary_tier`) over
-        the pinned pool; else the shared store (tiers.remote_*): one line and exit 2 if
-        it is unusable and `remote_required`, else a warning and the tier off until the
-        store answers."""
-        own = self.settings.options.secondary_tier
+        """The key-addressed tiers, fastest first, over the pinned pool: the shared store
+        (tiers.remote_*), then the tiers of one's own (`options.secondary_tiers`); more
+        than one go as a `TierList`. A store that is unusable is one line and exit 2 if
+        `remote_required`, else a warning and that tier off until the store answers."""
+        own = self.settings.options.secondary_tiers
+        store = self.settings.remote_store
         if self.host_pool is None:
             raise KvSwapError(
                 "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
-                f"(or _bytes) > 0, or leave {'remote_url' if own is None else 'secondary_tier'} "
-                "unset"
+                f"(or _bytes) > 0, or leave {'secondary_tiers' if own else 'remote_url'} unset"
             )
-        if own is not None:
-            return _own_tier(own, self.host_pool, self.layout)
-        store = self.settings.remote_store
-        assert store is not None  # the control plane's remote tier is this store
-        return open_remote_tier(
-            store.url, self.host_pool, namespace=store.namespace,
-            timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
-            max_inflight_chunks=store.max_inflight_chunks, required=store.required,
-        )  # fmt: skip
+        tiers: list[SecondaryTier] = []
+        try:
+            if store is not None:
+                tiers.append(open_remote_tier(
+                    store.url, self.host_pool, namespace=store.namespace,
+                    timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
+                    max_inflight_chunks=store.max_inflight_chunks, required=store.required,
+                ).tier)  # fmt: skip
+            for index, factory in enumerate(own):
+                tiers.append(_own_tier(factory, index, self.host_pool, self.layout))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return TierCopyEngine(tiers[0] if len(tiers) == 1 else TierList(tiers))
 
     def remote_counters(self) -> Mapping[str, int]:
         """The remote data plane's counters (corrupt, skipped writes, outages, ...);
@@ -252,18 +260,20 @@ class Engine(Backend):
         _note_released(exc, self.close())
 
 
-def _own_tier(factory: TierFactory, host_pool: HostPool, layout: KVLayout) -> TierCopyEngine:
+def _own_tier(
+    factory: TierFactory, index: int, host_pool: HostPool, layout: KVLayout
+) -> SecondaryTier:
     """A tier of one's own over the pinned pool, refused in one line if it is not."""
     tier = factory(host_slot_bytes(host_pool), layout)
     shape = (tier.num_host_slots, tier.block_bytes)
     if shape != (host_pool.num_slots, layout.block_bytes):
         tier.close()
         raise KvSwapError(
-            f"secondary_tier: the tier has {shape[0]} host slots of {shape[1]} bytes; the "
-            f"pinned pool has {host_pool.num_slots} of {layout.block_bytes}: build it over "
-            "the host slots it is given"
+            f"secondary_tiers[{index}]: the tier has {shape[0]} host slots of {shape[1]} "
+            f"bytes; the pinned pool has {host_pool.num_slots} of {layout.block_bytes}: "
+            "build it over the host slots it is given"
         )
-    return TierCopyEngine(tier)
+    return tier
 
 
 def _note_released(exc: BaseException | None, released: list[str]) -> None:

@@ -63,15 +63,16 @@ class EngineOptions:
     and the threads for the model on a CPU device (None: OMP_NUM_THREADS when the
     user set it, else every core, `kvswap.openmp_env.model_threads`; the copy
     workers sleep while idle, and the command line makes idle OpenMP threads sleep
-    too, `kvswap.openmp_env`, so a copy finds a free core). `secondary_tier`: the
-    key-addressed tier, a factory called once the pinned pool exists
-    (`kvswap.data.tiers.base`); it replaces the Redis store of `remote_url` and needs
-    no URL (the `remote_*` write settings still apply). None: that store, if any."""
+    too, `kvswap.openmp_env`, so a copy finds a free core). `secondary_tiers`: tiers
+    of one's own, key-addressed, fastest first, each a factory called once the pinned
+    pool exists (`kvswap.data.tiers.base`); they go below the Redis store of
+    `remote_url` when one is set, and need no URL (the `remote_*` write settings
+    apply to them all; `kvswap.data.tiers.tier_list`)."""
 
     model: str = "small"
     dtype: str | None = None
     cpu_threads: int | None = None
-    secondary_tier: TierFactory | None = None
+    secondary_tiers: tuple[TierFactory, ...] = ()
     # vLLM's names: a request's prompt + output at most (None: the model's maximum
     # position), and the device tier as a share of the device's memory (None: the
     # configured GPU tier; `kvswap.engine.device_tier`).
@@ -108,7 +109,7 @@ class EngineSettings:
     capacities: TierCapacities
     prefetch_stream_count: int
     nvme: NvmeSlabSettings | None  # None: no NVMe tier
-    remote_store: RemoteStoreSettings | None  # None: no remote tier configured
+    remote_store: RemoteStoreSettings | None  # None: no store of `remote_url`
     control: ControlSettings
 
 
@@ -133,15 +134,15 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
         config, capacities, block_bytes=layout.block_bytes,
         model_fingerprint=identity.fingerprint(),
         max_sequence_tokens=max_sequence_tokens,
-        shared_store=options.secondary_tier is not None,
+        shared_store=bool(options.secondary_tiers),
     )  # fmt: skip
     nvme = None
     if capacities.num_nvme_blocks:
         assert tiers.nvme_dir is not None  # validated with the capacities
         nvme = NvmeSlabSettings(Path(tiers.nvme_dir), tiers.nvme_persist)
     remote_store = None
-    if control.remote is not None and options.secondary_tier is None:
-        assert tiers.remote_url is not None  # the engine's remote tier is the configured one
+    if tiers.remote_url is not None:
+        assert control.remote is not None  # the control plane's remote tier includes it
         remote_store = RemoteStoreSettings(
             url=tiers.remote_url, namespace=control.remote.namespace,
             timeout_ms=tiers.remote_timeout_ms, ttl_s=tiers.remote_ttl_s,

@@ -1,0 +1,114 @@
+"""`TierList`: secondary tiers stacked as one (stores to each, loads falling through)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from kvswap.data.tiers.base import HostSlots, TransferJob
+from kvswap.data.tiers.tier_list import TierList
+from tests.unit.dict_tier_support import DictTier
+
+BLOCK_BYTES = 32
+KEYS = tuple(hashlib.sha256(f"list-{i}".encode()).digest() for i in range(4))
+
+
+def host_slots() -> HostSlots:
+    return (np.arange(6 * BLOCK_BYTES) % 251).astype(np.uint8).reshape(6, BLOCK_BYTES)
+
+
+def value(n: int) -> bytes:
+    return bytes([n]) * BLOCK_BYTES
+
+
+def store(job_id: int, slots: tuple[int, ...]) -> TransferJob:
+    return TransferJob(job_id, KEYS[: len(slots)], slots, is_load=False)
+
+
+def load(job_id: int, slots: tuple[int, ...]) -> TransferJob:
+    return TransferJob(job_id, KEYS[: len(slots)], slots, is_load=True)
+
+
+def test_a_store_reaches_every_tier_and_counters_add_up() -> None:
+    host = host_slots()
+    upper, lower = DictTier(host, {}), DictTier(host, {}, deferred=True)
+    tiers = TierList([upper, lower])
+    tiers.submit_store(store(1, (0, 1)))
+    (result,) = tiers.get_finished_jobs()
+    assert result.success and result.successful_keys == KEYS[:2]
+    assert result.transfer_bytes == 4 * BLOCK_BYTES  # two blocks, two tiers
+    for tier in (upper, lower):
+        assert tier.values == {KEYS[0]: host[0].tobytes(), KEYS[1]: host[1].tobytes()}
+    assert tiers.lookup(KEYS) == 2
+    tiers.submit_load(load(2, (4, 5)))
+    assert tiers.wait(2).success
+    assert tiers.counters() == {"loaded_blocks": 2, "tier0_loaded_blocks": 2,
+                                "tier1_loaded_blocks": 0}  # fmt: skip
+
+
+def test_a_load_falls_through_to_the_first_tier_holding_each_key() -> None:
+    host = host_slots()
+    upper = DictTier(host, {KEYS[0]: value(10), KEYS[1]: value(11)})
+    upper.corrupt.add(KEYS[1])  # held, but fails its check: the tier below has it
+    lower = DictTier(host, {KEYS[1]: value(21), KEYS[2]: value(22)}, deferred=True)
+    tiers = TierList([upper, lower])
+    assert tiers.lookup(KEYS) == 2  # the longest prefix one tier holds
+    tiers.submit_load(load(7, (0, 1, 2, 3)))
+    result = tiers.wait(7)
+    assert not result.success and result.successful_keys == KEYS[:3]
+    assert result.error == "1 of 4 keys loaded by no tier"
+    assert [bytes(host[slot]) for slot in (0, 1, 2)] == [value(10), value(21), value(22)]
+    # The tier below was asked only for what the tier above did not load.
+    assert [job.keys for job in lower.jobs_seen] == [KEYS[1:4]]
+    assert tiers.get_finished_jobs() == []  # reported by `wait`, never again
+    with pytest.raises(ValueError, match="not pending"):
+        tiers.wait(7)
+
+
+def test_drain_finishes_loads_that_go_on_to_a_later_tier() -> None:
+    host = host_slots()
+    upper = DictTier(host, {}, deferred=True)
+    lower = DictTier(host, {KEYS[0]: value(30)}, deferred=True)
+    tiers = TierList([upper, lower])
+    tiers.submit_load(load(3, (2,)))
+    tiers.drain()  # the tier above misses; the load goes on below and finishes
+    assert [len(tier.jobs_seen) for tier in (upper, lower)] == [1, 1]
+    (result,) = tiers.get_finished_jobs()
+    assert result.success and bytes(host[2]) == value(30)
+
+
+def test_a_tier_that_is_down_is_skipped_and_none_usable_fails_at_once() -> None:
+    host = host_slots()
+    upper, lower = DictTier(host, {KEYS[0]: value(1)}), DictTier(host, {KEYS[0]: value(2)})
+    upper.down = True
+    tiers = TierList([upper, lower])
+    assert tiers.available and tiers.lookup(KEYS[:1]) == 1
+    tiers.submit_load(load(1, (0,)))
+    assert tiers.wait(1).success and bytes(host[0]) == value(2)
+    assert upper.jobs_seen == []  # never asked while down
+    lower.down = True
+    assert not tiers.available and tiers.lookup(KEYS) == 0
+    tiers.submit_store(store(2, (1, 2)))
+    (result,) = tiers.get_finished_jobs()
+    assert result.successful_keys == () and result.error == "2 of 2 keys stored by no tier"
+
+
+def test_wrong_use_is_a_one_line_value_error() -> None:
+    host = host_slots()
+    with pytest.raises(ValueError, match="at least one tier"):
+        TierList([])
+    with pytest.raises(ValueError, match="tier 1 \\(DictTier\\) is built over other host slots"):
+        TierList([DictTier(host, {}), DictTier(host_slots(), {})])
+    upper, lower = DictTier(host, {}, deferred=True), DictTier(host, {})
+    tiers = TierList([upper, lower])
+    tiers.submit_store(store(1, (0,)))
+    with pytest.raises(ValueError, match="job 1: id already in use"):
+        tiers.submit_load(load(1, (1,)))
+    with pytest.raises(ValueError, match="leave"):
+        tiers.submit_load(load(2, (6,)))
+    tiers.close()
+    assert upper.closed and lower.closed
+    with pytest.raises(ValueError, match="closed"):
+        tiers.submit_store(store(3, (0,)))
