@@ -31,6 +31,7 @@ from pydantic import (
 from kvswap.base.remote_names import REMOTE_URL_SCHEMES, namespace_problem
 from kvswap.config_capacities import SizedRules, TierCapacities, tier_blocks, validate_capacities
 from kvswap.errors import ConfigError
+from kvswap.import_path import split_import_path
 from kvswap.units import parse_size_bytes
 
 ENV_PREFIX = "KVSWAP_"
@@ -172,6 +173,26 @@ class TiersSection(_Section):
     """when blocks are written to the store: on_finish, on_demote, off"""
     remote_required: bool = False
     """a store unreachable at start is an error (else one warning, tier off)"""
+    secondary_tiers: str | None = Field(default=None, min_length=1, max_length=2000)
+    """tiers of one's own below the store, fastest first: package.module:factory[,...], each
+    called as factory(host_slots, layout) and returning a SecondaryTier (kvswap run, serve)"""
+
+    @property
+    def secondary_tier_paths(self) -> tuple[str, ...]:
+        """`secondary_tiers` as import paths, fastest first (none when unset)."""
+        value = self.secondary_tiers
+        return () if value is None else tuple(path.strip() for path in value.split(","))
+
+    @field_validator("secondary_tiers")
+    @classmethod
+    def _import_paths(cls, value: str | None) -> str | None:
+        for path in () if value is None else value.split(","):
+            if split_import_path(path.strip()) is None:
+                raise ValueError(
+                    f"{path.strip()!r} is not an import path; allowed: "
+                    "package.module:factory, several separated by commas"
+                )
+        return value
 
     @field_validator("nvme_dir")
     @classmethod

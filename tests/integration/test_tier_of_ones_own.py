@@ -27,7 +27,7 @@ from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request, Workload
 from tests.redis_server import RedisServer, redis_server_missing
-from tests.unit.dict_tier_support import DictTier
+from tests.unit.dict_tier_support import SHARED_VALUES, DictTier
 
 # --- the adapter: chunks in, jobs to the tier, results back ------------------------------
 
@@ -160,3 +160,38 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
     for summary in (first, second):
         assert summary["outputs_digest"] == reference["outputs_digest"]
         assert summary["requests_completed"] == 4
+
+
+# --- a tier named in the configuration: `secondary_tiers` / --secondary-tiers ---------------
+
+SUPPORT = "tests.unit.dict_tier_support"
+
+
+def test_a_tier_named_by_import_path_in_the_config_serves_a_second_engine() -> None:
+    SHARED_VALUES.clear()
+    reference = run(None, gpu_kv_capacity_blocks=64, cpu_kv_capacity_blocks=0)
+    first = run(None, secondary_tiers=f"{SUPPORT}:shared_tier")
+    assert 0 < len(SHARED_VALUES) <= first["remote"]["writes"]
+    second = run(None, secondary_tiers=f" {SUPPORT}:shared_tier ")  # spaces are trimmed
+    assert second["prefix_hit_tokens"]["remote"] >= len(SYSTEM)
+    assert first["outputs_digest"] == second["outputs_digest"] == reference["outputs_digest"]
+    SHARED_VALUES.clear()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("dict_tier_support", "(from command line): 'dict_tier_support' is not an import path"),
+        (f"{SUPPORT}:shared_tier,", "'' is not an import path; allowed: package.module:factory"),
+        ("no_such_module_xyz:tier", "= 'no_such_module_xyz:tier': cannot import"),
+        (f"{SUPPORT}:missing", f"= '{SUPPORT}:missing': {SUPPORT}.missing is nothing"),
+        (f"{SUPPORT}:SHARED_VALUES", "is a dict, not callable"),
+        (f"{SUPPORT}:not_a_tier", "[0]: the factory returned a dict, not a SecondaryTier"),
+        (f"{SUPPORT}:failing_tier", "[0]: building the tier failed (OSError: no room on"),
+    ],
+)  # fmt: skip
+def test_a_wrong_tier_path_is_one_line(value: str, message: str) -> None:
+    with pytest.raises(KvSwapError) as refused:
+        run(None, secondary_tiers=value)
+    text = str(refused.value)
+    assert text.startswith("secondary_tiers") and message in text and "\n" not in text

@@ -93,3 +93,21 @@ class DictTier(SecondaryTier):
 
     def counters(self) -> Mapping[str, int]:
         return {"loaded_blocks": self.num_loaded_blocks}
+
+
+#: The blocks of `shared_tier`, shared by every engine that builds one.
+SHARED_VALUES: dict[bytes, bytes] = {}
+
+
+def shared_tier(host_slots: HostSlots, _layout: object) -> DictTier:
+    """A factory to name by import path (`tiers.secondary_tiers`): a `DictTier` over
+    `SHARED_VALUES`."""
+    return DictTier(host_slots, SHARED_VALUES)
+
+
+def not_a_tier(host_slots: HostSlots, _layout: object) -> dict[str, int]:
+    return {"slots": len(host_slots)}
+
+
+def failing_tier(host_slots: HostSlots, _layout: object) -> DictTier:
+    raise OSError("no room on /mnt/tier\nsecond line")

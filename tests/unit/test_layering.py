@@ -22,7 +22,7 @@ import kvswap.control
 
 CONTROL_DIR = Path(kvswap.control.__file__).parent
 SRC = CONTROL_DIR.parent
-LEAF_MODULES = ("kvswap.units", "kvswap.errors", "kvswap.sampling")
+LEAF_MODULES = ("kvswap.units", "kvswap.errors", "kvswap.sampling", "kvswap.import_path")
 ALLOWED_KVSWAP = ("kvswap.control", "kvswap.base", *LEAF_MODULES)
 FORBIDDEN_OTHERS = ("torch", "numpy", "pydantic")
 

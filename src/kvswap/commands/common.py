@@ -75,6 +75,8 @@ def _metavar(field: str) -> str:
         return "X"
     if field.endswith("_dir"):
         return "DIR"
+    if field.endswith("_tiers"):
+        return "MODULE:FACTORY[,...]"
     return "URL" if field.endswith("_url") else "NAME"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,6 +245,12 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.timeseries, "--timeseries")
     check_workload_arguments(args)
     config, hardware = simulation_from_args(args)
+    if config.tiers.secondary_tiers is not None:
+        print(
+            "kvswap: warning: secondary_tiers are not modelled (the simulator models the Redis "
+            "store: --shared-remote-gib or tiers.remote_url); simulating without them",
+            file=sys.stderr,
+        )
     if args.remote_gb_per_s is not None or args.remote_rtt_ms is not None:
         hardware = with_remote_link(
             hardware, gb_per_s=args.remote_gb_per_s, rtt_ms=args.remote_rtt_ms

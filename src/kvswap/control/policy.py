@@ -23,7 +23,6 @@ is a `ConfigError` in one line naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 
 from kvswap.base.eviction_policy import (
@@ -38,6 +37,7 @@ from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy
 from kvswap.control.policy_reuse import ReusePolicy
 from kvswap.errors import ConfigError
+from kvswap.import_path import import_object, one_line, split_import_path
 
 __all__ = [
     "PolicyOptions", "build_named", "build_policy", "check_policy_names", "named_policy",
@@ -63,21 +63,13 @@ def policy_class(field: str, value: str, *, top: bool) -> type[EvictionPolicy]:
         return ArcPolicy
     if value == "reuse":
         return ReusePolicy
-    module_name, colon, class_name = value.partition(":")
-    if not colon or not module_name or not class_name:
+    if split_import_path(value) is None:
         raise ConfigError(f"{field} = {value!r}: unknown policy; allowed: {_ALLOWED}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # any failure of a user's module is one config error
-        raise ConfigError(
-            f"{field} = {value!r}: cannot import {module_name!r} ({_one_line(error)}); "
-            f"allowed: {_ALLOWED}"
-        ) from None
-    found = getattr(module, class_name, None)
+    found = import_object(field, value, _ALLOWED)
     if not isinstance(found, type) or not issubclass(found, EvictionPolicy):
         what = "nothing" if found is None else f"a {type(found).__name__}"
         raise ConfigError(
-            f"{field} = {value!r}: {module_name}.{class_name} is {what}, not an "
+            f"{field} = {value!r}: {value.replace(':', '.')} is {what}, not an "
             f"EvictionPolicy subclass; allowed: {_ALLOWED}"
         )
     return found
@@ -104,7 +96,7 @@ def build_named(
     except Exception as error:  # a user's constructor: reported like its import
         raise ConfigError(
             f"{field} = {name!r}: {cls.__name__}(tier, options) failed "
-            f"({_one_line(error)}); allowed: {_ALLOWED}"
+            f"({one_line(error)}); allowed: {_ALLOWED}"
         ) from None
 
 
@@ -132,8 +124,3 @@ def check_policy_names(options: PolicyOptions) -> None:
     """Resolve every tier's policy name once (imports included), at the edge."""
     for tier in (Tier.GPU, Tier.CPU, Tier.NVME):
         policy_class(policy_field(tier), options.policy_name(tier), top=tier is Tier.GPU)
-
-
-def _one_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

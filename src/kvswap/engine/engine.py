@@ -42,6 +42,7 @@ from kvswap.engine.runner import ModelRunner
 from kvswap.engine.settings import EngineSettings, pick_device
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
+from kvswap.import_path import one_line
 from kvswap.model.loader import load_model
 from kvswap.obs.observer import StepObserver
 from kvswap.openmp_env import model_threads
@@ -118,7 +119,7 @@ class Engine(Backend):
         (tiers.remote_*), then the tiers of one's own (`options.secondary_tiers`); more
         than one go as a `TierList`. A store that is unusable is one line and exit 2 if
         `remote_required`, else a warning and that tier off until the store answers."""
-        own = self.settings.options.secondary_tiers
+        own = self.settings.secondary_tiers
         store = self.settings.remote_store
         if self.host_pool is None:
             raise KvSwapError(
@@ -264,12 +265,19 @@ def _own_tier(
     factory: TierFactory, index: int, host_pool: HostPool, layout: KVLayout
 ) -> SecondaryTier:
     """A tier of one's own over the pinned pool, refused in one line if it is not."""
-    tier = factory(host_slot_bytes(host_pool), layout)
+    name = f"secondary_tiers[{index}]"
+    try:
+        tier = factory(host_slot_bytes(host_pool), layout)
+    except Exception as error:  # a user's factory: one line, as a failed import is
+        raise KvSwapError(f"{name}: building the tier failed ({one_line(error)})") from None
+    if not isinstance(tier, SecondaryTier):
+        raise KvSwapError(f"{name}: the factory returned a {type(tier).__name__}, not a "
+                          "SecondaryTier (kvswap.data.tiers.base)")  # fmt: skip
     shape = (tier.num_host_slots, tier.block_bytes)
     if shape != (host_pool.num_slots, layout.block_bytes):
         tier.close()
         raise KvSwapError(
-            f"secondary_tiers[{index}]: the tier has {shape[0]} host slots of {shape[1]} "
+            f"{name}: the tier has {shape[0]} host slots of {shape[1]} "
             f"bytes; the pinned pool has {host_pool.num_slots} of {layout.block_bytes}: "
             "build it over the host slots it is given"
         )

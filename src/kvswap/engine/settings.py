@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -27,7 +27,8 @@ from kvswap.config_capacities import TierCapacities, validate_capacities
 from kvswap.data.layout import KVLayout
 from kvswap.drive.settings import ControlSettings, control_settings
 from kvswap.engine.device_tier import device_tier_blocks
-from kvswap.errors import KvSwapError
+from kvswap.errors import ConfigError, KvSwapError
+from kvswap.import_path import import_object
 from kvswap.model.arch_config import ModelArchConfig
 from kvswap.model.kv_identity import kvswap_identity
 from kvswap.model.loader import PRESET_SEED, resolve_model
@@ -110,6 +111,8 @@ class EngineSettings:
     prefetch_stream_count: int
     nvme: NvmeSlabSettings | None  # None: no NVMe tier
     remote_store: RemoteStoreSettings | None  # None: no store of `remote_url`
+    # Below the store, fastest first: `tiers.secondary_tiers`, then `options.secondary_tiers`.
+    secondary_tiers: tuple[TierFactory, ...]
     control: ControlSettings
 
 
@@ -121,6 +124,8 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
     arch, _, _ = resolve_model(options.model, options.dtype)
     layout = KVLayout.for_model(arch.description, config.cache.kv_block_tokens)
     capacities = _capacities(config, options, arch, layout.block_bytes)
+    secondary_tiers = (*map(tier_factory, config.tiers.secondary_tier_paths),
+                       *options.secondary_tiers)  # fmt: skip
     max_sequence_tokens = arch.max_position_tokens
     if options.max_model_len is not None:
         check_model_len(options.max_model_len, arch.max_position_tokens)
@@ -134,7 +139,7 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
         config, capacities, block_bytes=layout.block_bytes,
         model_fingerprint=identity.fingerprint(),
         max_sequence_tokens=max_sequence_tokens,
-        shared_store=bool(options.secondary_tiers),
+        shared_store=bool(secondary_tiers),
     )  # fmt: skip
     nvme = None
     if capacities.num_nvme_blocks:
@@ -159,8 +164,23 @@ def engine_settings(config: KvSwapConfig, options: EngineOptions) -> EngineSetti
         prefetch_stream_count=config.swap.prefetch_stream_count,
         nvme=nvme,
         remote_store=remote_store,
+        secondary_tiers=secondary_tiers,
         control=control,
     )
+
+
+def tier_factory(path: str) -> TierFactory:
+    """The factory an entry of `tiers.secondary_tiers` names (imported here, at the edge),
+    refused in one line if it names nothing callable."""
+    allowed = "package.module:factory, called as factory(host_slots, layout)"
+    found = import_object("secondary_tiers", path, allowed)
+    if not callable(found):
+        what = "nothing" if found is None else f"a {type(found).__name__}"
+        raise ConfigError(
+            f"secondary_tiers = {path!r}: {path.replace(':', '.')} is {what}, not callable; "
+            f"allowed: {allowed}"
+        )
+    return cast("TierFactory", found)
 
 
 def _capacities(
