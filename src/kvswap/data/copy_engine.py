@@ -29,17 +29,19 @@ import time
 import torch
 
 from kvswap.base.transfer import (
+    CopyEngine,
     Direction,
     Priority,
     Tier,
     TransferChunk,
+    TransferResult,
 )
-from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools
+from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, failed_result
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_workers import QueueWorker
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
-from kvswap.data.future_results import FutureCopyEngine
+from kvswap.data.future_results import FutureResults
 from kvswap.data.host_pool import HostPool
 from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.errors import KvSwapError
@@ -66,10 +68,13 @@ LOW_PIECE_BYTES = 512 << 10
 MAX_PREFETCH_STREAMS = 8
 
 
-class LocalCopyEngine(FutureCopyEngine):
+class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
     """Two prioritised copy queues over real pools: CUDA streams + events when the
     device pool is on a GPU, worker threads otherwise (and for every NVMe leg).
-    The HIGH queue runs on `prefetch_streams` lanes at once."""
+    The HIGH queue runs on `prefetch_streams` lanes at once. Its lanes complete one
+    future per chunk (`FutureResults`)."""
+
+    _id_word = "transfer"
 
     def __init__(
         self,
@@ -197,11 +202,26 @@ class LocalCopyEngine(FutureCopyEngine):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _lane_alive(self, chunk: TransferChunk) -> bool:
-        return self._workers[chunk.priority].is_alive()
+    def poll(self) -> list[TransferResult]:
+        """Results finished since the last poll/wait, in order of end time; never blocks."""
+        return self._done_results()
 
-    def _now_s(self) -> float:
-        return time.perf_counter()
+    def wait(self, transfer_id: int) -> TransferResult:
+        """Block until chunk `transfer_id` finishes; its result is not polled again."""
+        return self._wait_result(transfer_id)
+
+    def wait_all(self) -> list[TransferResult]:
+        """Block until every submitted chunk finishes; return the unreported results."""
+        return self._wait_all_results()
+
+    def _id_of(self, job: TransferChunk) -> int:
+        return job.transfer_id
+
+    def _lane_alive(self, job: TransferChunk) -> bool:
+        return self._workers[job.priority].is_alive()
+
+    def _dead_lane_result(self, job: TransferChunk) -> TransferResult:
+        return failed_result(job, time.perf_counter(), "copy worker exited")
 
     def _validate(self, chunk: TransferChunk) -> None:
         tid = chunk.transfer_id

@@ -5,9 +5,9 @@
     wait(id)     -> that job's result (not reported again)
     wait_all()   -> every unreported result
 
-A job is a copy engine's `TransferChunk` (`FutureCopyEngine`) or a secondary
-tier's `TransferJob` (`kvswap.data.tiers.lanes.LaneTier`); `FutureResults` is
-the part they share, generic in the job and its result.
+A job is a copy engine's `TransferChunk` (`kvswap.data.copy_engine.LocalCopyEngine`)
+or a secondary tier's `TransferJob` (`kvswap.data.tiers.lanes.LaneTier`);
+`FutureResults` is the part they share, generic in the job and its result.
 
 A waiter wakes every `LIVENESS_CHECK_S` to check the lane it waits on is still
 alive: lanes that die fail their jobs themselves, so this is only the last
@@ -20,9 +20,6 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Generic, Protocol, TypeVar
-
-from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
-from kvswap.data.block_copy import failed_result
 
 #: How often a waiter checks that the lane it waits on is still alive.
 LIVENESS_CHECK_S = 0.5
@@ -105,32 +102,3 @@ class FutureResults(ABC, Generic[JobT, ResultT]):
     @abstractmethod
     def _dead_lane_result(self, job: JobT) -> ResultT:
         """A failed result for `job`, whose lanes all exited without reporting it."""
-
-
-class FutureCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
-    """A `CopyEngine` whose lanes complete one future per chunk."""
-
-    _id_word = "transfer"
-    _dead_lane_reason = "copy worker exited"
-
-    def poll(self) -> list[TransferResult]:
-        """Results finished since the last poll/wait, in order of end time; never blocks."""
-        return self._done_results()
-
-    def wait(self, transfer_id: int) -> TransferResult:
-        """Block until chunk `transfer_id` finishes; its result is not polled again."""
-        return self._wait_result(transfer_id)
-
-    def wait_all(self) -> list[TransferResult]:
-        """Block until every submitted chunk finishes; return the unreported results."""
-        return self._wait_all_results()
-
-    def _id_of(self, job: TransferChunk) -> int:
-        return job.transfer_id
-
-    def _dead_lane_result(self, job: TransferChunk) -> TransferResult:
-        return failed_result(job, self._now_s(), self._dead_lane_reason)
-
-    @abstractmethod
-    def _now_s(self) -> float:
-        """The engine's clock, for a result it has to make up."""
