@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvswap.base.remote_names import REMOTE_URL_SCHEMES, namespace_problem
+from kvswap.base.remote_names import REMOTE_URL_SCHEMES, is_cluster_url, namespace_problem
 from kvswap.config_capacities import SizedRules, TierCapacities, tier_blocks, validate_capacities
 from kvswap.errors import ConfigError
 from kvswap.import_path import split_import_path
@@ -225,6 +225,15 @@ class TiersSection(_Section):
                 + " (e.g. redis://127.0.0.1:6379/0)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _a_cluster_key_prefix(self) -> TiersSection:
+        namespace, url = self.remote_namespace, self.remote_url
+        if namespace is not None and url is not None and is_cluster_url(url):
+            problem = namespace_problem(namespace, cluster=True)
+            if problem is not None:
+                raise ValueError(f"remote_namespace = {namespace!r:.80} on a cluster: {problem}")
+        return self
 
 
 class EngineSection(_Section):

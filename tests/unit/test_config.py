@@ -209,3 +209,16 @@ def test_a_bad_remote_namespace_is_refused_from_every_source_without_a_store(
         )
     good = load_config(None, environ={}, overrides={"remote_namespace": "team-a:v2"})
     assert good.tiers.remote_namespace == "team-a:v2"
+
+
+def test_a_hash_tag_namespace_is_refused_for_a_cluster_when_configured() -> None:
+    """The store refuses it too (`RemoteStoreClient`); the configuration says so first,
+    before any engine or server starts."""
+    cluster = {"remote_url": "redis+cluster://127.0.0.1:7000", "remote_namespace": "{model}"}
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, environ={}, overrides=cluster)
+    message = str(refused.value)
+    assert message.startswith("remote_namespace = '{model}' on a cluster: a '{...}' hash tag")
+    assert "\n" not in message
+    one_server = {**cluster, "remote_url": "redis://127.0.0.1:6379/0"}
+    assert load_config(None, environ={}, overrides=one_server).tiers.remote_namespace == "{model}"

@@ -13,7 +13,8 @@ and sends every node its part before reading any answer. What differs for a clus
   - A block's key routes by itself: "<namespace>:<key hex>" has no "{...}" hash
     tag, so its slot is the CRC16 of the whole name and a model's blocks spread
     over every master (README: the measured spread). A namespace with a tag would
-    pile every block of a model on one shard: `check_cluster_namespace` refuses it.
+    pile every block of a model on one shard: `base.remote_names.namespace_problem`
+    refuses it, for the configuration and for the store.
   - A master that dies fails the calls that reach its slots (a connection error):
     the client's state machine counts an outage and answers misses, and its
     reconnect probes find the cluster again (with `cluster-require-full-coverage
@@ -33,7 +34,6 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvswap.data.remote_url import RemoteUrl
-from kvswap.errors import ConfigError
 
 #: Failures of a cluster as a whole (no seed node answered, a slot nobody serves).
 CLUSTER_OUTAGE_ERRORS = (RedisClusterException,)
@@ -104,14 +104,6 @@ def _encode_argument(value: object) -> bytes | bytearray | memoryview:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return repr(value).encode()
     raise TypeError(f"cannot send a {type(value).__name__} to the store")
-
-
-def check_cluster_namespace(namespace: str) -> None:
-    if "{" in namespace or "}" in namespace:
-        raise ConfigError(
-            f"remote_namespace {namespace!r:.80}: a '{{...}}' hash tag would put every "
-            "block on one cluster shard; allowed: a namespace without braces"
-        )
 
 
 class LazyCluster:

@@ -97,9 +97,9 @@ def key_digest(store_key: bytes) -> bytes:
     ).digest()
 
 
-def check_namespace(namespace: str) -> str:
-    """`namespace` if usable as a key prefix (`namespace_problem`)."""
-    problem = namespace_problem(namespace)
+def check_namespace(namespace: str, *, cluster: bool = False) -> str:
+    """`namespace` if usable as a key prefix (`namespace_problem`; `cluster`: on one)."""
+    problem = namespace_problem(namespace, cluster=cluster)
     if problem is not None:
         raise ConfigError(f"remote_namespace {namespace!r:.80}: {problem}")
     return namespace

@@ -55,7 +55,6 @@ from kvswap.base.remote_index import RemoteIndex
 from kvswap.data.redis_clients import (
     CLUSTER_OUTAGE_ERRORS,
     LazyCluster,
-    check_cluster_namespace,
     server_client,
 )
 from kvswap.data.remote_format import check_namespace, key_name
@@ -152,7 +151,7 @@ class RemoteStoreClient(RemoteIndex):
         if not timeout_ms > 0:
             raise ValueError(f"timeout_ms must be > 0, got {timeout_ms}")
         self.url = url
-        self.namespace = check_namespace(namespace)
+        self.namespace = check_namespace(namespace, cluster=url.is_cluster)
         self.timeout_s = timeout_ms / 1000.0
         self._clock = clock
         self._backoff = backoff or Backoff()
@@ -171,7 +170,6 @@ class RemoteStoreClient(RemoteIndex):
         self._redis: redis.Redis | None = None
         self._cluster: LazyCluster | None = None
         if url.is_cluster:
-            check_cluster_namespace(namespace)
             self._cluster = LazyCluster(url, self.timeout_s, socket_read_bytes)
         else:
             self._redis = server_client(url, self.timeout_s, socket_read_bytes)
