@@ -28,6 +28,7 @@ from kvswap.data import block_copy  # noqa: E402
 from kvswap.errors import ConfigError, KvSwapError  # noqa: E402
 from kvswap.integrations.transformers import TieredCache  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
+from tests.unit.dict_tier_support import DictTier  # noqa: E402
 
 NEW_TOKENS = 48
 BLOCK_TOKENS = 8
@@ -153,6 +154,25 @@ def test_blocks_go_through_the_remote_store(
     assert moved["cpu_to_remote"] > 0 and moved["remote_to_cpu"] > 0
 
 
+def test_blocks_go_through_a_tier_of_ones_own(model: Any, caches: list[TieredCache]) -> None:
+    """The same path with a `SecondaryTier` of one's own in place of the store (the
+    factory the engine takes too): tokens equal, every block read back came from it."""
+    prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    expected = generate(model, prompt, transformers.DynamicCache(config=model.config))
+    built: list[DictTier] = []
+
+    def dict_tier(host_slots: Any, _layout: object) -> DictTier:
+        built.append(DictTier(host_slots, {}))
+        return built[-1]
+
+    cache = tiered(caches, model, resident_blocks=14, cpu_blocks=16, secondary_tiers=[dict_tier])
+    assert torch.equal(generate(model, prompt, cache), expected)
+    moved = cache.take_report().blocks_by_direction
+    assert moved["remote_to_cpu"] > 0 and built[0].num_loaded_blocks == moved["remote_to_cpu"]
+    cache.close()
+    assert built[0].closed
+
+
 #: The longest sleep `slow_copies` puts before an NVMe leg's block and a device leg's.
 NVME_LEG_MAX_DELAY_S = 0.02
 DEVICE_LEG_MAX_DELAY_S = 0.002
@@ -233,13 +253,14 @@ def test_bad_input_is_one_line(model: Any, caches: list[TieredCache]) -> None:
         ({"resident_blocks": 4, "remote_timeout_ms": "50"}, "remote_timeout_ms = '50'"),
         ({"resident_blocks": 4, "nvme_dir": 7, "nvme_blocks": 8}, "nvme_dir = 7; allowed"),
         ({"resident_blocks": 4, "cpu_eviction_policy": 1}, "cpu_eviction_policy = 1; allowed"),
+        ({"resident_blocks": 4, "secondary_tiers": ["x"]}, "secondary_tiers = .*allowed: a seq"),
         (
             {"resident_blocks": 4, "cpu_blocks": 1, "nvme_blocks": 8, "nvme_dir": "/tmp"},
             "cpu_blocks = 1 with nvme_blocks: .*allowed: cpu_blocks >= 2",
         ),
         (  # 4 layers: the other 3 layers' last blocks wait above the store
             {"resident_blocks": 4, "cpu_blocks": 4, "remote_url": "redis://127.0.0.1:1/0"},
-            "cpu_blocks = 4 with remote_url and no NVMe slab: .*allowed: cpu_blocks >= 5",
+            "cpu_blocks = 4 with a store and no NVMe slab: .*allowed: cpu_blocks >= 5",
         ),
     ):
         with pytest.raises(ConfigError, match=words) as caught:

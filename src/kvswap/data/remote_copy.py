@@ -5,15 +5,16 @@ control plane's remote chunks become the tier's jobs, its lookups the tier's
 (`kvswap.data.tiers.copy_adapter`); lanes, batching, value checks, skipped
 writes and counters are `RedisTier`'s (`kvswap.data.tiers.redis_tier`).
 
-`open_remote_tier` builds it from the `tiers.remote_*` settings;
-`host_slot_bytes` is the bridge from the torch-side `HostPool` to the byte view
-every `SecondaryTier` is built over.
+`open_remote_tier` builds it from the `tiers.remote_*` settings; `keyed_tiers`
+stacks it with tiers of one's own (`TierList`) for the engine and the
+transformers cache; `host_slot_bytes` is the bridge from the torch-side
+`HostPool` to the byte view every `SecondaryTier` is built over.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +34,9 @@ from kvswap.data.tiers.redis_tier import (
     RedisTier,
     RemoteStats,
 )
+from kvswap.data.tiers.tier_list import TierList
+from kvswap.errors import KvSwapError
+from kvswap.import_path import one_line
 
 __all__ = [
     "DEFAULT_READ_LANES",
@@ -44,6 +48,7 @@ __all__ = [
     "RemoteStats",
     "TierFactory",
     "host_slot_bytes",
+    "keyed_tiers",
     "open_remote_tier",
 ]
 
@@ -120,3 +125,44 @@ def open_remote_tier(
     return RemoteCopyEngine(
         client, host_pool, ttl_s=ttl_s, max_inflight_write_chunks=max_inflight_chunks
     )
+
+
+def keyed_tiers(
+    store: SecondaryTier | None, own: Sequence[TierFactory], host_pool: HostPool
+) -> TierCopyEngine:
+    """The control plane's key-addressed tier over `host_pool`: the `store` (opened by
+    the caller, or None), then a tier from each factory of `own`, fastest first; more
+    than one as a `TierList`. A factory that fails, or builds no tier over the pool's
+    slots, is one line naming its entry (`secondary_tiers[i]`), and what was built is
+    closed."""
+    tiers: list[SecondaryTier] = [] if store is None else [store]
+    try:
+        for index, factory in enumerate(own):
+            tiers.append(_own_tier(factory, index, host_pool))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    if not tiers:
+        raise ValueError("keyed_tiers needs a store or a factory")
+    return TierCopyEngine(tiers[0] if len(tiers) == 1 else TierList(tiers))
+
+
+def _own_tier(factory: TierFactory, index: int, host_pool: HostPool) -> SecondaryTier:
+    name, layout = f"secondary_tiers[{index}]", host_pool.layout
+    try:
+        tier = factory(host_slot_bytes(host_pool), layout)
+    except Exception as error:  # a user's factory: one line, as a failed import is
+        raise KvSwapError(f"{name}: building the tier failed ({one_line(error)})") from None
+    if not isinstance(tier, SecondaryTier):
+        raise KvSwapError(f"{name}: the factory returned a {type(tier).__name__}, not a "
+                          "SecondaryTier (kvswap.data.tiers.base)")  # fmt: skip
+    shape = (tier.num_host_slots, tier.block_bytes)
+    if shape != (host_pool.num_slots, layout.block_bytes):
+        tier.close()
+        raise KvSwapError(
+            f"{name}: the tier has {shape[0]} host slots of {shape[1]} bytes; the pinned "
+            f"pool has {host_pool.num_slots} of {layout.block_bytes}: build it over the host "
+            "slots it is given"
+        )
+    return tier

@@ -28,12 +28,9 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.layout import KVLayout
-from kvswap.data.remote_copy import TierFactory, host_slot_bytes, open_remote_tier
+from kvswap.data.remote_copy import keyed_tiers, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
-from kvswap.data.tiers.base import SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
-from kvswap.data.tiers.tier_list import TierList
 from kvswap.drive.assembly import build_control_plane
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
@@ -42,7 +39,6 @@ from kvswap.engine.runner import ModelRunner
 from kvswap.engine.settings import EngineSettings, pick_device
 from kvswap.errors import KvSwapError
 from kvswap.host_memory import require_host_bytes
-from kvswap.import_path import one_line
 from kvswap.model.loader import load_model
 from kvswap.obs.observer import StepObserver
 from kvswap.openmp_env import model_threads
@@ -126,21 +122,14 @@ class Engine(Backend):
                 "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
                 f"(or _bytes) > 0, or leave {'secondary_tiers' if own else 'remote_url'} unset"
             )
-        tiers: list[SecondaryTier] = []
-        try:
-            if store is not None:
-                tiers.append(open_remote_tier(
-                    store.url, self.host_pool, namespace=store.namespace,
-                    timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
-                    max_inflight_chunks=store.max_inflight_chunks, required=store.required,
-                ).tier)  # fmt: skip
-            for index, factory in enumerate(own):
-                tiers.append(_own_tier(factory, index, self.host_pool, self.layout))
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        return TierCopyEngine(tiers[0] if len(tiers) == 1 else TierList(tiers))
+        opened = None
+        if store is not None:
+            opened = open_remote_tier(
+                store.url, self.host_pool, namespace=store.namespace,
+                timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
+                max_inflight_chunks=store.max_inflight_chunks, required=store.required,
+            ).tier  # fmt: skip
+        return keyed_tiers(opened, own, self.host_pool)
 
     def remote_counters(self) -> Mapping[str, int]:
         """The remote data plane's counters (corrupt, skipped writes, outages, ...);
@@ -259,29 +248,6 @@ class Engine(Backend):
         traceback: TracebackType | None,
     ) -> None:
         _note_released(exc, self.close())
-
-
-def _own_tier(
-    factory: TierFactory, index: int, host_pool: HostPool, layout: KVLayout
-) -> SecondaryTier:
-    """A tier of one's own over the pinned pool, refused in one line if it is not."""
-    name = f"secondary_tiers[{index}]"
-    try:
-        tier = factory(host_slot_bytes(host_pool), layout)
-    except Exception as error:  # a user's factory: one line, as a failed import is
-        raise KvSwapError(f"{name}: building the tier failed ({one_line(error)})") from None
-    if not isinstance(tier, SecondaryTier):
-        raise KvSwapError(f"{name}: the factory returned a {type(tier).__name__}, not a "
-                          "SecondaryTier (kvswap.data.tiers.base)")  # fmt: skip
-    shape = (tier.num_host_slots, tier.block_bytes)
-    if shape != (host_pool.num_slots, layout.block_bytes):
-        tier.close()
-        raise KvSwapError(
-            f"{name}: the tier has {shape[0]} host slots of {shape[1]} "
-            f"bytes; the pinned pool has {host_pool.num_slots} of {layout.block_bytes}: "
-            "build it over the host slots it is given"
-        )
-    return tier
 
 
 def _note_released(exc: BaseException | None, released: list[str]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from kvswap.data.remote_copy import TierFactory
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.integrations.transformers.paged_layers import PagedLayers
 from kvswap.integrations.transformers.report import CacheReport
@@ -57,6 +59,7 @@ class TieredCache(Cache):
         nvme_dir: str | Path | None = None,
         remote_url: str | None = None,
         remote_timeout_ms: float = 500.0,
+        secondary_tiers: Sequence[TierFactory] = (),
         gpu_eviction_policy: str = "kvswap",
         cpu_eviction_policy: str = "kvswap",
         nvme_eviction_policy: str = "kvswap",
@@ -68,6 +71,7 @@ class TieredCache(Cache):
             protected_sink_blocks=protected_sink_blocks, min_residency_steps=min_residency_steps,
             nvme_blocks=nvme_blocks, nvme_dir=_path(nvme_dir),
             remote_url=remote_url, remote_timeout_ms=remote_timeout_ms,
+            secondary_tiers=tuple(secondary_tiers),
             gpu_eviction_policy=gpu_eviction_policy, cpu_eviction_policy=cpu_eviction_policy,
             nvme_eviction_policy=nvme_eviction_policy, prefetch_streams=prefetch_streams,
         )  # fmt: skip

@@ -47,8 +47,9 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import K_INDEX, V_INDEX, KVLayout
-from kvswap.data.remote_copy import RemoteCopyEngine, open_remote_tier
+from kvswap.data.remote_copy import keyed_tiers, open_remote_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
+from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.errors import KvSwapError
 from kvswap.integrations.transformers.report import CacheReport, ReportWindow
 from kvswap.integrations.transformers.settings import TieredCacheSettings
@@ -109,14 +110,17 @@ class PagedLayers:
         )
         engine: CopyEngine = local
         namespace = identity.namespace()
-        remote: RemoteCopyEngine | None = None
+        remote: TierCopyEngine | None = None
         remote_settings: RemoteSettings | None = None
-        if settings.remote_url is not None:
+        if settings.has_keyed_tiers:
             store_namespace = f"kvswap-hf:{identity.fingerprint()}"
-            remote = open_remote_tier(
-                settings.remote_url, host_pool, namespace=store_namespace,
-                timeout_ms=settings.remote_timeout_ms,
-            )  # fmt: skip
+            store = None
+            if settings.remote_url is not None:
+                store = open_remote_tier(
+                    settings.remote_url, host_pool, namespace=store_namespace,
+                    timeout_ms=settings.remote_timeout_ms,
+                ).tier  # fmt: skip
+            remote = keyed_tiers(store, settings.secondary_tiers, host_pool)
             # Cold blocks leave the pinned pool for the store (this cache's blocks are
             # its own: keys salted per cache, so nothing is read back but what it wrote).
             remote_settings = RemoteSettings(store_namespace, RemoteWritePolicy.ON_DEMOTE)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.control.policy import check_policy_names
 from kvswap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvswap.data.remote_copy import TierFactory
 
 #: Copy lanes for the HIGH queue (swap-in, prefetch): kvswap's `prefetch_stream_count`.
 MAX_PREFETCH_STREAMS = 8
@@ -35,6 +39,8 @@ class TieredCacheSettings:
                           `check_cpu_blocks` names (2 with NVMe)
     nvme_blocks, nvme_dir the NVMe slab below it (0: none; nvme_dir needs nvme_blocks)
     remote_url            the shared store below it (`tiers.remote_url` forms), or None
+    secondary_tiers       tiers of one's own below the store, fastest first: factories
+                          called as factory(host_slots, layout) -> SecondaryTier
     gpu_eviction_policy, cpu_eviction_policy, nvme_eviction_policy: kvswap's policy
                           names ("kvswap", "lru", "package.module:Class")
     prefetch_streams      HIGH-queue lanes moving blocks up at once
@@ -50,6 +56,7 @@ class TieredCacheSettings:
     nvme_dir: Path | None = None
     remote_url: str | None = None
     remote_timeout_ms: float = 500.0
+    secondary_tiers: tuple[TierFactory, ...] = ()
     gpu_eviction_policy: str = "kvswap"
     cpu_eviction_policy: str = "kvswap"
     nvme_eviction_policy: str = "kvswap"
@@ -86,6 +93,12 @@ class TieredCacheSettings:
                 f"remote_url = {self.remote_url!r:.80}; allowed: a store URL string "
                 "(redis://, rediss://, unix://) or None"
             )
+        tiers = self.secondary_tiers
+        if not isinstance(tiers, tuple) or not all(callable(factory) for factory in tiers):
+            raise ConfigError(
+                f"secondary_tiers = {tiers!r:.80}; allowed: a sequence of factories, each "
+                "called as factory(host_slots, layout) and returning a SecondaryTier"
+            )
         timeout = self.remote_timeout_ms
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise ConfigError(f"remote_timeout_ms = {timeout!r:.80}; allowed: a number > 0")
@@ -106,7 +119,7 @@ class TieredCacheSettings:
         need a slot each. The store takes full blocks only: without NVMe, the last
         (partial) block of each row of every other layer waits in the pinned pool too
         (the layer whose turn it is holds its own on the device)."""
-        if not self.nvme_blocks and self.remote_url is None:
+        if not self.nvme_blocks and not self.has_keyed_tiers:
             return
         waiting = 0 if self.nvme_blocks else (num_layers - 1) * batch_size
         if self.cpu_blocks >= waiting + 2:
@@ -117,11 +130,16 @@ class TieredCacheSettings:
                 "one coming up pass through the pinned pool at once; allowed: cpu_blocks >= 2"
             )
         raise ConfigError(
-            f"cpu_blocks = {self.cpu_blocks} with remote_url and no NVMe slab: the store takes "
+            f"cpu_blocks = {self.cpu_blocks} with a store and no NVMe slab: the store takes "
             f"full blocks only, so the last block of {batch_size} row(s) of {num_layers - 1} "
             "other layers waits in the pinned pool, next to a block going down and one "
             f"coming up; allowed: cpu_blocks >= {waiting + 2} (or an NVMe slab and >= 2)"
         )
+
+    @property
+    def has_keyed_tiers(self) -> bool:
+        """A store (`remote_url`) or a tier of one's own below the pinned pool."""
+        return self.remote_url is not None or bool(self.secondary_tiers)
 
     def policy_options(self) -> PolicyOptions:
         """kvswap's policy switches for this cache: sinks protected when there are any."""
