@@ -12,6 +12,8 @@ compute; with A's device blocks gone, kvswap brought them back:
     NVMe + store   a 4-chunk host tier: A again comes from kvswap's NVMe slab; with
                    every slab slot damaged on disk, the slab's CRC refuses them and
                    the Redis store serves A
+    vLLM's tier    a 4-chunk host tier and vLLM's own filesystem tier below it (vLLM's
+                   `secondary_tiers` key): A again comes from vLLM's tier
     restore        a second process, an empty host tier, the same store: A's first
                    run is served from it; with the store's values damaged, A is
                    computed again, with the same tokens; then, with a slab and no
@@ -66,6 +68,14 @@ def second(
 def restore(second: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = second["restore"]
     return result
+
+
+def test_vllm_s_own_tier_goes_below_kvswap_s_host_tier(first: dict[str, Any]) -> None:
+    reference, below = first["baseline"]["tokens"], first["vllm_tier"]
+    assert below["tier_type"] == "fs" and below["files"] > 0
+    assert below["first"] == {"tokens": reference, "cached": 0}
+    assert below["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
+    assert below["shm_left"] == []
 
 
 def test_a_prompt_pushed_out_of_the_device_pool_is_loaded_back_from_the_host_tier(

@@ -43,13 +43,37 @@ def test_kvswap_s_keys_take_kvswap_s_defaults_and_vllm_s_keys_are_left_alone() -
         "sync_load_budget_bytes": 0, "offload_prompt_only": False,
         "self_describing_kv_events": True, "cache_policy_module_path": None,
         "store_threshold": "2", "max_tracker_size": 64_000, "secondary_tiers": [],
-        "tier_poll_interval_s": 0.01, "backpressure": {}, "locality": "local",
+        "locality": "local",
     }  # fmt: skip
     assert adapter_settings(vllm_s) == settings
     assert settings.policy_name == "reuse"  # the reuse ranking, by default
     assert (settings.protected_sink_blocks, settings.policy.min_residency_steps) == (8, 64)
     assert (settings.nvme, settings.remote) == (None, None)
     assert not settings.has_secondary_tiers
+
+
+def test_vllm_s_own_secondary_tiers_go_below_kvswap_s_with_their_backpressure() -> None:
+    """vLLM's tiering keys are read, not left: in kvswap's spec they did nothing before."""
+    entries = [{"type": "fs", "root_dir": "/tmp/x", "backpressure": {"high": 0.9}},
+               {"type": "My", "module_path": "my.mod"}]  # fmt: skip
+    settings = adapter_settings({"secondary_tiers": entries, "backpressure": {"high": 0.5,
+                                 "low": 0.1}, "tier_poll_interval_s": 0.01})  # fmt: skip
+    assert settings.has_secondary_tiers and settings.tier_poll_interval_s == 0.01
+    assert [dict(entry) for entry in settings.vllm_tiers] == [
+        {"type": "fs", "root_dir": "/tmp/x", "backpressure": {"high": 0.9, "low": 0.1}},
+        {"type": "My", "module_path": "my.mod", "backpressure": {"high": 0.5, "low": 0.1}},
+    ]
+    assert entries[0]["backpressure"] == {"high": 0.9}  # the caller's dicts untouched
+    for extra, words in (
+        ({"secondary_tiers": {"type": "fs"}}, "secondary_tiers = {'type': 'fs'} (kv_conn"),
+        ({"secondary_tiers": [{"root_dir": "/x"}]}, "secondary_tiers[0] = {'root_dir'"),
+        ({"backpressure": {}}, "backpressure (kv_connector_extra_config) applies to vLLM's"),
+        ({"secondary_tiers": [{"type": "fs"}], "backpressure": 1}, "backpressure = 1 (kv_"),
+        ({"tier_poll_interval_s": "1"}, "tier_poll_interval_s = '1' (kv_connector_extra"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            adapter_settings(extra)
+        assert str(refused.value).startswith(words), str(refused.value)
 
 
 def test_the_tiers_are_read_under_kvswap_s_names() -> None:

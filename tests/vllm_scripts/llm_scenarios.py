@@ -16,6 +16,8 @@ device blocks gone, they came through kvswap.
   tiers     host tier of 4 chunks, kvswap's NVMe slab and Redis store below it: A
             again comes back from NVMe; then every NVMe slot is damaged on disk, the
             slab's CRC refuses them, and the store serves A instead
+  vllm_tier host tier of 4 chunks and vLLM's own filesystem tier below it (vLLM's
+            `secondary_tiers` key): A again comes back from vLLM's tier
 `restore` (a second process, an empty host tier, the same store): A's first run
   is served from the store; then the store's values are damaged, and A is
   computed again. Then, with an NVMe slab and no store: A comes back from NVMe;
@@ -89,6 +91,37 @@ def host_tier(model: Path) -> dict[str, Any]:
         }
     finally:
         close(llm)
+
+
+def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
+    """vLLM's own filesystem tier (`secondary_tiers`, type "fs") below a 4-chunk host
+    tier of kvswap's: A again comes back from vLLM's tier."""
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    llm = make_llm(
+        model,
+        {
+            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+            "eviction_policy": PUSHED_OUT,
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": str(root_dir), "n_read_threads": 2, "n_write_threads": 2}
+            ],
+        },
+    )
+    try:
+        (fs,) = only(KvswapTieringManager).secondary_tiers
+        first = generate(llm, PROMPT)
+        push(llm)
+        again = generate(llm, PROMPT)
+    finally:
+        close(llm)
+    return {
+        "tier_type": fs.tier_type,
+        "first": first,
+        "again": again,
+        "files": sum(len(files) for _, _, files in os.walk(root_dir)),
+        "shm_left": sorted(name for name in os.listdir("/dev/shm") if "kvswap" in name),
+    }
 
 
 def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:
@@ -260,6 +293,7 @@ def main(argv: list[str]) -> None:
                 "baseline": baseline(model),
                 "host": host_tier(model),
                 "tiers": tiers(model, nvme_dir, redis_url),
+                "vllm_tier": vllm_tier(model, nvme_dir / "vllm-fs"),
             }
         )
     elif mode == "restore":

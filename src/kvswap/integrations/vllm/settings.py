@@ -104,10 +104,14 @@ class AdapterSettings:
     prefetch_stream_count: int
     nvme: NvmeSettings | None
     remote: RemoteSettings | None
+    # vLLM's own `secondary_tiers` entries (top-level `backpressure` merged in, as
+    # vLLM's TieringOffloadingSpec does), below kvswap's NVMe slab and store.
+    vllm_tiers: tuple[Mapping[str, Any], ...] = ()
+    tier_poll_interval_s: float | None = None  # vLLM 0.33's tiering manager's; None: its default
 
     @property
     def has_secondary_tiers(self) -> bool:
-        return self.nvme is not None or self.remote is not None
+        return self.nvme is not None or self.remote is not None or bool(self.vllm_tiers)
 
 
 def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
@@ -148,7 +152,58 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
             max_inflight_chunks=tiers.remote_max_inflight_chunks,
             required=tiers.remote_required,
         ),
+        vllm_tiers=_vllm_tiers(extra_config),
+        tier_poll_interval_s=_poll_interval(extra_config.get("tier_poll_interval_s")),
     )
+
+
+_TIER_ENTRIES = (
+    "a list of vLLM secondary tier entries, each a dict with a 'type' (vLLM's 'fs', 'obj', "
+    "..., or a class name with 'module_path')"
+)
+
+
+def _vllm_tiers(extra_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    """vLLM's `secondary_tiers` entries, checked in one line each, with the top-level
+    `backpressure` merged into each field by field (an entry's own fields win)."""
+    entries = extra_config.get("secondary_tiers", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"secondary_tiers = {entries!r:.80} ({SOURCE}); allowed: {_TIER_ENTRIES}")
+    for index, entry in enumerate(entries):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("type"), str)
+            or not entry["type"]
+        ):
+            raise ConfigError(
+                f"secondary_tiers[{index}] = {entry!r:.80} ({SOURCE}); allowed: {_TIER_ENTRIES}"
+            )
+    defaults = extra_config.get("backpressure")
+    if defaults is not None and not isinstance(defaults, dict):
+        raise ConfigError(f"backpressure = {defaults!r:.80} ({SOURCE}); allowed: a dict")
+    if defaults is not None and not entries:
+        raise ConfigError(
+            f"backpressure ({SOURCE}) applies to vLLM's secondary_tiers entries and none is "
+            "given; allowed: with secondary_tiers, or not at all"
+        )
+    resolved = []
+    for entry in entries:
+        entry = dict(entry)
+        merged = {**(defaults or {}), **(entry.get("backpressure") or {})}
+        if merged or "backpressure" in entry:
+            entry["backpressure"] = merged
+        resolved.append(entry)
+    return tuple(resolved)
+
+
+def _poll_interval(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"tier_poll_interval_s = {value!r:.80} ({SOURCE}); allowed: a number of seconds"
+        )
+    return float(value)
 
 
 def _check_keys(extra_config: Mapping[str, Any]) -> None:

@@ -19,13 +19,14 @@ one worker: a tensor- or pipeline-parallel run is refused.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvswap.data.remote_url import parse_remote_url
-from kvswap.errors import KvSwapError
+from kvswap.errors import ConfigError, KvSwapError
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
 from kvswap.integrations.vllm.host_file import (
     host_file_path,
@@ -40,7 +41,7 @@ from kvswap.integrations.vllm.manager import (
     SharedHostRows,
 )
 from kvswap.integrations.vllm.settings import SOURCE, adapter_settings
-from kvswap.integrations.vllm.tiers import build_secondary_tiers
+from kvswap.integrations.vllm.tiers import build_secondary_tiers, build_vllm_tiers, tier_counters
 from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
 from kvswap.units import format_bytes
 
@@ -128,7 +129,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         tiers: list[Any] = []
         report = HostReport(
             self.num_chunks, self.kv_bytes_per_chunk,
-            tiers=lambda: [(tier.tier_type, tier.counters()) for tier in tiers],
+            tiers=lambda: [(tier.tier_type, tier_counters(tier)) for tier in tiers],
         )  # fmt: skip
         policy = KvswapCachePolicy(
             self.num_chunks,
@@ -154,12 +155,33 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
             primary = KvswapPrimaryTier(
                 self.num_chunks, rows, policy, report, enable_events=enable_events, **extras
             )
-            tiers += build_secondary_tiers(self, primary.get_kv_memoryview(), policy.copied_below)
+            view = primary.get_kv_memoryview()
+            tiers += build_secondary_tiers(self, view, policy.copied_below)
+            tiers += build_vllm_tiers(self, view, settings.vllm_tiers)
+            manager = KvswapTieringManager(
+                primary_tier=primary, secondary_tiers=tiers, **self._manager_options()
+            )
         except BaseException:
+            for tier in reversed(tiers):
+                tier.shutdown()
             rows.cleanup()
             raise
         report.log_start(self._ranking_text(), self._tiers_below_text())
-        return KvswapTieringManager(primary_tier=primary, secondary_tiers=tiers)
+        return manager
+
+    def _manager_options(self) -> dict[str, Any]:
+        """vLLM 0.33's tiering manager's `tier_poll_interval_s`, when set; refused in one
+        line by a vLLM whose manager has none (0.32), where it would do nothing."""
+        interval = self.settings.tier_poll_interval_s
+        if interval is None:
+            return {}
+        if "tier_poll_interval_s" not in inspect.signature(KvswapTieringManager).parameters:
+            raise ConfigError(
+                f"tier_poll_interval_s = {interval} ({SOURCE}): this vLLM's tiering manager "
+                "polls its tiers every step and takes no interval (vLLM 0.33 does); allowed: "
+                "leave it unset"
+            )
+        return {"tier_poll_interval_s": interval}
 
     def _ranking_text(self) -> str:
         """How the host tier is ranked, for the start-up line."""
@@ -180,6 +202,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
             )
         if (remote := self.settings.remote) is not None:
             below.append(f"store {parse_remote_url(remote.url).shown}")
+        below += [f"vLLM's {entry['type']!r} tier" for entry in self.settings.vllm_tiers]
         return below
 
     def _check_size(self) -> None:

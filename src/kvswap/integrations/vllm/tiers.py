@@ -44,6 +44,7 @@ from kvswap.data.tiers.base import SecondaryTier, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.redis_tier import RedisTier
 from kvswap.errors import ConfigError
+from kvswap.import_path import one_line
 from kvswap.integrations.vllm.keys import VllmKeys, vllm_identity
 from kvswap.integrations.vllm.settings import SOURCE, AdapterSettings, adapter_settings
 
@@ -226,3 +227,40 @@ def build_secondary_tiers(
 
 def _keys(extra: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {key: value for key, value in extra.items() if key.startswith(prefix)}
+
+
+def build_vllm_tiers(
+    spec: Any, host_rows: memoryview, entries: Iterable[Mapping[str, Any]]
+) -> list[Any]:
+    """vLLM's own secondary tiers (`secondary_tiers` entries), built by vLLM's factory
+    over the same host rows, in their order; one line naming the entry that fails."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    built: list[Any] = []
+    try:
+        for index, entry in enumerate(entries):
+            built.append(_vllm_tier(SecondaryTierFactory, index, entry, host_rows, spec))
+    except BaseException:
+        for tier in reversed(built):
+            tier.shutdown()
+        raise
+    return built
+
+
+def _vllm_tier(
+    factory: Any, index: int, entry: Mapping[str, Any], host_rows: memoryview, spec: Any
+) -> Any:
+    try:
+        return factory.create_secondary_tier(dict(entry), host_rows, spec)
+    except Exception as error:  # vLLM's or a user's tier: one line, as for a key
+        raise ConfigError(
+            f"{SOURCE}: secondary_tiers[{index}] (type {entry['type']!r}): vLLM could not "
+            f"build it ({one_line(error)})"
+        ) from None
+
+
+def tier_counters(tier: Any) -> Mapping[str, int]:
+    """A secondary tier's counts for the stats line: kvswap's tiers keep them, vLLM's
+    own tiers have none."""
+    counters = getattr(tier, "counters", None)
+    return counters() if callable(counters) else {}
