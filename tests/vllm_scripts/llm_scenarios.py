@@ -96,8 +96,18 @@ def host_tier(model: Path) -> dict[str, Any]:
 def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
     """vLLM's own filesystem tier (`secondary_tiers`, type "fs") below a 4-chunk host
     tier of kvswap's: A again comes back from vLLM's tier."""
+    from kvswap.integrations.vllm.cache_policy import KvswapCachePolicy
     from kvswap.integrations.vllm.manager import KvswapTieringManager
 
+    reported: list[Any] = []  # chunks the host tier's ranking heard are stored below
+    copied_below = KvswapCachePolicy.copied_below
+
+    def counting(self: Any, keys: Any) -> None:
+        keys = list(keys)
+        reported.extend(keys)
+        copied_below(self, keys)
+
+    KvswapCachePolicy.copied_below = counting  # type: ignore[method-assign]
     llm = make_llm(
         model,
         {
@@ -115,8 +125,10 @@ def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
         again = generate(llm, PROMPT)
     finally:
         close(llm)
+        KvswapCachePolicy.copied_below = copied_below  # type: ignore[method-assign]
     return {
         "tier_type": fs.tier_type,
+        "reported_stored": len(reported),
         "first": first,
         "again": again,
         "files": sum(len(files) for _, _, files in os.walk(root_dir)),

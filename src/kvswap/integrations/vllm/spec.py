@@ -157,7 +157,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
             )
             view = primary.get_kv_memoryview()
             tiers += build_secondary_tiers(self, view, policy.copied_below)
-            tiers += build_vllm_tiers(self, view, settings.vllm_tiers)
+            tiers += build_vllm_tiers(self, view, settings.vllm_tiers, policy.copied_below)
             manager = KvswapTieringManager(
                 primary_tier=primary, secondary_tiers=tiers, **self._manager_options()
             )

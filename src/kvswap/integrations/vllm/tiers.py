@@ -230,16 +230,22 @@ def _keys(extra: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def build_vllm_tiers(
-    spec: Any, host_rows: memoryview, entries: Iterable[Mapping[str, Any]]
+    spec: Any,
+    host_rows: memoryview,
+    entries: Iterable[Mapping[str, Any]],
+    copied_below: CopiedBelow,
 ) -> list[Any]:
     """vLLM's own secondary tiers (`secondary_tiers` entries), built by vLLM's factory
-    over the same host rows, in their order; one line naming the entry that fails."""
+    over the same host rows, in their order; one line naming the entry that fails.
+    Each reports the chunks it stored to `copied_below`, as kvswap's tiers do."""
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     built: list[Any] = []
     try:
         for index, entry in enumerate(entries):
-            built.append(_vllm_tier(SecondaryTierFactory, index, entry, host_rows, spec))
+            tier = _vllm_tier(SecondaryTierFactory, index, entry, host_rows, spec)
+            _report_stores(tier, copied_below)
+            built.append(tier)
     except BaseException:
         for tier in reversed(built):
             tier.shutdown()
@@ -257,6 +263,28 @@ def _vllm_tier(
             f"{SOURCE}: secondary_tiers[{index}] (type {entry['type']!r}): vLLM could not "
             f"build it ({one_line(error)})"
         ) from None
+
+
+def _report_stores(tier: Any, copied_below: CopiedBelow) -> None:
+    """Make `tier` (one of vLLM's, which knows nothing of kvswap's ranking) report the
+    chunks of each store job it finished whole to `copied_below`: its two calls are
+    wrapped on the instance, so vLLM's manager calls them as ever."""
+    stores: dict[int, tuple[Any, ...]] = {}  # job id -> its keys, until reported
+    submit_store, get_finished_jobs = tier.submit_store, tier.get_finished_jobs
+
+    def submit(job: Any) -> None:
+        submit_store(job)
+        stores[job.job_id] = tuple(job.keys)
+
+    def finished() -> list[Any]:
+        done = list(get_finished_jobs())
+        for result in done:
+            keys = stores.pop(result.job_id, None)
+            if keys and result.success:  # vLLM's tiers name no keys of a partial store
+                copied_below(keys)
+        return done
+
+    tier.submit_store, tier.get_finished_jobs = submit, finished
 
 
 def tier_counters(tier: Any) -> Mapping[str, int]:
