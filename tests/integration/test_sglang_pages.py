@@ -23,6 +23,7 @@ from kvswap.integrations.sglang.pages import (
     page_shape,
     sglang_identity,
 )
+from tests.redis_server import RedisServer
 from tests.unit.test_llama import TINY_HF_CONFIG
 from tests.unit.test_weights_identity import checkpoint, tensors
 
@@ -58,6 +59,41 @@ def test_pages_round_trip_through_the_nvme_slab_and_the_slab_goes_at_close(
     assert store.counters()["hits_blocks"] == 2  # a page is two halves
     store.close()
     assert list((tmp_path / "nvme").iterdir()) == []
+
+
+def test_the_slab_in_front_of_the_store_serves_what_a_new_slab_lacks(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """nvme_dir and remote_url together: a page stored goes to both; an engine started
+    with an empty slab finds it in the store."""
+    pool = host_pool()
+    shape = page_shape(pool)
+    identity = sglang_identity(storage_config(), shape, model_dir(tmp_path / "m"))
+    slots = half_page_slots(pool.kv_buffer, shape)
+    hashes = [f"{i:064x}" for i in range(3)]
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
+    expected = pool.kv_buffer.clone()
+    for run, slab in enumerate((tmp_path / "slab-1", tmp_path / "slab-2")):
+        slab.mkdir()
+        options = StorageOptions.from_extra_config(
+            {"remote_url": redis_server.url, "nvme_dir": str(slab), "nvme_pages": 16}
+        )
+        store = open_page_store(options, shape, identity, slots)
+        if run == 0:
+            assert store.store(hashes, [0, 2, 5]) == [True] * 3
+            counts = store.counters()
+            assert counts["tier0_written_blocks"] == counts["tier1_written_blocks"] == 6
+        pool.kv_buffer.zero_()
+        assert store.exists_prefix(hashes) == 3
+        assert store.load(hashes, [1, 3, 4]) == [True] * 3
+        for page, source in ((1, 0), (3, 2), (4, 5)):
+            got = pool.kv_buffer[:, page * PAGE : (page + 1) * PAGE]
+            assert torch.equal(got, expected[:, source * PAGE : (source + 1) * PAGE])
+        counts = store.counters()
+        hits = (counts["tier0_hits_blocks"], counts["tier1_hits_blocks"])
+        assert hits == ((6, 0) if run == 0 else (0, 6))  # the new slab missed: the store
+        store.close()
+        assert list(slab.iterdir()) == []
 
 
 def storage_config(tp_rank: int = 0, tp_size: int = 1, model_name: str = "m") -> Any:
@@ -113,8 +149,8 @@ def test_host_indices_must_be_whole_pages() -> None:
 
 def test_extra_config_mistakes_are_one_line() -> None:
     for extra, words in (
-        ({}, "exactly one of remote_url"),
-        ({"remote_url": "redis://h", "nvme_dir": "/tmp"}, "exactly one of remote_url"),
+        ({}, r"give remote_url \(the shared store\), nvme_dir \(the NVMe slab\), or both"),
+        ({"remote_url": "redis://h", "nvme_dir": "/tmp"}, "nvme_pages = 0; allowed"),
         ({"remote_url": "http://h"}, "unknown scheme http://"),
         ({"remote_url": "redis://h", "remote_timeout_ms": 0}, "remote_timeout_ms = 0"),
         ({"remote_url": "redis://h", "remote_required": "yes"}, "remote_required = 'yes'"),

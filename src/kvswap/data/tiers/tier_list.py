@@ -21,11 +21,14 @@ A tier is added by appending it: no module of `kvswap.control` changes. Every
 rule of `base.SecondaryTier` holds for the list as for one tier (results, never
 exceptions, for a tier's failures; the host slots of a job untouched by the list
 after its result is reported). Each tier sees the list's job ids: a store goes to a
-tier once, a load visits each tier at most once. Torch-free.
+tier once, a load visits each tier at most once. Threads: the control plane calls
+from one; several threads may also each submit jobs and `wait` for their own (as
+SGLang's HiCache does), a wait blocking outside the list's lock. Torch-free.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +71,7 @@ class TierList(SecondaryTier):
         self._jobs: dict[int, _Job] = {}
         self._done: dict[int, JobResult] = {}
         self._closed = False
+        self._lock = threading.RLock()  # the bookkeeping; never held across a tier's wait
 
     # --- SecondaryTier ----------------------------------------------------------------
 
@@ -85,42 +89,52 @@ class TierList(SecondaryTier):
         return any(tier.available for tier in self.tiers)
 
     def submit_store(self, job: TransferJob) -> None:
-        entry = self._take(job)
-        for index, tier in enumerate(self.tiers):
-            if tier.available:
-                tier.submit_store(job)
-                entry.working.add(index)
-        self._settle(entry)
+        with self._lock:
+            entry = self._take(job)
+            for index, tier in enumerate(self.tiers):
+                if tier.available:
+                    tier.submit_store(job)
+                    entry.working.add(index)
+            self._settle(entry)
 
     def submit_load(self, job: TransferJob) -> None:
-        entry = self._take(job)
-        self._ask_next(entry, job.keys, job.host_slots)
-        self._settle(entry)
+        with self._lock:
+            entry = self._take(job)
+            self._ask_next(entry, job.keys, job.host_slots)
+            self._settle(entry)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        for index, tier in enumerate(self.tiers):
-            for result in tier.get_finished_jobs():
-                self._landed(index, result)
-        done = sorted(self._done.values(), key=lambda result: result.end_s)
-        self._done = {}
-        return done
-
-    def wait(self, job_id: int) -> JobResult:
-        entry = self._jobs.get(job_id)
-        if entry is None and job_id not in self._done:
-            raise ValueError(f"job {job_id} is not pending: never submitted or already reported")
-        while entry is not None and entry.working:
-            index = min(entry.working)
-            self._landed(index, self.tiers[index].wait(job_id))
-        return self._done.pop(job_id)
-
-    def drain(self) -> None:
-        while self._jobs:  # a load's next part may start while the last part lands
-            for tier in self.tiers:
-                tier.drain()
+        with self._lock:
             for index, tier in enumerate(self.tiers):
                 for result in tier.get_finished_jobs():
                     self._landed(index, result)
+            done = sorted(self._done.values(), key=lambda result: result.end_s)
+            self._done = {}
+        return done
+
+    def wait(self, job_id: int) -> JobResult:
+        while True:
+            with self._lock:
+                entry = self._jobs.get(job_id)
+                if entry is None:
+                    if job_id not in self._done:
+                        raise ValueError(
+                            f"job {job_id} is not pending: never submitted or already reported"
+                        )
+                    return self._done.pop(job_id)
+                index = min(entry.working)
+            result = self.tiers[index].wait(job_id)  # outside the lock: others go on
+            with self._lock:
+                self._landed(index, result)
+
+    def drain(self) -> None:
+        with self._lock:
+            while self._jobs:  # a load's next part may start while the last part lands
+                for tier in self.tiers:
+                    tier.drain()
+                for index, tier in enumerate(self.tiers):
+                    for result in tier.get_finished_jobs():
+                        self._landed(index, result)
 
     def close(self) -> None:
         if self._closed:

@@ -11,13 +11,13 @@ untouched; these are kvswap's:
     remote_required      true: a store that cannot be used at start is an error
                          (default false: one warning, pages miss until it answers)
     tenant_salt          pages are shared only between engines with the same salt
-    nvme_dir, nvme_pages the NVMe slab instead of the store: a directory, and how many
-                         pages it holds
+    nvme_dir, nvme_pages the NVMe slab: a directory, and how many pages it holds; with
+                         remote_url too, the slab goes in front of the store
     nvme_eviction_policy which page leaves a full slab ("kvswap", "lru", "module:Class")
     model_path           the checkpoint whose weights and config name the pages (default:
                          the --model-path SGLang serves, from its published server args)
 
-Exactly one of `remote_url` and `nvme_dir`. A bad value, a value of the wrong type
+`remote_url`, `nvme_dir`, or both. A bad value, a value of the wrong type
 ("8" for a count) and a key neither kvswap nor SGLang reads (a misspelt key would do
 nothing) are each one `ConfigError` line naming the key and what is allowed.
 """
@@ -85,10 +85,10 @@ class StorageOptions:
         return options
 
     def check(self) -> None:
-        if (self.remote_url is None) == (self.nvme_dir is None):
+        if self.remote_url is None and self.nvme_dir is None:
             raise ConfigError(
-                f"{_WHERE}: give exactly one of remote_url (the shared store) and nvme_dir "
-                "(the NVMe slab)"
+                f"{_WHERE}: give remote_url (the shared store), nvme_dir (the NVMe slab), or "
+                "both (the slab in front of the store)"
             )
         if self.remote_url is not None:
             parse_remote_url(self.remote_url)  # one line naming what is wrong, if anything

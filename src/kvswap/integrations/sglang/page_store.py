@@ -6,7 +6,8 @@
     store(hashes, pages)           one store job; a page is stored when both halves are
 
 The tier is kvswap's (`RedisTier`: self-checking values bound to their key, a
-store that is down or slow is a miss; `NvmeTier`: the slab, evicting by policy),
+store that is down or slow is a miss; `NvmeTier`: the slab, evicting by policy;
+or both, the slab in front, as a `TierList`),
 built over the host slots it copies to and from (`pages.half_page_slots`, or a
 staging buffer for SGLang's legacy calls). A value that fails its check, a key
 that is absent, a store that died: a page that is not there, never an exception.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from kvswap.base.transfer import Tier
 from kvswap.control.policy import named_policy
@@ -30,6 +32,7 @@ from kvswap.data.remote_url import parse_remote_url
 from kvswap.data.tiers.base import HostSlots, SecondaryTier, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.redis_tier import RedisTier
+from kvswap.data.tiers.tier_list import TierList
 from kvswap.integrations.sglang.options import StorageOptions
 from kvswap.integrations.sglang.pages import PageKeys, PageShape
 from kvswap.model.kv_identity import KvIdentity
@@ -89,30 +92,50 @@ class PageStore:
 def open_page_store(
     options: StorageOptions, shape: PageShape, identity: KvIdentity, host_slots: HostSlots
 ) -> PageStore:
-    """The tier `options` name (the shared store, or the NVMe slab) over `host_slots`."""
+    """The tiers `options` name over `host_slots`: the NVMe slab, the shared store, or
+    both as one `TierList` (the slab in front: a page stored goes to both; a page the
+    slab lacks or fails is read from the store)."""
     keys = PageKeys(identity, options.tenant_salt)
-    if options.remote_url is not None:
-        client = RemoteStoreClient(
-            parse_remote_url(options.remote_url), namespace=options.remote_namespace,
-            timeout_ms=options.remote_timeout_ms,
-        )  # fmt: skip
-        try:
-            client.connect(required=options.remote_required)
-            tier: SecondaryTier = RedisTier(
-                client, host_slots, layout_fingerprint=layout_fingerprint(shape.half_layout)
-            )
-        except BaseException:
-            client.close()
-            raise
-        return PageStore(tier, keys)
-    assert options.nvme_dir is not None  # StorageOptions.check: one or the other
-    disk = DiskPool(options.nvme_dir, shape.half_bytes, 2 * options.nvme_pages)
+    tiers: list[SecondaryTier] = []
+    try:
+        if options.nvme_dir is not None:
+            tiers.append(_nvme_tier(options, options.nvme_dir, shape, host_slots))
+        if options.remote_url is not None:
+            tiers.append(_store_tier(options, options.remote_url, shape, host_slots))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    assert tiers, "StorageOptions.check: one of them at least"
+    return PageStore(tiers[0] if len(tiers) == 1 else TierList(tiers), keys)
+
+
+def _store_tier(
+    options: StorageOptions, url: str, shape: PageShape, host_slots: HostSlots
+) -> SecondaryTier:
+    client = RemoteStoreClient(
+        parse_remote_url(url), namespace=options.remote_namespace,
+        timeout_ms=options.remote_timeout_ms,
+    )  # fmt: skip
+    try:
+        client.connect(required=options.remote_required)
+        return RedisTier(
+            client, host_slots, layout_fingerprint=layout_fingerprint(shape.half_layout)
+        )
+    except BaseException:
+        client.close()
+        raise
+
+
+def _nvme_tier(
+    options: StorageOptions, directory: Path, shape: PageShape, host_slots: HostSlots
+) -> SecondaryTier:
+    disk = DiskPool(directory, shape.half_bytes, 2 * options.nvme_pages)
     try:
         policy = named_policy(
             Tier.NVME, options.nvme_eviction_policy, capacity_blocks=disk.num_slots
         )
-        tier = NvmeTier(host_slots, disk, policy=policy)
+        return NvmeTier(host_slots, disk, policy=policy)
     except BaseException:
         disk.close()
         raise
-    return PageStore(tier, keys)
