@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvswap.base.transfer import Tier
+from kvswap.control.policy import named_policy
+from kvswap.data.disk_pool import DiskPool
 from kvswap.data.tiers.base import HostSlots, TransferJob
+from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.tier_list import TierList
 from tests.unit.dict_tier_support import DictTier
 
@@ -112,3 +118,44 @@ def test_wrong_use_is_a_one_line_value_error() -> None:
     assert upper.closed and lower.closed
     with pytest.raises(ValueError, match="closed"):
         tiers.submit_store(store(3, (0,)))
+
+
+def test_threads_that_each_wait_for_their_own_jobs_get_their_own_results(tmp_path: Path) -> None:
+    """SGLang's pattern: several threads submit jobs and wait for their own; a page the
+    slab in front lacks comes from the tier behind it. Two NVMe slabs here, with lanes."""
+    host = np.zeros((16, BLOCK_BYTES), np.uint8)
+    front_dir, back_dir = tmp_path / "front", tmp_path / "back"
+    front_dir.mkdir(), back_dir.mkdir()
+    tiers = [NvmeTier(host, DiskPool(directory, BLOCK_BYTES, 64), policy=named_policy(
+        Tier.NVME, "lru")) for directory in (front_dir, back_dir)]  # fmt: skip
+    keys = [hashlib.sha256(f"thread-{i}".encode()).digest() for i in range(8)]
+    with TierList(tiers) as listed:
+        host[:8] = np.arange(8, dtype=np.uint8)[:, None] + 1
+        listed.submit_store(TransferJob(1, tuple(keys[:4]), (0, 1, 2, 3), is_load=False))
+        assert listed.wait(1).success  # keys 0-3 in both slabs
+        tiers[1].submit_store(TransferJob(2, tuple(keys[4:]), (4, 5, 6, 7), is_load=False))
+        assert tiers[1].wait(2).success  # keys 4-7 behind only
+        host[:] = 0
+        errors: list[BaseException] = []
+
+        def load(thread: int) -> None:
+            try:
+                for round_ in range(20):
+                    job_id = 100 + 20 * thread + round_
+                    wanted = (keys[thread], keys[thread + 4])
+                    slots = (8 + thread, 12 + thread)
+                    listed.submit_load(TransferJob(job_id, wanted, slots, is_load=True))
+                    assert listed.wait(job_id).success
+                    assert bytes(host[slots[0]]) == bytes([thread + 1]) * BLOCK_BYTES
+                    assert bytes(host[slots[1]]) == bytes([thread + 5]) * BLOCK_BYTES
+            except BaseException as error:  # reported by the main thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=load, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert tiers[1].counters()["hits_blocks"] == 4 * 20  # every key 4-7 fell through
+    assert list(front_dir.iterdir()) == list(back_dir.iterdir()) == []
