@@ -112,9 +112,10 @@ class Engine(Backend):
 
     def _open_remote(self) -> TierCopyEngine:
         """The key-addressed tiers, fastest first, over the pinned pool: the shared store
-        (tiers.remote_*), then the tiers of one's own (`options.secondary_tiers`); more
-        than one go as a `TierList`. A store that is unusable is one line and exit 2 if
-        `remote_required`, else a warning and that tier off until the store answers."""
+        (tiers.remote_*), then the tiers of one's own (`tiers.secondary_tiers`, then
+        `options.secondary_tiers`); more than one go as a `TierList`. A store that is
+        unusable is one line and exit 2 if `remote_required`, else a warning and that
+        tier off until the store answers."""
         own = self.settings.secondary_tiers
         store = self.settings.remote_store
         if self.host_pool is None:

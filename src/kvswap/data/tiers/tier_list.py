@@ -51,8 +51,8 @@ class _Job:
 
 
 class TierList(SecondaryTier):
-    """`tiers`, fastest first, as one tier (module docstring). Owns them: `close()`
-    closes each. Called from one thread, as any tier."""
+    """`tiers`, fastest first, as one tier (module docstring, threads included). Owns
+    them: `close()` closes each."""
 
     def __init__(self, tiers: Sequence[SecondaryTier]) -> None:
         if not tiers:

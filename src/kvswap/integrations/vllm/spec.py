@@ -78,8 +78,9 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
         self.tokens_per_chunk = self.tokens_per_block[0] * self.blocks_per_chunk
         if self.settings.has_secondary_tiers and config.parallel.world_size != 1:
             raise KvSwapError(
-                f"{SOURCE}: nvme_dir / remote_url need one vLLM worker (the scheduler's "
-                f"tiers share its host pool), got {config.parallel.world_size}; allowed: "
+                f"{SOURCE}: nvme_dir / remote_url / secondary_tiers need one vLLM worker (the "
+                f"scheduler's tiers share its host pool), got {config.parallel.world_size}; "
+                "allowed: "
                 "tensor_parallel_size = pipeline_parallel_size = 1, or no secondary tier"
             )
 
