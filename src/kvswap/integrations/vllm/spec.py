@@ -80,8 +80,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
             raise KvSwapError(
                 f"{SOURCE}: nvme_dir / remote_url / secondary_tiers need one vLLM worker (the "
                 f"scheduler's tiers share its host pool), got {config.parallel.world_size}; "
-                "allowed: "
-                "tensor_parallel_size = pipeline_parallel_size = 1, or no secondary tier"
+                "allowed: tensor_parallel_size = pipeline_parallel_size = 1, or no secondary tier"
             )
 
     @property
