@@ -111,6 +111,16 @@ def test_vllm_s_factories_find_the_adapter_s_classes_by_name(scenarios: Any) -> 
     }
 
 
+def test_vllm_s_tier_poll_interval_reaches_0_33_and_is_refused_by_0_32(scenarios: Any) -> None:
+    """A key vLLM's own tiering reads does what it does there, or says why it cannot."""
+    if scenarios["vllm_version"] == "0.33.0":
+        assert scenarios["poll_interval"] == {"options": {"tier_poll_interval_s": 0.5}}
+    else:
+        refused = scenarios["poll_interval"]["refused"]
+        assert refused.startswith("tier_poll_interval_s = 0.5 (kv_connector_extra_config): ")
+        assert "takes no interval" in refused and "\n" not in refused
+
+
 def test_kvswap_installs_beside_the_torch_vllm_0_33_needs(tmp_path: Path) -> None:
     """vLLM 0.33 needs torch 2.14: kvswap's torch range admits it, so installing kvswap
     into that venv installs kvswap alone and keeps vLLM's torch (the scenarios above run

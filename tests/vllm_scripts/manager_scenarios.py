@@ -289,6 +289,23 @@ def factories() -> dict[str, Any]:
     }
 
 
+def poll_interval() -> dict[str, Any]:
+    """vLLM's `tier_poll_interval_s` under kvswap's spec: handed to 0.33's tiering
+    manager, refused in one line by 0.32's, which polls every step."""
+    from kvswap.errors import ConfigError
+    from kvswap.integrations.vllm.settings import adapter_settings
+    from kvswap.integrations.vllm.spec import KvswapOffloadingSpec
+
+    settings = adapter_settings(
+        {"secondary_tiers": [{"type": "fs", "root_dir": "/unused"}], "tier_poll_interval_s": 0.5}
+    )
+    spec = SimpleNamespace(settings=settings)  # what `_manager_options` reads of the spec
+    try:
+        return {"options": KvswapOffloadingSpec._manager_options(spec)}  # type: ignore[arg-type]
+    except ConfigError as refused:
+        return {"refused": str(refused)}
+
+
 def main(scratch: Path) -> None:
     import vllm
 
@@ -296,6 +313,7 @@ def main(scratch: Path) -> None:
         {
             "vllm_version": vllm.__version__,
             "factories": factories(),
+            "poll_interval": poll_interval(),
             "tail_first": {p: tail_first(p) for p in ("kvswap", "vllm-lru")},
             "sinks_kept": {p: sinks_kept(p) for p in ("kvswap", "vllm-lru")},
             "arc_adapts": arc_adapts(),
