@@ -12,3 +12,9 @@ class KvSwapError(Exception):
 
 class ConfigError(KvSwapError):
     """A configuration value or file is invalid."""
+
+
+class StopRun(KvSwapError):
+    """A failure of what every request shares (a user's tier that raised): no request
+    owns it, so it is never blamed on the request being served; the run stops with
+    this one line."""

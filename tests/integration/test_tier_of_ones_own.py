@@ -27,7 +27,7 @@ from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
 from kvswap.workload.request import Request, Workload
 from tests.redis_server import RedisServer, redis_server_missing
-from tests.unit.dict_tier_support import SHARED_VALUES, DictTier
+from tests.unit.dict_tier_support import SHARED_VALUES, DictTier, RaisingTier
 
 # --- the adapter: chunks in, jobs to the tier, results back ------------------------------
 
@@ -160,6 +160,25 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
     for summary in (first, second):
         assert summary["outputs_digest"] == reference["outputs_digest"]
         assert summary["requests_completed"] == 4
+
+
+def test_a_tier_that_raises_stops_the_engine_in_one_line_naming_it() -> None:
+    """An exception is not a result: kvswap stops (the tier may still be writing into the
+    pinned pool), with a line naming the entry, the call and the cause."""
+    values: dict[bytes, bytes] = {}
+    run(values)  # fills the dict through a well-behaved tier
+
+    def raising(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+        return RaisingTier(host_slots, values)
+
+    config = load_config(environ={}, overrides=BASE)
+    options = EngineOptions(model="tiny", secondary_tiers=(raising,))
+    with pytest.raises(KvSwapError) as stopped, Engine(engine_settings(config, options)) as engine:
+        engine.run(workload())
+    assert str(stopped.value) == (
+        "secondary_tiers[0] (RaisingTier).submit_load raised OSError: the archive went away; "
+        "a tier reports a failure as a failed key, never an exception (kvswap.data.tiers.base)"
+    )
 
 
 # --- a tier named in the configuration: `secondary_tiers` / --secondary-tiers ---------------

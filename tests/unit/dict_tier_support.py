@@ -109,5 +109,12 @@ def not_a_tier(host_slots: HostSlots, _layout: object) -> dict[str, int]:
     return {"slots": len(host_slots)}
 
 
+class RaisingTier(DictTier):
+    """A tier that breaks the interface: its loads raise instead of failing keys."""
+
+    def submit_load(self, job: TransferJob) -> None:
+        raise OSError("the archive went away\nsecond line")
+
+
 def failing_tier(host_slots: HostSlots, _layout: object) -> DictTier:
     raise OSError("no room on /mnt/tier\nsecond line")

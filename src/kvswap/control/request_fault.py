@@ -5,8 +5,8 @@ growing its blocks, finishing it. What raises there is wrapped as
 `RequestFailed(seq_id)` (`blame`), so the loop (`kvswap.drive.loop`) aborts that
 request alone, checks that the control plane's invariants still hold, and goes
 on. A failure of the machinery every request shares (the copy engine's waits, a
-broken invariant) names no request: it stops the run, since going on could hand
-a request another's KV.
+broken invariant, a `StopRun` such as a user's tier raising) names no request:
+it stops the run, since going on could hand a request another's KV.
 
 Torch-free, like the rest of `control/`.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvswap.errors import KvSwapError
+from kvswap.errors import KvSwapError, StopRun
 
 
 class RequestFailed(Exception):
@@ -45,7 +45,7 @@ def blame(seq_id: int) -> Iterator[None]:
     """What raises inside is request `seq_id`'s failure (an inner `blame` keeps its own)."""
     try:
         yield
-    except RequestFailed:
+    except (RequestFailed, StopRun):
         raise
     except Exception as error:
         raise RequestFailed(seq_id, error) from error

@@ -35,6 +35,7 @@ from kvswap.data.tiers.redis_tier import (
     RemoteStats,
 )
 from kvswap.data.tiers.tier_list import TierList
+from kvswap.data.tiers.user_tier import UserTier
 from kvswap.errors import KvSwapError
 from kvswap.import_path import one_line
 
@@ -134,7 +135,7 @@ def keyed_tiers(
     the caller, or None), then a tier from each factory of `own`, fastest first; more
     than one as a `TierList`. A factory that fails, or builds no tier over the pool's
     slots, is one line naming its entry (`secondary_tiers[i]`), and what was built is
-    closed."""
+    closed; so is a call of such a tier that raises (`UserTier`)."""
     tiers: list[SecondaryTier] = [] if store is None else [store]
     try:
         for index, factory in enumerate(own):
@@ -165,4 +166,4 @@ def _own_tier(factory: TierFactory, index: int, host_pool: HostPool) -> Secondar
             f"pool has {host_pool.num_slots} of {layout.block_bytes}: build it over the host "
             "slots it is given"
         )
-    return tier
+    return UserTier(tier, name)
