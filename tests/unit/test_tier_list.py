@@ -60,7 +60,8 @@ def test_a_load_falls_through_to_the_first_tier_holding_each_key() -> None:
     upper.corrupt.add(KEYS[1])  # held, but fails its check: the tier below has it
     lower = DictTier(host, {KEYS[1]: value(21), KEYS[2]: value(22)}, deferred=True)
     tiers = TierList([upper, lower])
-    assert tiers.lookup(KEYS) == 2  # the longest prefix one tier holds
+    assert tiers.lookup(KEYS) == 3  # k0, k1 above; k1, k2 below: held, each, by some tier
+    assert upper.lookup(KEYS) == 2 and lower.lookup(KEYS) == 0
     tiers.submit_load(load(7, (0, 1, 2, 3)))
     result = tiers.wait(7)
     assert not result.success and result.successful_keys == KEYS[:3]

@@ -7,8 +7,10 @@ over the same host slots, shaped as vLLM's tiering manager treats its secondary
 tiers (it cascades every stored chunk to each, and promotes a miss from the first
 that holds it):
 
-    lookup(keys)        each usable tier in order, until one holds all of `keys`;
-                        the longest prefix any of them holds
+    lookup(keys)        the longest prefix of `keys` whose every key some usable tier
+                        holds: each tier is asked for what follows what the others
+                        found, until a pass finds no more (a load then takes each
+                        key from the first tier that has it)
     submit_store(job)   the same job to every usable tier; a key is stored when
                         one tier stored it (so a tier that lost it is not the last)
     submit_load(job)    the first usable tier; the keys it did not load (absent,
@@ -76,13 +78,16 @@ class TierList(SecondaryTier):
     # --- SecondaryTier ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        best = 0
-        for tier in self.tiers:
-            if tier.available:
-                best = max(best, tier.lookup(keys))
-                if best == len(keys):
-                    break
-        return best
+        held = 0  # keys[:held] are each held by some usable tier
+        found = True
+        while found and held < len(keys):  # a pass that finds nothing more ends it
+            found = False
+            for tier in self.tiers:
+                if held < len(keys) and tier.available:
+                    more = tier.lookup(keys[held:])
+                    held += more
+                    found = found or more > 0
+        return held
 
     @property
     def available(self) -> bool:
