@@ -129,7 +129,7 @@ def measure_bandwidth(
             parse_remote_url(url), namespace="kvswap-bench", timeout_ms=10_000.0
         )
         client.connect(required=True)
-        engine = RemoteCopyEngine(
+        engine = RemoteCopyEngine.over_client(
             client, host, max_inflight_write_chunks=num_blocks, **engine_options
         )
         plain = plain_client(url)

@@ -82,7 +82,7 @@ def make_engine(
         clock=backoff_clock or time.monotonic,
     )
     client.connect(required=required)
-    engine = RemoteCopyEngine(client, host, **options)  # type: ignore[arg-type]
+    engine = RemoteCopyEngine.over_client(client, host, **options)  # type: ignore[arg-type]
     engines.append(engine)
     return engine
 

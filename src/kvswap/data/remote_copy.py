@@ -5,10 +5,11 @@ control plane's remote chunks become the tier's jobs, its lookups the tier's
 (`kvswap.data.tiers.copy_adapter`); lanes, batching, value checks, skipped
 writes and counters are `RedisTier`'s (`kvswap.data.tiers.redis_tier`).
 
-`open_remote_tier` builds it from the `tiers.remote_*` settings; `keyed_tiers`
-stacks it with tiers of one's own (`TierList`) for the engine and the
-transformers cache; `host_slot_bytes` is the bridge from the torch-side
-`HostPool` to the byte view every `SecondaryTier` is built over.
+`open_store_tier` opens the store of the `tiers.remote_*` settings over a host
+pool (`open_remote_tier`: it alone, as the remote tier); `keyed_tiers` stacks it
+with tiers of one's own (`TierList`) for the engine and the transformers cache;
+`host_slot_bytes` is the bridge from the torch-side `HostPool` to the byte view
+every `SecondaryTier` is built over.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import layout_fingerprint
 from kvswap.data.remote_store import RemoteStoreClient
-from kvswap.data.remote_url import parse_remote_url
 from kvswap.data.tiers.base import HostSlots, SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.data.tiers.redis_tier import (
@@ -33,6 +33,7 @@ from kvswap.data.tiers.redis_tier import (
     WRITE_BATCH_BYTES,
     RedisTier,
     RemoteStats,
+    open_redis_tier,
 )
 from kvswap.data.tiers.tier_list import TierList
 from kvswap.data.tiers.user_tier import UserTier
@@ -51,6 +52,7 @@ __all__ = [
     "host_slot_bytes",
     "keyed_tiers",
     "open_remote_tier",
+    "open_store_tier",
 ]
 
 #: How the engine is handed a key-addressed tier of one's own: built once the pinned
@@ -66,13 +68,17 @@ def host_slot_bytes(pool: HostPool) -> HostSlots:
 
 
 class RemoteCopyEngine(TierCopyEngine):
-    """Remote chunks over one store client and one host pool; also the RemoteIndex.
-    Owns the client: `close()` closes it."""
+    """Remote chunks over one `RedisTier`; also the RemoteIndex. Owns the tier and so
+    its client: `close()` closes them."""
 
     tier: RedisTier
 
-    def __init__(
-        self,
+    def __init__(self, tier: RedisTier) -> None:
+        super().__init__(tier)
+
+    @classmethod
+    def over_client(
+        cls,
         client: RemoteStoreClient,
         host_pool: HostPool,
         *,
@@ -83,14 +89,15 @@ class RemoteCopyEngine(TierCopyEngine):
         read_batch_bytes: int = READ_BATCH_BYTES,
         write_batch_bytes: int = WRITE_BATCH_BYTES,
         clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        tier = RedisTier(
+    ) -> RemoteCopyEngine:
+        """Over a client already connected, with the tier's lanes and batches as given
+        (the tests' and benchmarks' way in)."""
+        return cls(RedisTier(
             client, host_slot_bytes(host_pool), layout_fingerprint=layout_fingerprint(
                 host_pool.layout), ttl_s=ttl_s, max_inflight_write_chunks=max_inflight_write_chunks,
             num_read_lanes=num_read_lanes, num_write_lanes=num_write_lanes,
             read_batch_bytes=read_batch_bytes, write_batch_bytes=write_batch_bytes, clock=clock,
-        )  # fmt: skip
-        super().__init__(tier)
+        ))  # fmt: skip
 
     @property
     def client(self) -> RemoteStoreClient:
@@ -98,6 +105,26 @@ class RemoteCopyEngine(TierCopyEngine):
 
     def stats(self) -> RemoteStats:
         return self.tier.stats()
+
+
+def open_store_tier(
+    url: str,
+    host_pool: HostPool,
+    *,
+    namespace: str,
+    timeout_ms: float,
+    ttl_s: float = 0.0,
+    max_inflight_chunks: int = 4,
+    required: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> RedisTier:
+    """The store of the `tiers.remote_*` settings as a tier over `host_pool`'s slots
+    (`open_redis_tier`, with the pool's byte view and block layout)."""
+    return open_redis_tier(
+        url, host_slot_bytes(host_pool), layout_fingerprint=layout_fingerprint(host_pool.layout),
+        namespace=namespace, timeout_ms=timeout_ms, required=required, ttl_s=ttl_s,
+        max_inflight_write_chunks=max_inflight_chunks, environ=environ,
+    )  # fmt: skip
 
 
 def open_remote_tier(
@@ -111,21 +138,11 @@ def open_remote_tier(
     required: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> RemoteCopyEngine:
-    """The remote tier from `tiers.remote_*` settings: parse the URL, connect, check
-    the server. `required`: a store that cannot be used raises a one-line
-    KvSwapError; otherwise one warning line and the engine starts with the tier off
-    (lookups miss, writes are skipped) until the store answers."""
-    client = RemoteStoreClient(
-        parse_remote_url(url, environ), namespace=namespace, timeout_ms=timeout_ms
-    )
-    try:
-        client.connect(required=required)
-    except BaseException:
-        client.close()
-        raise
-    return RemoteCopyEngine(
-        client, host_pool, ttl_s=ttl_s, max_inflight_write_chunks=max_inflight_chunks
-    )
+    """The store alone as the control plane's remote tier (`open_store_tier`)."""
+    return RemoteCopyEngine(open_store_tier(
+        url, host_pool, namespace=namespace, timeout_ms=timeout_ms, ttl_s=ttl_s,
+        max_inflight_chunks=max_inflight_chunks, required=required, environ=environ,
+    ))  # fmt: skip
 
 
 def keyed_tiers(

@@ -28,7 +28,7 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.remote_copy import keyed_tiers, open_remote_tier
+from kvswap.data.remote_copy import keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.drive.assembly import build_control_plane
@@ -125,11 +125,11 @@ class Engine(Backend):
             )
         opened = None
         if store is not None:
-            opened = open_remote_tier(
+            opened = open_store_tier(
                 store.url, self.host_pool, namespace=store.namespace,
                 timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
                 max_inflight_chunks=store.max_inflight_chunks, required=store.required,
-            ).tier  # fmt: skip
+            )  # fmt: skip
         return keyed_tiers(opened, own, self.host_pool)
 
     def remote_counters(self) -> Mapping[str, int]:

@@ -51,6 +51,7 @@ from kvswap.data.remote_format import (
     encode_into,
 )
 from kvswap.data.remote_store import RemoteStoreClient, WrongType
+from kvswap.data.remote_url import parse_remote_url
 from kvswap.data.tiers.base import HostSlots, JobResult, TransferJob, job_result
 from kvswap.data.tiers.lanes import LaneTier, Totals
 from kvswap.units import MIB
@@ -293,3 +294,34 @@ class RedisTier(LaneTier):
 
 def _batches(num_blocks: int, step: int) -> list[range]:
     return [range(i, min(i + step, num_blocks)) for i in range(0, num_blocks, step)]
+
+
+def open_redis_tier(
+    url: str,
+    host_slots: memoryview | HostSlots,
+    *,
+    layout_fingerprint: bytes,
+    namespace: str,
+    timeout_ms: float,
+    required: bool = False,
+    ttl_s: float = 0.0,
+    max_inflight_write_chunks: int = 4,
+    environ: Mapping[str, str] | None = None,
+) -> RedisTier:
+    """The store at `url` (`tiers.remote_url` forms) as a tier over `host_slots`: parse
+    the URL, connect, check the server, build. `required`: a store that cannot be used
+    raises a one-line KvSwapError; otherwise one warning line and the tier is off
+    (lookups miss, writes are skipped) until the store answers. The client is closed
+    when anything fails."""
+    client = RemoteStoreClient(
+        parse_remote_url(url, environ), namespace=namespace, timeout_ms=timeout_ms
+    )
+    try:
+        client.connect(required=required)
+        return RedisTier(
+            client, host_slots, layout_fingerprint=layout_fingerprint, ttl_s=ttl_s,
+            max_inflight_write_chunks=max_inflight_write_chunks,
+        )  # fmt: skip
+    except BaseException:
+        client.close()
+        raise

@@ -27,11 +27,9 @@ from kvswap.base.transfer import Tier
 from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.remote_format import layout_fingerprint
-from kvswap.data.remote_store import RemoteStoreClient
-from kvswap.data.remote_url import parse_remote_url
 from kvswap.data.tiers.base import HostSlots, SecondaryTier, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
-from kvswap.data.tiers.redis_tier import RedisTier
+from kvswap.data.tiers.redis_tier import open_redis_tier
 from kvswap.data.tiers.tier_list import TierList
 from kvswap.integrations.sglang.options import StorageOptions
 from kvswap.integrations.sglang.pages import PageKeys, PageShape
@@ -113,18 +111,11 @@ def open_page_store(
 def _store_tier(
     options: StorageOptions, url: str, shape: PageShape, host_slots: HostSlots
 ) -> SecondaryTier:
-    client = RemoteStoreClient(
-        parse_remote_url(url), namespace=options.remote_namespace,
-        timeout_ms=options.remote_timeout_ms,
+    return open_redis_tier(
+        url, host_slots, layout_fingerprint=layout_fingerprint(shape.half_layout),
+        namespace=options.remote_namespace, timeout_ms=options.remote_timeout_ms,
+        required=options.remote_required,
     )  # fmt: skip
-    try:
-        client.connect(required=options.remote_required)
-        return RedisTier(
-            client, host_slots, layout_fingerprint=layout_fingerprint(shape.half_layout)
-        )
-    except BaseException:
-        client.close()
-        raise
 
 
 def _nvme_tier(

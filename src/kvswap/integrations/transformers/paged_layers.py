@@ -47,7 +47,7 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import K_INDEX, V_INDEX, KVLayout
-from kvswap.data.remote_copy import keyed_tiers, open_remote_tier
+from kvswap.data.remote_copy import keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.errors import KvSwapError
@@ -116,10 +116,10 @@ class PagedLayers:
             store_namespace = f"kvswap-hf:{identity.fingerprint()}"
             store = None
             if settings.remote_url is not None:
-                store = open_remote_tier(
+                store = open_store_tier(
                     settings.remote_url, host_pool, namespace=store_namespace,
                     timeout_ms=settings.remote_timeout_ms,
-                ).tier  # fmt: skip
+                )  # fmt: skip
             remote = keyed_tiers(store, settings.secondary_tiers, host_pool)
             # Cold blocks leave the pinned pool for the store (this cache's blocks are
             # its own: keys salted per cache, so nothing is read back but what it wrote).

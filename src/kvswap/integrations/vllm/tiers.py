@@ -38,11 +38,9 @@ from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import layout_fingerprint
-from kvswap.data.remote_store import RemoteStoreClient
-from kvswap.data.remote_url import parse_remote_url
 from kvswap.data.tiers.base import SecondaryTier, TransferJob
 from kvswap.data.tiers.nvme_tier import NvmeTier
-from kvswap.data.tiers.redis_tier import RedisTier
+from kvswap.data.tiers.redis_tier import open_redis_tier
 from kvswap.errors import ConfigError
 from kvswap.import_path import one_line
 from kvswap.integrations.vllm.keys import VllmKeys, vllm_identity
@@ -175,24 +173,13 @@ class KvswapRedisTier(_KvswapTier):
     def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
         self.locality = Locality.REMOTE
         remote = _required(settings.remote, "remote_url")
-        client = RemoteStoreClient(
-            parse_remote_url(remote.url),
-            namespace=remote.namespace or self.keys.store_prefix,
-            timeout_ms=remote.timeout_ms,
-        )
-        try:
-            client.connect(required=remote.required)
-            fingerprint = layout_fingerprint(KVLayout.from_block_bytes(self.block_size_bytes))
-            return RedisTier(
-                client,
-                host_rows,
-                layout_fingerprint=fingerprint,
-                ttl_s=remote.ttl_s,
-                max_inflight_write_chunks=remote.max_inflight_chunks,
-            )
-        except BaseException:
-            client.close()
-            raise
+        layout = KVLayout.from_block_bytes(self.block_size_bytes)
+        return open_redis_tier(
+            remote.url, host_rows, layout_fingerprint=layout_fingerprint(layout),
+            namespace=remote.namespace or self.keys.store_prefix, timeout_ms=remote.timeout_ms,
+            required=remote.required, ttl_s=remote.ttl_s,
+            max_inflight_write_chunks=remote.max_inflight_chunks,
+        )  # fmt: skip
 
 
 def _required(value: _T | None, keys: str) -> _T:
