@@ -38,6 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy
 from kvswap.data.disk_pool import DiskPool, DiskSlotError
@@ -289,6 +290,20 @@ class NvmeTier(LaneTier):
 
     def _release(self) -> None:
         self.disk.close()
+
+
+def open_nvme_tier(
+    host_slots: memoryview | HostSlots, directory: Path, num_slots: int, *, policy: EvictionPolicy
+) -> NvmeTier:
+    """A slab of `num_slots` slots in `directory`, each one host slot's bytes, as a tier
+    over `host_slots` ranked by `policy` (built by the caller for `num_slots`); the
+    slab is removed again if the tier cannot be built."""
+    disk = DiskPool(directory, as_host_slots(host_slots).shape[1], num_slots)
+    try:
+        return NvmeTier(host_slots, disk, policy=policy)
+    except BaseException:
+        disk.close()
+        raise
 
 
 def _describe(errors: Counter[str]) -> str | None:

@@ -21,14 +21,12 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from kvswap.base.transfer import Tier
 from kvswap.control.policy import named_policy
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.remote_format import layout_fingerprint
 from kvswap.data.tiers.base import HostSlots, SecondaryTier, TransferJob
-from kvswap.data.tiers.nvme_tier import NvmeTier
+from kvswap.data.tiers.nvme_tier import open_nvme_tier
 from kvswap.data.tiers.redis_tier import open_redis_tier
 from kvswap.data.tiers.tier_list import TierList
 from kvswap.integrations.sglang.options import StorageOptions
@@ -97,36 +95,21 @@ def open_page_store(
     tiers: list[SecondaryTier] = []
     try:
         if options.nvme_dir is not None:
-            tiers.append(_nvme_tier(options, options.nvme_dir, shape, host_slots))
+            num_slots = 2 * options.nvme_pages  # a page is two half-page slots
+            policy = named_policy(
+                Tier.NVME, options.nvme_eviction_policy, capacity_blocks=num_slots
+            )
+            tiers.append(open_nvme_tier(host_slots, options.nvme_dir, num_slots, policy=policy))
         if options.remote_url is not None:
-            tiers.append(_store_tier(options, options.remote_url, shape, host_slots))
+            tiers.append(open_redis_tier(
+                options.remote_url, host_slots,
+                layout_fingerprint=layout_fingerprint(shape.half_layout),
+                namespace=options.remote_namespace, timeout_ms=options.remote_timeout_ms,
+                required=options.remote_required,
+            ))  # fmt: skip
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
     assert tiers, "StorageOptions.check: one of them at least"
     return PageStore(tiers[0] if len(tiers) == 1 else TierList(tiers), keys)
-
-
-def _store_tier(
-    options: StorageOptions, url: str, shape: PageShape, host_slots: HostSlots
-) -> SecondaryTier:
-    return open_redis_tier(
-        url, host_slots, layout_fingerprint=layout_fingerprint(shape.half_layout),
-        namespace=options.remote_namespace, timeout_ms=options.remote_timeout_ms,
-        required=options.remote_required,
-    )  # fmt: skip
-
-
-def _nvme_tier(
-    options: StorageOptions, directory: Path, shape: PageShape, host_slots: HostSlots
-) -> SecondaryTier:
-    disk = DiskPool(directory, shape.half_bytes, 2 * options.nvme_pages)
-    try:
-        policy = named_policy(
-            Tier.NVME, options.nvme_eviction_policy, capacity_blocks=disk.num_slots
-        )
-        return NvmeTier(host_slots, disk, policy=policy)
-    except BaseException:
-        disk.close()
-        raise

@@ -35,11 +35,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvswap.base.transfer import Tier
 from kvswap.control.policy import named_policy
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import layout_fingerprint
 from kvswap.data.tiers.base import SecondaryTier, TransferJob
-from kvswap.data.tiers.nvme_tier import NvmeTier
+from kvswap.data.tiers.nvme_tier import open_nvme_tier
 from kvswap.data.tiers.redis_tier import open_redis_tier
 from kvswap.errors import ConfigError
 from kvswap.import_path import one_line
@@ -153,13 +152,8 @@ class KvswapNvmeTier(_KvswapTier):
                 f"{SOURCE}: nvme_kv_capacity_bytes = {nvme.capacity_bytes} holds no host chunk "
                 f"of {self.block_size_bytes} bytes; allowed: at least one"
             )
-        disk = DiskPool(nvme.directory, self.block_size_bytes, num_slots)
-        try:
-            policy = named_policy(Tier.NVME, nvme.eviction_policy, capacity_blocks=num_slots)
-            return NvmeTier(host_rows, disk, policy=policy)
-        except BaseException:
-            disk.close()
-            raise
+        policy = named_policy(Tier.NVME, nvme.eviction_policy, capacity_blocks=num_slots)
+        return open_nvme_tier(host_rows, nvme.directory, num_slots, policy=policy)
 
 
 class KvswapRedisTier(_KvswapTier):
