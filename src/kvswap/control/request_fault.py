@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvswap.errors import KvSwapError, StopRun
+from kvswap.import_path import one_line
 
 
 class RequestFailed(Exception):
@@ -33,11 +34,11 @@ class RequestFailed(Exception):
 
 
 def failure_reason(error: BaseException) -> str:
-    """One line for what went wrong: kvswap's own message, else the error's type and text."""
-    text = str(error).splitlines()[0] if str(error) else ""
+    """One line for what went wrong: kvswap's own message, else the error's type and text
+    (`import_path.one_line`)."""
     if isinstance(error, KvSwapError):
-        return text
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+        return str(error).splitlines()[0] if str(error) else ""
+    return one_line(error)
 
 
 @contextmanager
