@@ -1,13 +1,14 @@
-"""The engine's remote tier: the Redis store (`RedisTier`) behind the tier adapter.
+"""The keyed tiers over a pinned host pool, as the control plane's remote tier.
 
-`RemoteCopyEngine` = `TierCopyEngine(RedisTier(client, host pool))`: the
+`RemoteCopyEngine` = `TierCopyEngine(RedisTier(...))`: the
 control plane's remote chunks become the tier's jobs, its lookups the tier's
 (`kvswap.data.tiers.copy_adapter`); lanes, batching, value checks, skipped
 writes and counters are `RedisTier`'s (`kvswap.data.tiers.redis_tier`).
 
 `open_store_tier` opens the store of the `tiers.remote_*` settings over a host
 pool (`open_remote_tier`: it alone, as the remote tier); `keyed_tiers` stacks it
-with tiers of one's own (`TierList`) for the engine and the transformers cache;
+with tiers of one's own (`TierList`; each a `UserTier`) for the engine and the
+transformers cache;
 `host_slot_bytes` is the bridge from the torch-side `HostPool` to the byte view
 every `SecondaryTier` is built over.
 """
