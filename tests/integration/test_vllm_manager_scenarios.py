@@ -121,6 +121,15 @@ def test_vllm_s_tier_poll_interval_reaches_0_33_and_is_refused_by_0_32(scenarios
         assert "takes no interval" in refused and "\n" not in refused
 
 
+def test_a_vllm_tier_entry_vllm_cannot_build_is_one_line(scenarios: Any) -> None:
+    refused = scenarios["bad_tier_entry"]
+    assert refused.startswith(
+        "kv_connector_extra_config: secondary_tiers[0] (type 'NoSuchTier'): vLLM could not "
+        "build it ("
+    )
+    assert "\n" not in refused
+
+
 def test_kvswap_installs_beside_the_torch_vllm_0_33_needs(tmp_path: Path) -> None:
     """vLLM 0.33 needs torch 2.14: kvswap's torch range admits it, so installing kvswap
     into that venv installs kvswap alone and keeps vLLM's torch (the scenarios above run

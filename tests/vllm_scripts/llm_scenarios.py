@@ -131,9 +131,16 @@ def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
         "reported_stored": len(reported),
         "first": first,
         "again": again,
-        "files": sum(len(files) for _, _, files in os.walk(root_dir)),
+        "files": _files_then_removed(root_dir),
         "shm_left": sorted(name for name in os.listdir("/dev/shm") if "kvswap" in name),
     }
+
+
+def _files_then_removed(root_dir: Path) -> int:
+    """How many files vLLM's fs tier left (it keeps its blocks by design); then none."""
+    count = sum(len(files) for _, _, files in os.walk(root_dir))
+    shutil.rmtree(root_dir)
+    return count
 
 
 def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:

@@ -306,6 +306,18 @@ def poll_interval() -> dict[str, Any]:
         return {"refused": str(refused)}
 
 
+def bad_tier_entry() -> str:
+    """A `secondary_tiers` entry vLLM's factory cannot build: one line naming it."""
+    from kvswap.errors import ConfigError
+    from kvswap.integrations.vllm.tiers import build_vllm_tiers
+
+    try:
+        build_vllm_tiers(None, memoryview(bytearray(64)), [{"type": "NoSuchTier"}], print)
+    except ConfigError as refused:
+        return str(refused)
+    return "built"
+
+
 def main(scratch: Path) -> None:
     import vllm
 
@@ -314,6 +326,7 @@ def main(scratch: Path) -> None:
             "vllm_version": vllm.__version__,
             "factories": factories(),
             "poll_interval": poll_interval(),
+            "bad_tier_entry": bad_tier_entry(),
             "tail_first": {p: tail_first(p) for p in ("kvswap", "vllm-lru")},
             "sinks_kept": {p: sinks_kept(p) for p in ("kvswap", "vllm-lru")},
             "arc_adapts": arc_adapts(),
