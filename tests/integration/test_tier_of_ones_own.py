@@ -153,6 +153,7 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
         server.client().flushall()
         second = run(values, remote_url=server.url, **nvme)
     assert first["preemptions"] > 0 and first["bytes_cpu_to_nvme"] > 0  # every tier in use
+    assert list(tmp_path.glob("kvswap-*")) == []  # each engine's NVMe slab went at close
     assert second["prefix_hit_tokens"]["remote"] >= len(SYSTEM)
     remote = second["remote"]
     assert remote["tier0_hits_blocks"] == 0 and remote["tier0_misses_blocks"] > 0
