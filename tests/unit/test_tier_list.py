@@ -60,8 +60,16 @@ def test_a_load_falls_through_to_the_first_tier_holding_each_key() -> None:
     upper.corrupt.add(KEYS[1])  # held, but fails its check: the tier below has it
     lower = DictTier(host, {KEYS[1]: value(21), KEYS[2]: value(22)}, deferred=True)
     tiers = TierList([upper, lower])
-    assert tiers.lookup(KEYS) == 3  # k0, k1 above; k1, k2 below: held, each, by some tier
     assert upper.lookup(KEYS) == 2 and lower.lookup(KEYS) == 0
+    asked: list[tuple[str, int]] = []
+    for name, tier in (("upper", upper), ("lower", lower)):
+        answer = tier.lookup
+        tier.lookup = lambda keys, name=name, answer=answer: (  # type: ignore[method-assign]
+            asked.append((name, KEYS.index(keys[0]))) or answer(keys)
+        )
+    assert tiers.lookup(KEYS) == 3  # k0, k1 above; k1, k2 below: held, each, by some tier
+    # Each tier is asked where the keys found so far end, never again where it said no.
+    assert asked == [("upper", 0), ("lower", 2), ("upper", 3)]
     tiers.submit_load(load(7, (0, 1, 2, 3)))
     result = tiers.wait(7)
     assert not result.success and result.successful_keys == KEYS[:3]

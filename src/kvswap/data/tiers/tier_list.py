@@ -79,13 +79,17 @@ class TierList(SecondaryTier):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         held = 0  # keys[:held] are each held by some usable tier
+        # Per tier, the first key its last answer said it lacks: it is asked again only
+        # once the others have found keys past it (no round trip for a known miss).
+        lacks = [-1] * len(self.tiers)
         found = True
         while found and held < len(keys):  # a pass that finds nothing more ends it
             found = False
-            for tier in self.tiers:
-                if held < len(keys) and tier.available:
+            for index, tier in enumerate(self.tiers):
+                if held < len(keys) and held > lacks[index] and tier.available:
                     more = tier.lookup(keys[held:])
                     held += more
+                    lacks[index] = held
                     found = found or more > 0
         return held
 
