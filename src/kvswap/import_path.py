@@ -21,18 +21,20 @@ def split_import_path(value: str) -> tuple[str, str] | None:
     return module_name, name
 
 
-def import_object(field: str, value: str, allowed: str) -> object | None:
+def import_object(field: str, value: str, allowed: str, *, shown: str = "") -> object | None:
     """What `value` ('package.module:Name') names, or None when the module has no
-    such name (the caller says what it needed); `allowed` ends each error line."""
+    such name (the caller says what it needed); `allowed` ends each error line, which
+    names the setting's whole value `shown` (default: `value`)."""
+    shown = shown or value
     parts = split_import_path(value)
     if parts is None:
-        raise ConfigError(f"{field} = {value!r}: not an import path; allowed: {allowed}")
+        raise ConfigError(f"{field} = {shown!r}: not an import path; allowed: {allowed}")
     module_name, name = parts
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # any failure of a user's module is one config error
         raise ConfigError(
-            f"{field} = {value!r}: cannot import {module_name!r} ({one_line(error)}); "
+            f"{field} = {shown!r}: cannot import {module_name!r} ({one_line(error)}); "
             f"allowed: {allowed}"
         ) from None
     return getattr(module, name, None)

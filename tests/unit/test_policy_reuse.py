@@ -12,8 +12,13 @@ import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, PolicyOptions
 from kvswap.base.transfer import Tier
-from kvswap.control.policy import build_policy
+from kvswap.config_load import load_config
+from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_reuse import DEAD_GAPS, ReusePolicy
+from kvswap.control.store import BlockStore
+from kvswap.control.store_records import StoreLayout
+from kvswap.drive.settings import policy_options
+from kvswap.errors import ConfigError
 from tests.unit.test_eviction_policies import drain, facts
 
 HELD = facts()  # referenced by a running request (its blocks are on the device)
@@ -22,8 +27,8 @@ SINK = facts(sink=True)  # among a running request's first blocks
 BUSY = facts(busy=True)
 
 
-def reuse_policy() -> ReusePolicy:
-    policy = build_policy(Tier.CPU, PolicyOptions(cpu_eviction_policy="reuse"))
+def reuse_policy(name: str = "reuse") -> ReusePolicy:
+    policy = build_policy(Tier.CPU, PolicyOptions(cpu_eviction_policy=name))
     assert isinstance(policy, ReusePolicy)
     return policy
 
@@ -187,3 +192,63 @@ def test_reuse_is_a_built_in_name_on_every_tier(tier: Tier) -> None:
     options = PolicyOptions(gpu_eviction_policy="reuse", cpu_eviction_policy="reuse",
                             nvme_eviction_policy="reuse")  # fmt: skip
     assert isinstance(build_policy(tier, options), ReusePolicy)
+
+
+def test_once_oldest_evicts_the_once_used_oldest_first_and_nothing_else_moves() -> None:
+    """`reuse(once=oldest)`: of two sessions that ended a turn, the earlier goes first
+    (an LRU's order within the class); a running request's blocks still go before them."""
+    policy = reuse_policy("reuse(once=oldest)")
+    turn(policy, 10, [], ["a0", "a1"])
+    turn(policy, 20, [], ["b0", "b1"])
+    policy.insert("running0", HELD)
+    assert policy.evict(1) == ["running0"]
+    assert sorted(policy.evict(2) or []) == ["a0", "a1"]
+    assert sorted(drain(policy)) == ["b0", "b1"]
+
+
+def test_dead_gaps_moves_the_dead_line() -> None:
+    """With the line at 1 return gap, a copy idle 31 steps after 30-step gaps is dead
+    and goes before a newer live one; with the default 1.5 it is not yet."""
+    for name, first in (("reuse(dead_gaps=1)", "gone"), ("reuse", "fresh")):
+        policy = reuse_policy(name)
+        turn(policy, 0, [], ["gone", "live"])
+        turn(policy, 30, ["gone", "live"], [])  # the return gap is 30 steps
+        turn(policy, 40, [], ["fresh"])
+        turn(policy, 61, ["live"], [])
+        policy.advance(62)  # gone idle 32 steps
+        assert policy.evict(1) == [first], name
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("reuse(once=middle)", "once = 'middle': allowed: 'newest' (the default) or 'oldest'"),
+        ("reuse(dead_gaps=0)", "dead_gaps = '0': allowed: a number of return gaps > 0"),
+        ("reuse(dead_gaps=inf)", "dead_gaps = 'inf': allowed: a number of return gaps > 0"),
+        ("reuse(dead_gaps=x)", "dead_gaps = 'x': allowed: a number of return gaps > 0"),
+        ("reuse(onse=oldest)", "reuse takes no parameter 'onse'; allowed: once, dead_gaps"),
+        ("lru(once=oldest)", "lru takes no parameter 'once'; allowed: none"),
+        ("reuse(once=oldest", "not a policy with parameters; allowed: NAME(key=value, ...)"),
+        ("reuse(once)", "not a policy with parameters"),
+        ("reuse(once=oldest, once=newest)", "each key once"),
+        ("(once=oldest)", "not a policy with parameters"),
+        ("mru(once=oldest)", "'mru(once=oldest)': unknown policy"),
+    ],
+)
+def test_a_parameter_the_policy_cannot_read_is_one_config_error(value: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_policy_names(PolicyOptions(cpu_eviction_policy=value))
+    message = str(caught.value)
+    assert message.startswith(f"cpu_eviction_policy = {value!r}: ") and says in message
+    assert "\n" not in message
+
+
+def test_parameters_reach_the_policy_from_the_config_and_spaces_are_allowed() -> None:
+    value = "reuse( once = oldest ,dead_gaps=2 )"
+    config = load_config(None, overrides={"cpu_eviction_policy": value})
+    options = policy_options(config)
+    policy = BlockStore(StoreLayout(4, 4, 4, 0, 0), options).policies[Tier.CPU]
+    assert isinstance(policy, ReusePolicy)
+    assert policy.options.parameters == (("once", "oldest"), ("dead_gaps", 2.0))
+    assert (policy._once_oldest, policy._dead_gaps) == (True, 2.0)
+    assert reuse_policy("reuse()").options.parameters == ()

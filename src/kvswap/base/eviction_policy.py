@@ -36,17 +36,18 @@ Hard rule: never return a key whose facts are `busy`, `lost` or `running`
 running sequence's step reads its GPU copies). Everything else is policy.
 
 A policy class is built as `cls(tier, options)` (`PolicyOptions`: the switches,
-and `capacity_blocks`, the size of the tier it ranks), by name through
-`kvswap.control.policy.build_named`: "kvswap", "lru", "arc", "reuse", or an
-import path "package.module:ClassName".
+`capacity_blocks`, the size of the tier it ranks, and `parameters`, those its
+name gave), by name through `kvswap.control.policy.build_named`: "kvswap", "lru",
+"arc", "reuse", or an import path "package.module:ClassName". A name may carry
+parameters the class declares (`PARAMETERS`): "reuse(once=oldest, dead_gaps=1.2)".
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from kvswap.base.transfer import Tier
 
@@ -71,6 +72,9 @@ class PolicyOptions:
     # The size of the tier one policy ranks, in its blocks, set by whoever builds it
     # (`kvswap.control.policy.build_named`): ARC's c. None: unknown (ARC learns it).
     capacity_blocks: int | None = None
+    # The parameters the policy's name gave ("reuse(once=oldest)": (("once",
+    # "oldest"),)), each read by the class's `PARAMETERS`; set by the builder too.
+    parameters: tuple[tuple[str, object], ...] = ()
 
     def policy_name(self, tier: Tier) -> str:
         return str(getattr(self, policy_field(tier)))
@@ -114,9 +118,19 @@ class BlockFacts(NamedTuple):
 class EvictionPolicy(ABC):
     """Which copies of one tier leave first. See the module docstring for the call order."""
 
+    #: The parameters a name may give this class ("reuse(once=oldest)"): each with the
+    #: function that reads its text, raising ValueError("allowed: ...") on a bad one.
+    #: The builder refuses any other name in one line; the class finds the values it
+    #: was given in `options.parameters` (`parameter`).
+    PARAMETERS: ClassVar[Mapping[str, Callable[[str], object]]] = {}
+
     def __init__(self, tier: Tier, options: PolicyOptions) -> None:
         self.tier = tier
         self.options = options
+
+    def parameter(self, name: str, default: object) -> object:
+        """The value the policy's name gave parameter `name`, else `default`."""
+        return dict(self.options.parameters).get(name, default)
 
     @abstractmethod
     def insert(self, key: BlockKey, facts: BlockFacts) -> None:
