@@ -21,11 +21,17 @@ parallel (`--jobs`) without changing a figure.
     .venv/bin/python benchmarks/policy_hit_rates.py                  # ~10 min on 2 cores
     .venv/bin/python benchmarks/policy_hit_rates.py --quick           # test scale, ~30 s
     .venv/bin/python benchmarks/policy_hit_rates.py --plot curve.png  # and the curve
+    .venv/bin/python benchmarks/policy_hit_rates.py --seed 1 --also 'reuse(once=oldest)'
+
+`--seed` draws another chat of the same shape; `--also` adds host-tier policies
+(any `cpu_eviction_policy` value, parameters included), each reported like kvswap's
+own as its hit tokens over the better of lru and arc.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -33,6 +39,8 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from kvswap.control.policy import policy_class
+from kvswap.errors import KvSwapError
 from kvswap.sim.policy_curve import (
     CHAT,
     CHAT_QUICK,
@@ -66,14 +74,17 @@ def ratio(runs: Sequence[PolicyRun], ours: str = "kvswap") -> float:
     return by_policy[ours] / best if best else 0.0
 
 
-def ratios(runs: Sequence[PolicyRun]) -> dict[str, float]:
-    """{"ratio_<ours>_over_best": ...} for each of kvswap's policies."""
-    return {f"ratio_{ours}_over_best": round(ratio(runs, ours), 4) for ours in OURS}
+def ratios(runs: Sequence[PolicyRun], ours: Sequence[str] = OURS) -> dict[str, float]:
+    """{"ratio_<ours>_over_best": ...} for each of `ours`."""
+    return {f"ratio_{name}_over_best": round(ratio(runs, name), 4) for name in ours}
 
 
-def render(rows: Sequence[tuple[float, list[PolicyRun]]], block_tokens: int) -> str:
+def render(
+    rows: Sequence[tuple[float, list[PolicyRun]]], block_tokens: int, ours: Sequence[str] = OURS
+) -> str:
+    width = max(7, *(len(run.policy) + 1 for _, runs in rows for run in runs))
     lines = [
-        f"{'host blocks':>11} {'WS/host':>7}  {'policy':<7}{'hit tokens':>11}  "
+        f"{'host blocks':>11} {'WS/host':>7}  {'policy':<{width}}{'hit tokens':>11}  "
         f"{'gpu / cpu / nvme':<26}{'hit rate':>9}{'prefill computed':>17}"
         f"{'host evictions':>15}"
     ]
@@ -81,13 +92,14 @@ def render(rows: Sequence[tuple[float, list[PolicyRun]]], block_tokens: int) -> 
         for run in runs:
             tiers = run.hit_tokens_by_tier
             split = f"{tiers['gpu']} / {tiers['cpu']} / {tiers['nvme']}"
+            policy = f"{run.policy:<{width}}"
             lines.append(
-                f"{run.host_blocks:>11} {factor:>6.1f}x  {run.policy:<7}{run.hit_tokens:>11}  "
+                f"{run.host_blocks:>11} {factor:>6.1f}x  {policy}{run.hit_tokens:>11}  "
                 f"{split:<26}{100 * run.point.hit_rate:>8.1f}%{run.prefill_tokens_computed:>17}"
                 f"{run.host_evictions:>15}"
             )
-        for ours in OURS:
-            lines.append(f"{'':>21}{ours} / max(lru, arc) = {ratio(runs, ours):.3f}")
+        for name in ours:
+            lines.append(f"{'':>21}{name} / max(lru, arc) = {ratio(runs, name):.3f}")
     lines.append(f"(blocks of {block_tokens} tokens)")
     return "\n".join(lines)
 
@@ -98,6 +110,7 @@ def plot(
     nothing_below: Sequence[PolicyRun],
     unlimited_rate: float,
     working_set_blocks: float,
+    policies: Sequence[str] = POLICIES,
 ) -> None:
     """Hit rate against host-tier size, a line per policy, the pool with nothing below
     it as crosses (matplotlib's object API, as kvswap.obs.plots draws)."""
@@ -107,7 +120,7 @@ def plot(
     figure = Figure(figsize=(7.0, 4.2), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    for index, policy in enumerate(POLICIES):
+    for index, policy in enumerate(policies):
         points = sorted(
             (run.host_blocks, 100 * run.point.hit_rate)
             for _, runs in rows
@@ -138,10 +151,21 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (default 2)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw the curve here")
     parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
+    parser.add_argument("--seed", type=int, default=0, help="the chat's seed (default 0)")
+    parser.add_argument("--also", nargs="+", default=[], metavar="POLICY",
+                        help="more host-tier policies, e.g. 'reuse(once=oldest)'")  # fmt: skip
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: allowed: >= 1")
     shape = CHAT_QUICK if args.quick else CHAT
+    shape = dataclasses.replace(shape, workload=dataclasses.replace(shape.workload, seed=args.seed))
+    also = [name for name in dict.fromkeys(args.also) if name not in POLICIES]
+    try:
+        for name in also:
+            policy_class("--also", name, top=False)
+    except KvSwapError as error:
+        parser.error(str(error))
+    policies, ours = (*POLICIES, *also), (*OURS, *also)
     start_s = time.perf_counter()
 
     def progress(line: str) -> None:
@@ -160,8 +184,8 @@ def main() -> None:
     )
     factors = QUICK_FACTORS if args.quick else WORKING_SET_FACTORS
     sizes = {factor: round(working_set.mean_blocks / factor) for factor in factors}
-    jobs = [(shape, policy, sizes[f], True) for f in factors for policy in POLICIES]
-    jobs += [(shape, policy, sizes[NOTHING_BELOW_FACTOR], False) for policy in POLICIES]
+    jobs = [(shape, policy, sizes[f], True) for f in factors for policy in policies]
+    jobs += [(shape, policy, sizes[NOTHING_BELOW_FACTOR], False) for policy in policies]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         results = []
         for run in pool.map(run_one, jobs):
@@ -176,9 +200,9 @@ def main() -> None:
           f"{working_set.peak_blocks} at peak; an unlimited host tier hits "
           f"{100 * unlimited.point.hit_rate:.1f} % ({unlimited.hit_tokens} tokens)")  # fmt: skip
     print("\nhost tier that replaces (a 64-block NVMe spill below it):")
-    print(render(replacing, shape.block_tokens))
+    print(render(replacing, shape.block_tokens, ours))
     print("\nhost tier with nothing below it (never discards a cache entry for another):")
-    print(render(nothing_below, shape.block_tokens))
+    print(render(nothing_below, shape.block_tokens, ours))
     if args.plot is not None:
         plot(
             args.plot,
@@ -186,6 +210,7 @@ def main() -> None:
             nothing_below[0][1],
             unlimited.point.hit_rate,
             working_set.mean_blocks,
+            policies,
         )
         print(f"\ncurve: {args.plot}")
     report = {
@@ -196,11 +221,13 @@ def main() -> None:
         },
         "unlimited": unlimited.to_json(),
         "replacing": [
-            {"working_set_over_host": f, **ratios(runs), "runs": [run.to_json() for run in runs]}
+            {"working_set_over_host": f, **ratios(runs, ours),
+             "runs": [run.to_json() for run in runs]}
             for f, runs in replacing
         ],
         "nothing_below": [
-            {"working_set_over_host": f, **ratios(runs), "runs": [run.to_json() for run in runs]}
+            {"working_set_over_host": f, **ratios(runs, ours),
+             "runs": [run.to_json() for run in runs]}
             for f, runs in nothing_below
         ],
     }  # fmt: skip

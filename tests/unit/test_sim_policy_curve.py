@@ -127,3 +127,17 @@ def test_the_benchmark_at_test_scale_prints_both_tables_and_what_they_exercised(
     assert report["unlimited"]["hit_rate"] > max(
         run["hit_rate"] for row in report["replacing"] for run in row["runs"]
     )
+
+
+def test_the_benchmark_refuses_a_policy_it_cannot_build_in_one_line_before_any_run() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/policy_hit_rates.py", "--quick", "--also", "reuse(once=up)"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root / "src")},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith("error: --also = 'reuse(once=up)': once = 'up': allowed: 'newest' "
+                         "(the default) or 'oldest'"), last  # fmt: skip
+    assert "Traceback" not in done.stderr
