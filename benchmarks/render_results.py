@@ -89,8 +89,12 @@ def host_tier_replay(result: dict[str, Any]) -> list[str]:
 
 def policy_hit_rates(result: dict[str, Any]) -> list[str]:
     shape = result["shape"]
+    seed = shape["workload"].get("seed", 0)
+    ours = [key.removeprefix("ratio_").removesuffix("_over_best")
+            for key in result["replacing"][0] if key.startswith("ratio_")]  # fmt: skip
     lines = [
-        "### kvswap's own engine, simulated: host-tier policy by size (`policy_hit_rates.py`)",
+        "### kvswap's own engine, simulated: host-tier policy by size (`policy_hit_rates.py`"
+        + (f", seed {seed})" if seed else ")"),
         "",
         f"`python {result['command']}` (the simulator: deterministic, the same figures on any "
         f"machine). {shape['workload']['num_sessions']} sessions of "
@@ -101,14 +105,13 @@ def policy_hit_rates(result: dict[str, Any]) -> list[str]:
         "",
         machine_line(result),
         "",
-        "| WS / host | host blocks | kvswap | reuse |",
-        "|---|---|---|---|",
+        "| WS / host | host blocks | " + " | ".join(f"`{name}`" for name in ours) + " |",
+        "|---|---|" + "---|" * len(ours),
     ]
     for entry in result["replacing"]:
         blocks = entry["runs"][0]["host_blocks"]
-        lines.append(f"| {entry['working_set_over_host']:g}x | {blocks} | "
-                     f"{entry['ratio_kvswap_over_best']:.3f} | "
-                     f"{entry.get('ratio_reuse_over_best', float('nan')):.3f} |")  # fmt: skip
+        cells = " | ".join(f"{entry[f'ratio_{name}_over_best']:.3f}" for name in ours)
+        lines.append(f"| {entry['working_set_over_host']:g}x | {blocks} | {cells} |")
     return lines
 
 

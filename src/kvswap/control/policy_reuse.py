@@ -39,13 +39,18 @@ Two parameters (`reuse(once=oldest, dead_gaps=1.2)`, `PARAMETERS`):
 `dead_gaps` (1.5) moves the dead line; `once=oldest` evicts the once class
 oldest first. Newest first keeps a stable set of sessions until they return,
 which is what a tier several times smaller than the working set can do; a tier
-about the size of the working set holds sessions until they return anyway, and
-there the oldest are the likelier dead. In `policy_hit_rates.py`'s chat (three
-seeds), `once=oldest` moves the 1x point from 0.94-0.98 of the better of LRU
-and ARC to 1.01-1.03 and the 2x point from 1.00-1.02 to 1.01-1.04, but the 8x
-point from 1.01-1.07 to 0.93-0.96: the default stays newest first. No signal
-tried chose between them by itself (ghost lists of each order's victims,
-miniature caches of a sample of keys: both saw the same returns at every size).
+a third of the working set or more holds many sessions until they return
+anyway, and there the oldest are the likelier dead. In `policy_hit_rates.py`'s
+chat on seeds 0, 1 and 2 (prefix-hit tokens over the better of LRU and ARC,
+working set over the tier):
+
+    order     8x          4x          3x          2x          1x
+    newest    1.04-1.07   1.05-1.06   1.03-1.04   1.01-1.02   0.92-0.98
+    oldest    0.93-0.97   1.03-1.05   1.04-1.05   1.01-1.03   1.01-1.02
+
+The default stays newest first. No signal tried chose between them by itself
+(ghost lists of each order's victims, miniature caches of a sample of keys: both
+saw as many returns at every size).
 
 Each class is a heap with lazy deletion (an entry carries the key's version; a
 changed key pushes a new one): `evict` costs O(log n) per victim and per stale
