@@ -358,3 +358,34 @@ def test_the_store_builds_each_tier_s_policy_with_that_tier_s_size() -> None:
     assert sizes == {Tier.GPU: 6, Tier.CPU: 3, Tier.NVME: 0}
     arc = store.policies[Tier.GPU]
     assert isinstance(arc, ArcPolicy) and arc.state().capacity_blocks == 6  # c before any use
+
+
+def _window(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise ValueError("allowed: a whole number of blocks > 0")
+    return int(text)
+
+
+class WindowedFifo(FifoPolicy):
+    """A user's policy with a parameter of its own."""
+
+    PARAMETERS = {"window": _window}  # noqa: RUF012 - a test's class, never mutated
+
+
+def test_a_user_s_policy_declares_its_parameters_and_reads_them_by_name() -> None:
+    name = f"{__name__}:WindowedFifo(window=3)"
+    policy = build_named(name, Tier.CPU, PolicyOptions(), field="cpu_eviction_policy", top=False)
+    assert isinstance(policy, WindowedFifo)
+    assert policy.parameter("window", 1) == 3 and policy.parameter("other", "x") == "x"
+    assert build_named(f"{__name__}:WindowedFifo", Tier.CPU, PolicyOptions(),
+                       field="f", top=False).parameter("window", 1) == 1  # fmt: skip
+    bad = f"{__name__}:WindowedFifo(window=0)"
+    with pytest.raises(ConfigError) as caught:
+        check_policy_names(PolicyOptions(cpu_eviction_policy=bad))
+    assert str(caught.value) == (
+        f"cpu_eviction_policy = {bad!r}: window = '0': allowed: a whole number of blocks > 0"
+    )
+    missing = "no_such_module_kvswap:Policy(window=3)"
+    with pytest.raises(ConfigError) as caught:
+        check_policy_names(PolicyOptions(cpu_eviction_policy=missing))
+    assert str(caught.value).startswith(f"cpu_eviction_policy = {missing!r}: cannot import")
