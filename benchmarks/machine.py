@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,8 @@ def result_header(
     arguments = sys.argv[1:] if argv is None else argv
     return {
         "benchmark": benchmark,
-        "command": " ".join([f"benchmarks/{script}", *arguments]),
+        # Quoted as a shell would need it: "--also 'reuse(once=oldest)'" pastes as it runs.
+        "command": shlex.join([f"benchmarks/{script}", *arguments]),
         "machine": machine_record() if machine is None else machine,
         "versions": versions() if found_versions is None else found_versions,
     }
