@@ -97,6 +97,11 @@ def test_the_tiers_are_read_under_kvswap_s_names() -> None:
     [
         ({"protected_sink_blocks": -1}, "protected_sink_blocks = -1 (from kv_connector_extra"),
         ({"eviction_policy": "mru"}, "eviction_policy = 'mru': unknown policy; allowed: 'kvswap'"),
+        (
+            {"eviction_policy": "reuse(dead_gaps=-1)"},
+            "eviction_policy = 'reuse(dead_gaps=-1)': dead_gaps = '-1': allowed: a number of "
+            "return gaps > 0",
+        ),
         ({"eviction_policy": 3}, "eviction_policy = 3 (kv_connector_extra_config): not a name"),
         ({"nvme_dir": "/tmp"}, "nvme_dir is set but nvme_kv_capacity_bytes is not; allowed"),
         ({"remote_url": "http://x"}, "remote_url = 'http://x' (from kv_connector_extra_config)"),
@@ -389,3 +394,8 @@ def test_a_host_tier_that_does_not_fit_names_vllm_s_own_reservation(
     assert "only 1.00 GiB of host memory is available (limited by MemAvailable)" in message
     assert "vLLM's own KV cache already holds" in message
     assert "lower --gpu-memory-utilization" in message
+
+
+def test_the_host_tier_s_policy_takes_parameters_in_its_name() -> None:
+    settings = adapter_settings({"eviction_policy": "reuse(once=oldest, dead_gaps=1.2)"})
+    assert settings.policy_name == "reuse(once=oldest, dead_gaps=1.2)"
