@@ -207,7 +207,7 @@ def test_once_oldest_evicts_the_once_used_oldest_first_and_nothing_else_moves() 
 
 
 def test_dead_gaps_moves_the_dead_line() -> None:
-    """With the line at 1 return gap, a copy idle 31 steps after 30-step gaps is dead
+    """With the line at 1 return gap, a copy idle 32 steps after 30-step gaps is dead
     and goes before a newer live one; with the default 1.5 it is not yet."""
     for name, first in (("reuse(dead_gaps=1)", "gone"), ("reuse", "fresh")):
         policy = reuse_policy(name)
