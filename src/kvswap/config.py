@@ -119,11 +119,11 @@ class SwapSection(_Section):
     min_residency_steps: int = Field(default=64, ge=0, le=2**40)
     """decode steps a block brought back stays on the GPU before it may leave again"""
     gpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave the GPU first: kvswap, lru, arc, or package.module:ClassName"""
+    """which copies leave the GPU first: kvswap, lru, arc, reuse(dead_gaps=1.2), mod:Class"""
     cpu_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave the pinned CPU tier first: kvswap, lru, arc, or module:Class"""
+    """which copies leave the CPU tier first: kvswap, lru, arc, reuse(once=oldest), mod:Class"""
     nvme_eviction_policy: str = Field(default="kvswap", min_length=1, max_length=300)
-    """which copies leave NVMe first: kvswap, lru, arc, or package.module:ClassName"""
+    """which copies leave NVMe first: kvswap, lru, arc, reuse, or package.module:ClassName"""
     swap_out_chunk_blocks: int = Field(default=8, ge=1, le=MAX_NUM_BLOCKS)
     """blocks per swap-out (and demotion) chunk on the LOW queue"""
     swap_in_chunk_blocks: int = Field(default=4, ge=1, le=MAX_NUM_BLOCKS)
