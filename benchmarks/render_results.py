@@ -51,11 +51,15 @@ def machine_line(result: dict[str, Any]) -> str:
 
 
 def _ratio_rows(sized: list[dict[str, Any]], ours: list[str]) -> list[str]:
+    """Each ranking's prefix-hit tokens over the better of lru and arc's, then (in
+    brackets) the host tier's own hit tokens over theirs."""
     rows = ["| WS / host | host | " + " | ".join(f"{p} / best of lru, arc" for p in ours) + " |",
             "|---|---|" + "---|" * len(ours)]  # fmt: skip
     for entry in sized:
         ratios = entry.get("ratios_over_best_vllm") or {}
-        cells = " | ".join(f"{ratios.get(p, float('nan')):.3f}" for p in ours)
+        host = _host_hits_over_best(entry["runs"])
+        cells = " | ".join(f"{ratios.get(p, float('nan')):.3f} ({host.get(p, float('nan')):.2f})"
+                           for p in ours)  # fmt: skip
         rows.append(f"| {entry['working_set_over_host']:g}x | {entry['host_chunks']} | {cells} |")
     return rows
 
@@ -73,7 +77,9 @@ def host_tier_replay(result: dict[str, Any]) -> list[str]:
         "(+admission: it also refuses what is never needed again); it counts a block needed "
         "even where the device's prefix cache serves it, so it is a reference, not a bound: "
         "the reuse ranking beats it at most sizes. "
-        "Figures: prefix-hit tokens over the better of vLLM's LRU and ARC, same host bytes.",
+        "Figures: prefix-hit tokens over the better of vLLM's LRU and ARC, same host bytes; "
+        "in brackets the host tier's own hit tokens over theirs (the device's prefix cache "
+        "serves about as many tokens whichever ranking runs the host tier).",
         "",
         machine_line(result),
     ]
@@ -306,7 +312,24 @@ def vllm_policy_hits(result: dict[str, Any]) -> list[str]:
         )
         for entry in result["sized"]
     ]  # fmt: skip
-    return [*lines, "", "Hit tokens over the better of lru and arc: " + "; ".join(ratios) + "."]
+    host = [
+        f"{entry['working_set_over_host']:g}x: " + ", ".join(
+            f"{name} {value:.3f}" for name, value in _host_hits_over_best(entry["runs"]).items()
+        )
+        for entry in result["sized"]
+    ]  # fmt: skip
+    return [
+        *lines, "", "Hit tokens over the better of lru and arc: " + "; ".join(ratios) + ". "
+        "The host tier's own hits over theirs: " + "; ".join(host) + " (the device's prefix "
+        "cache serves about as many tokens whichever ranking runs the host tier).",
+    ]  # fmt: skip
+
+
+def _host_hits_over_best(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each of kvswap's rankings' host-tier hit tokens over the better of lru and arc's."""
+    best = max(run["host_hit_tokens"] for run in runs if run["policy"] in ("lru", "arc"))
+    return {run["policy"]: run["host_hit_tokens"] / best
+            for run in runs if run["policy"] not in ("lru", "arc")}  # fmt: skip
 
 
 def vllm_soak(result: dict[str, Any]) -> list[str]:

@@ -36,8 +36,10 @@ connector); prefill tokens computed (prompt tokens minus hits); host-tier loads
 evictions (the manager's) and refused stores (no victims found); preemptions; what
 the host tier held on average, by what its blocks are to the chat (a system
 prompt's; a session's in a turn, thinking before its next turn, or ended). The
-ratio is kvswap / max(lru, arc) of the hit tokens. Prints the tables, then one
-`KVSWAP_RESULT {json}` line.
+ratio is kvswap / max(lru, arc) of the hit tokens, and again of the host tier's
+own hits (the device's prefix cache serves about as many tokens whatever ranks
+the host tier, so the first dilutes the host tier's gain). Prints the tables,
+then one `KVSWAP_RESULT {json}` line.
 
 Runs in the vLLM venv, in one process, with this tree's src first on the path:
 
@@ -155,13 +157,15 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Each of kvswap's rankings' hit tokens over the better of vLLM's LRU and ARC."""
-    best = max((r["hit_tokens"] for r in rows if r["policy"] in VLLM_POLICIES), default=0)
+def ratios(rows: Sequence[dict[str, Any]], figure: str = "hit_tokens") -> dict[str, float]:
+    """Each of kvswap's rankings' `figure` over the better of vLLM's LRU and ARC's: all
+    prefix-hit tokens (the device's and the host tier's), or `host_hit_tokens`, the
+    host tier's own."""
+    best = max((r[figure] for r in rows if r["policy"] in VLLM_POLICIES), default=0)
     if not best:
         return {}
     return {
-        r["policy"]: round(r["hit_tokens"] / best, 4)
+        r["policy"]: round(r[figure] / best, 4)
         for r in rows
         if r["policy"] not in VLLM_POLICIES
     }
@@ -184,8 +188,11 @@ def render(sized: Sequence[tuple[float, list[dict[str, Any]]]]) -> str:
                 f"{row['prefill_tokens_computed']:>17}{loads:>16}{row['host_evictions']:>10}"
                 f"{row['refused_stores']:>8}{row['preemptions']:>8}{row['run_s']:>7.1f}"
             )
+        host = ratios(rows, "host_hit_tokens")
         for policy, value in ratios(rows).items():
-            lines.append(f"{'':>15}{policy} / max(lru, arc) = {value:.3f}")
+            alone = host.get(policy, float("nan"))
+            lines.append(f"{'':>15}{policy} / max(lru, arc) = {value:.3f} "
+                         f"(host-tier hits alone: {alone:.3f})")  # fmt: skip
     lines.append(f"(host tier in chunks of one {BLOCK_TOKENS}-token block)")
     lines.append("\nwhat the host tier held, mean chunks (sampled every 50 ticks):")
     lines.append(f"{'host':>5}  {'policy':<16}{'system':>7}{'thinking':>9}{'running':>8}"
