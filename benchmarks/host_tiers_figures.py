@@ -33,6 +33,16 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("throughput_tok_s", "output throughput (tok/s)", False),
     ("prefill_tokens_computed", "prefill tokens computed", True),
 )
+#: Shown beside the figures, not judged: what a request whose prompt was nearly all a
+#: hit waits for its first token (fewer than `NEAR_FULL_HIT_BLOCKS` blocks computed: a
+#: turn's new words and its last block), and how many such requests there were. vLLM's
+#: connector loads between engine steps, so a hit from the host tier or below starts a
+#: step later than one from the device pool's prefix cache.
+DIAGNOSTIC_FIGURES: tuple[tuple[str, str, bool], ...] = (
+    ("near_full_hit_ttft_p50_ms", "TTFT p50, near-full hits (ms)", True),
+    ("near_full_hit_requests", "near-full hits (requests)", False),
+)
+NEAR_FULL_HIT_BLOCKS = 4
 #: The issue's goals: (c) at least (b) on every figure; (d)'s TTFT p50 <= 0.7 x (b)'s.
 GOAL_NVME_TTFT_P50_RATIO = 0.7
 
@@ -92,16 +102,28 @@ def measured_turns(
 
 
 def run_figures(
-    summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]], rise: Mapping[str, float]
+    summary: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    rise: Mapping[str, float],
+    block_tokens: int,
 ) -> dict[str, Any]:
     """One run's figures: loadgen's (summary, per-request records) and vLLM's (/metrics
     counters' rise over the measured chat)."""
     done = [r for r in records if r["outcome"] == "completed"]
     ttfts_ms = [float(r["ttft_ms"]) for r in done if r["ttft_ms"] is not None]
+    near_full_ms = [
+        float(r["ttft_ms"]) for r in done
+        if r["ttft_ms"] is not None and r["cached_tokens"] is not None
+        and r["sent_prompt_tokens"] - r["cached_tokens"] < NEAR_FULL_HIT_BLOCKS * block_tokens
+    ]  # fmt: skip
     prompt, cached = int(summary["prompt_tokens"] or 0), int(summary["cached_tokens"] or 0)
     return {
         "ttft_p50_ms": round(nearest_rank(ttfts_ms, 0.50), 3),
         "ttft_p90_ms": round(nearest_rank(ttfts_ms, 0.90), 3),
+        "near_full_hit_ttft_p50_ms": (
+            round(nearest_rank(near_full_ms, 0.50), 3) if near_full_ms else None
+        ),
+        "near_full_hit_requests": len(near_full_ms),
         "throughput_tok_s": float(summary["throughput_tok_s"]),
         "prefill_tokens_computed": prompt - cached,
         "prompt_tokens": prompt,
@@ -115,12 +137,15 @@ def run_figures(
 
 
 def merge_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per figure: the median over rounds and the spread (min, max)."""
+    """Per figure: the median over rounds and the spread (min, max); None where no round
+    has the figure (no near-full hit at all)."""
     merged: dict[str, Any] = {}
-    for key, _, _ in FIGURES:
-        values = [float(run[key]) for run in runs]
-        merged[key] = {"median": round(statistics.median(values), 3),
-                       "min": round(min(values), 3), "max": round(max(values), 3)}  # fmt: skip
+    for key, _, _ in (*FIGURES, *DIAGNOSTIC_FIGURES):
+        values = [float(run[key]) for run in runs if run.get(key) is not None]
+        merged[key] = None if not values else {
+            "median": round(statistics.median(values), 3),
+            "min": round(min(values), 3), "max": round(max(values), 3),
+        }  # fmt: skip
     return merged
 
 
@@ -166,14 +191,15 @@ def table(
     """The printed table: per figure, each config's median [min-max], then (c)/(b)."""
     configs = [config for config in labels if config in merged]
     width = 24
-    lines = [f"{'figure':<27}" + "".join(f"{labels[c]:>{width}}" for c in configs)
+    lines = [f"{'figure':<31}" + "".join(f"{labels[c]:>{width}}" for c in configs)
              + f"{'(c)/(b)':>9}"]  # fmt: skip
-    for key, label, _ in FIGURES:
+    for key, label, _ in (*FIGURES, *DIAGNOSTIC_FIGURES):
         cells = []
         for config in configs:
             figure = merged[config][key]
-            cells.append(f"{figure['median']:.1f} [{figure['min']:.0f}-{figure['max']:.0f}]")
+            spread = "" if figure is None else f"[{figure['min']:.0f}-{figure['max']:.0f}]"
+            cells.append("-" if figure is None else f"{figure['median']:.1f} {spread}")
         shown = ratios.get(f"kvswap_over_vllm_{key}")
-        lines.append(f"{label:<27}" + "".join(f"{cell:>{width}}" for cell in cells)
+        lines.append(f"{label:<31}" + "".join(f"{cell:>{width}}" for cell in cells)
                      + f"{'-' if shown is None else f'{shown:.3f}':>9}")  # fmt: skip
     return lines

@@ -221,7 +221,7 @@ def figured(result: dict[str, Any]) -> list[str]:
 
 
 def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
-    from host_tiers_figures import FIGURES
+    from host_tiers_figures import DIAGNOSTIC_FIGURES, FIGURES
 
     shapes, labels, medians = result["shapes"], result["labels"], result["medians"]
     chat, model, server = shapes["chat"], shapes["model"], shapes["server"]
@@ -248,11 +248,14 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
         "| figure | " + " | ".join(labels[config] for config in configs) + " | (c)/(b) |",
         "|---|" + "---|" * (len(configs) + 1),
     ]
-    for key, label, _ in FIGURES:
+    for key, label, _ in (*FIGURES, *DIAGNOSTIC_FIGURES):
+        merged = [medians[c].get(key) for c in configs]
+        if not any(merged):
+            continue  # a result from before the figure was kept
         cells = [
-            f"{medians[c][key]['median']:,.1f} [{medians[c][key]['min']:,.0f}-"
-            f"{medians[c][key]['max']:,.0f}]"
-            for c in configs
+            "-" if figure is None
+            else f"{figure['median']:,.1f} [{figure['min']:,.0f}-{figure['max']:,.0f}]"
+            for figure in merged
         ]
         ratio = result["ratios"].get(f"kvswap_over_vllm_{key}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_cell(ratio)} |")

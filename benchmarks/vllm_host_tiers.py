@@ -30,6 +30,10 @@ throughput (loadgen's), prefill tokens computed (prompt tokens - cached tokens, 
 usage counts; vLLM's own `request_prefill_kv_computed_tokens` rise beside it), and
 vLLM's counters: device prefix-cache hit tokens, connector (host tier and below) hit
 tokens, preemptions, kvswap's host-tier hits, loads, stores, evictions, NVMe chunk hits.
+Shown, not judged: the TTFT p50 of the near-full hits (requests that computed fewer than
+4 blocks of their prompt) and their count: vLLM's connector loads between engine steps,
+so such a hit from the host tier or below starts a step later than one the device
+pool's prefix cache serves.
 
 Timing on 2 shared cores is noisy: the configs run interleaved, --rounds times (a b c d,
 then d c b a, ...); the table gives each figure's median over rounds and its spread
@@ -371,7 +375,7 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
     records = json.loads((report / "report.json").read_text())["requests"]
     if setup["keep_reports"] is not None:
         shutil.copytree(report, Path(setup["keep_reports"]) / name)
-    figures = run_figures(summary, records, rise)
+    figures = run_figures(summary, records, rise, BLOCK_TOKENS)
     turns = measured_turns(records, setup["workload"])
     return {
         "config": config, "round": round_index, **figures,

@@ -94,6 +94,10 @@ def test_every_config_served_the_whole_chat_as_vllm_counted_it(report: dict[str,
         # No stop token: every turn generated its full answer.
         assert run["tokens_generated"] == chat["requests"] * chat["output_tokens"], config
         assert run["prefill_tokens_computed"] == run["prompt_tokens"] - run["cached_tokens"]
+        # The requests that computed fewer than 4 blocks of their prompt, and their TTFT.
+        near_full = run["near_full_hit_requests"]
+        assert 0 <= near_full <= run["requests_completed"], config
+        assert (run["near_full_hit_ttft_p50_ms"] is None) == (near_full == 0), config
         for figure, counter in SAME_COUNTS:
             assert run[figure] == run["vllm"][counter], (config, figure)
         # A hit is the device pool's prefix cache or the connector's (a tier below); vLLM
