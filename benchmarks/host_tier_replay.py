@@ -61,6 +61,7 @@ from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.workload.request import Workload  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic  # noqa: E402
 from machine import result_header  # noqa: E402
+from policy_ratios import VLLM_POLICIES, ratios  # noqa: E402
 from replay_agents import AgentSpec, generate_agents  # noqa: E402
 from replay_connector import ReplayConnector  # noqa: E402
 from replay_drive import drive  # noqa: E402
@@ -71,9 +72,7 @@ from vllm_policy_hits import (  # noqa: E402
     QUICK_SHAPE,
     QUICK_WORKLOAD,
     SHAPE,
-    VLLM_POLICIES,
     WORKLOAD,
-    ratios,
     render,
     working_set_blocks,
 )

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from policy_ratios import ratios
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -52,13 +54,13 @@ def machine_line(result: dict[str, Any]) -> str:
 
 def _ratio_rows(sized: list[dict[str, Any]], ours: list[str]) -> list[str]:
     """Each ranking's prefix-hit tokens over the better of lru and arc's, then (in
-    brackets) the host tier's own hit tokens over theirs."""
+    parentheses) the host tier's own hit tokens over theirs."""
     rows = ["| WS / host | host | " + " | ".join(f"{p} / best of lru, arc" for p in ours) + " |",
             "|---|---|" + "---|" * len(ours)]  # fmt: skip
     for entry in sized:
-        ratios = entry.get("ratios_over_best_vllm") or {}
-        host = _host_hits_over_best(entry["runs"])
-        cells = " | ".join(f"{ratios.get(p, float('nan')):.3f} ({host.get(p, float('nan')):.2f})"
+        kept = entry.get("ratios_over_best_vllm") or {}
+        host = ratios(entry["runs"], "host_hit_tokens")
+        cells = " | ".join(f"{kept.get(p, float('nan')):.3f} ({host.get(p, float('nan')):.2f})"
                            for p in ours)  # fmt: skip
         rows.append(f"| {entry['working_set_over_host']:g}x | {entry['host_chunks']} | {cells} |")
     return rows
@@ -78,7 +80,7 @@ def host_tier_replay(result: dict[str, Any]) -> list[str]:
         "even where the device's prefix cache serves it, so it is a reference, not a bound: "
         "the reuse ranking beats it at most sizes. "
         "Figures: prefix-hit tokens over the better of vLLM's LRU and ARC, same host bytes; "
-        "in brackets the host tier's own hit tokens over theirs (the device's prefix cache "
+        "in parentheses the host tier's own hit tokens over theirs (the device's prefix cache "
         "serves about as many tokens whichever ranking runs the host tier).",
         "",
         machine_line(result),
@@ -250,8 +252,6 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
     ]
     for key, label, _ in (*FIGURES, *DIAGNOSTIC_FIGURES):
         merged = [medians[c].get(key) for c in configs]
-        if not any(merged):
-            continue  # a result from before the figure was kept
         cells = [
             "-" if figure is None
             else f"{figure['median']:,.1f} [{figure['min']:,.0f}-{figure['max']:,.0f}]"
@@ -308,7 +308,7 @@ def vllm_policy_hits(result: dict[str, Any]) -> list[str]:
                 f"| {run['prefill_tokens_computed']} | {run['host_blocks_loaded']} "
                 f"| {run['host_evictions']} | {run['preemptions']} |"
             )
-    ratios = [
+    overall = [
         f"{entry['working_set_over_host']:g}x: " + ", ".join(
             f"{key[len('ratio_'):-len('_over_best')]} {value:.3f}"
             for key, value in entry.items() if key.startswith("ratio_")
@@ -317,22 +317,16 @@ def vllm_policy_hits(result: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
     host = [
         f"{entry['working_set_over_host']:g}x: " + ", ".join(
-            f"{name} {value:.3f}" for name, value in _host_hits_over_best(entry["runs"]).items()
+            f"{name} {value:.3f}"
+            for name, value in ratios(entry["runs"], "host_hit_tokens").items()
         )
         for entry in result["sized"]
     ]  # fmt: skip
     return [
-        *lines, "", "Hit tokens over the better of lru and arc: " + "; ".join(ratios) + ". "
+        *lines, "", "Hit tokens over the better of lru and arc: " + "; ".join(overall) + ". "
         "The host tier's own hits over theirs: " + "; ".join(host) + " (the device's prefix "
         "cache serves about as many tokens whichever ranking runs the host tier).",
     ]  # fmt: skip
-
-
-def _host_hits_over_best(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each of kvswap's rankings' host-tier hit tokens over the better of lru and arc's."""
-    best = max(run["host_hit_tokens"] for run in runs if run["policy"] in ("lru", "arc"))
-    return {run["policy"]: run["host_hit_tokens"] / best
-            for run in runs if run["policy"] not in ("lru", "arc")}  # fmt: skip
 
 
 def vllm_soak(result: dict[str, Any]) -> list[str]:

@@ -86,6 +86,7 @@ from kvswap.serve.loadgen.prompts import VOCAB_SIZE  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic  # noqa: E402
 from machine import load_average, machine_record, result_header  # noqa: E402
+from policy_ratios import VLLM_POLICIES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
 from tests.unit.serve_fakes import metric  # noqa: E402
@@ -100,7 +101,6 @@ from tests.vllm_support import (  # noqa: E402
 CONFIGS = ("none", "vllm", "kvswap", "kvswap_nvme")
 LABELS = {"none": "(a) no offload", "vllm": "(b) vLLM {policy}", "kvswap": "(c) kvswap",
           "kvswap_nvme": "(d) kvswap+NVMe"}  # fmt: skip
-VLLM_POLICIES = ("lru", "arc")
 KVSWAP_POLICY = "reuse"
 #: The host tier over the working set; --quick: all of it, so that the smoke test's few
 #: requests find their prefixes there whatever the timing.

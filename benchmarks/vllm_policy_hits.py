@@ -73,6 +73,7 @@ from kvswap.sim.policy_curve import CHAT, POLICIES, live_blocks, reusable_blocks
 from kvswap.units import ceil_div  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec  # noqa: E402
 from machine import result_header  # noqa: E402
+from policy_ratios import ratios  # noqa: E402
 
 BLOCK_TOKENS = 32
 #: CHAT scaled down (module docstring).
@@ -95,8 +96,6 @@ QUICK_SHAPE: dict[str, Any] = SHAPE | {
     "step_s": 0.5,
 }  # fmt: skip
 FACTORS = (4.0, 2.0)
-#: vLLM's own rankings (its CPUOffloadingManager's), the baseline of every ratio.
-VLLM_POLICIES = ("lru", "arc")
 QUICK_FACTORS = (1.0,)
 
 
@@ -155,20 +154,6 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
         "outputs_digest": run["outputs_digest"],
         "host_held_mean_chunks": run["host_held_mean_chunks"],
     }  # fmt: skip
-
-
-def ratios(rows: Sequence[dict[str, Any]], figure: str = "hit_tokens") -> dict[str, float]:
-    """Each of kvswap's rankings' `figure` over the better of vLLM's LRU and ARC's: all
-    prefix-hit tokens (the device's and the host tier's), or `host_hit_tokens`, the
-    host tier's own."""
-    best = max((r[figure] for r in rows if r["policy"] in VLLM_POLICIES), default=0)
-    if not best:
-        return {}
-    return {
-        r["policy"]: round(r[figure] / best, 4)
-        for r in rows
-        if r["policy"] not in VLLM_POLICIES
-    }
 
 
 def render(sized: Sequence[tuple[float, list[dict[str, Any]]]]) -> str:
