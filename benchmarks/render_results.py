@@ -173,31 +173,44 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "The copy path against plain copies of the same bytes",
         "scattered blocks through kvswap's copy engine, both ways, every byte verified, "
         "against the fastest contiguous copy of the same bytes; no GPU, so the device pool "
-        "is host memory and every rate a memcpy rate", ()),
+        "is host memory and every rate a memcpy rate",
+        (),
+    ),
     "serve_soak": (
         "`kvswap serve` under bursts of streams, a third leaving mid-way",
         "bursts of concurrent streamed completions on loopback; the server's RSS after each "
-        "burst, its log's tracebacks, every request's end", ()),
+        "burst, its log's tracebacks, every request's end",
+        (),
+    ),
     "serve_vs_vllm": (
         "`kvswap serve` against `vllm serve` on one trace",
         "the two servers one after the other on loopback, the same random Llama and sizes, "
         "the same `kvswap loadgen` replay of a Mooncake-format trace (ratios kvswap / vLLM)",
-        ()),
+        (),
+    ),
     "hf_cache": (
         "`TieredCache` inside transformers' `generate`",
         "a random Llama, a quarter of the context's blocks resident, the rest in the host "
-        "pool; against `DynamicCache`, alternated, tokens compared", ()),
+        "pool; against `DynamicCache`, alternated, tokens compared",
+        (),
+    ),
     "article_findings": (
         "The seed article's findings, simulated",
         "the simulator on the article's 8B model and h200 hardware, each finding's worse and "
-        "better setup side by side; deterministic", ("runs",)),
+        "better setup side by side; deterministic",
+        ("runs",),
+    ),
     "sim_scale": (
         "The simulator's speed on an hour of traffic",
-        "a generated hour-long trace through the simulator (article-8b, h200)", ()),
+        "a generated hour-long trace through the simulator (article-8b, h200)",
+        (),
+    ),
     "calibration": (
         "The simulator against the CPU engine it models",
         "the engine's measured run and the simulator's prediction with this machine's "
-        "measured link and compute (predicted / measured)", ()),
+        "measured link and compute (predicted / measured)",
+        (),
+    ),
 }
 
 
@@ -253,7 +266,8 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
     for key, label, _ in (*FIGURES, *DIAGNOSTIC_FIGURES):
         merged = [medians[c].get(key) for c in configs]
         cells = [
-            "-" if figure is None
+            "-"
+            if figure is None
             else f"{figure['median']:,.1f} [{figure['min']:,.0f}-{figure['max']:,.0f}]"
             for figure in merged
         ]
@@ -273,10 +287,15 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
             f"{counted['kvswap_host_refused_stores']} | {counted['nvme_chunk_hits']} | "
             f"{counted['preemptions']} |"
         )
-    lines += ["", "Goals: " + "; ".join(
-        f"`{goal}` {'-' if met is None else ('met' if met else '**not met**')}"
-        for goal, met in result["goals"].items()
-    ) + f" ((d)/(b) TTFT p50 {_cell(result['ratios']['kvswap_nvme_over_vllm_ttft_p50_ms'])})."]
+    lines += [
+        "",
+        "Goals: "
+        + "; ".join(
+            f"`{goal}` {'-' if met is None else ('met' if met else '**not met**')}"
+            for goal, met in result["goals"].items()
+        )
+        + f" ((d)/(b) TTFT p50 {_cell(result['ratios']['kvswap_nvme_over_vllm_ttft_p50_ms'])}).",
+    ]
     return lines
 
 
@@ -399,7 +418,7 @@ def page_with(section: str, page: str) -> str:
     start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
         raise SystemExit(f"{PAGE}: the markers {BEGIN!r} ... {END!r} are missing")
-    return page[:start] + section + page[end + len(END):]
+    return page[:start] + section + page[end + len(END) :]
 
 
 def main() -> int:
