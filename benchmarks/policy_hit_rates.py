@@ -54,6 +54,7 @@ from kvswap.sim.policy_curve import (
     unlimited_host_blocks,
 )
 from machine import result_header
+from policy_ratios import ratios as over_lru_arc
 
 #: Host-tier sizes as the working set over these factors (2-4: the band asked about).
 WORKING_SET_FACTORS = (8.0, 4.0, 3.0, 2.0, 1.0)
@@ -67,16 +68,11 @@ def run_one(job: tuple[CurveShape, str, int, bool]) -> PolicyRun:
     return simulate_policy(shape, chat_workload(shape), policy, host_blocks, spill=spill)[0]
 
 
-def ratio(runs: Sequence[PolicyRun], ours: str = "kvswap") -> float:
-    """`ours`'s hit tokens over the better of lru and arc."""
-    by_policy = {run.policy: run.hit_tokens for run in runs}
-    best = max(by_policy["lru"], by_policy["arc"])
-    return by_policy[ours] / best if best else 0.0
-
-
 def ratios(runs: Sequence[PolicyRun], ours: Sequence[str] = OURS) -> dict[str, float]:
-    """{"ratio_<ours>_over_best": ...} for each of `ours`."""
-    return {f"ratio_{name}_over_best": round(ratio(runs, name), 4) for name in ours}
+    """{"ratio_<ours>_over_best": ...}: each of `ours`'s hit tokens over the better of
+    lru and arc's (`policy_ratios.ratios`; 0.0 when neither hit)."""
+    over_best = over_lru_arc([{"policy": run.policy, "hit_tokens": run.hit_tokens} for run in runs])
+    return {f"ratio_{name}_over_best": over_best.get(name, 0.0) for name in ours}
 
 
 def render(
@@ -98,8 +94,9 @@ def render(
                 f"{split:<26}{100 * run.point.hit_rate:>8.1f}%{run.prefill_tokens_computed:>17}"
                 f"{run.host_evictions:>15}"
             )
-        for name in ours:
-            lines.append(f"{'':>21}{name} / max(lru, arc) = {ratio(runs, name):.3f}")
+        for key, value in ratios(runs, ours).items():
+            name = key.removeprefix("ratio_").removesuffix("_over_best")
+            lines.append(f"{'':>21}{name} / max(lru, arc) = {value:.3f}")
     lines.append(f"(blocks of {block_tokens} tokens)")
     return "\n".join(lines)
 

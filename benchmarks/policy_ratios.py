@@ -1,6 +1,7 @@
-"""A host-tier ranking's figure over the better of vLLM's own rankings' (LRU and ARC):
-the ratio every policy benchmark and the rendered page give. No imports but the
-standard library's, so the renderer can use it without a vLLM venv."""
+"""A host-tier ranking's figure over the better of LRU's and ARC's: the ratio every
+policy benchmark and the rendered page give (inside vLLM, vLLM's own two rankings; in
+the simulator, kvswap's implementations of them). No imports but the standard
+library's, so the renderer can use it without a vLLM venv."""
 
 from __future__ import annotations
 
