@@ -98,13 +98,18 @@ def test_a_replacing_host_tier_evicts_and_serves_hits_with_every_policy(
     assert run.point.capacity_tokens == 64 * tiny_shape.block_tokens
 
 
-def test_the_benchmark_at_test_scale_prints_both_tables_and_what_they_exercised() -> None:
+def run_benchmark(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """benchmarks/policy_hit_rates.py at test scale (`--quick`), with `args`."""
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "benchmarks/policy_hit_rates.py", "--quick", "--jobs", "2"],
+    return subprocess.run(
+        [sys.executable, "benchmarks/policy_hit_rates.py", "--quick", *args],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root / "src")},
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
+
+
+def test_the_benchmark_at_test_scale_prints_both_tables_and_what_they_exercised() -> None:
+    done = run_benchmark("--jobs", "2", timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kvswap / max(lru, arc)" in done.stdout
     report = json.loads(done.stdout.splitlines()[-1])
@@ -130,12 +135,7 @@ def test_the_benchmark_at_test_scale_prints_both_tables_and_what_they_exercised(
 
 
 def test_the_benchmark_refuses_a_policy_it_cannot_build_in_one_line_before_any_run() -> None:
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "benchmarks/policy_hit_rates.py", "--quick", "--also", "reuse(once=up)"],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root / "src")},
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = run_benchmark("--also", "reuse(once=up)", timeout_s=60)
     assert done.returncode == 2 and done.stdout == ""
     last = done.stderr.strip().splitlines()[-1]
     assert last.endswith("error: --also = 'reuse(once=up)': once = 'up': allowed: 'newest' "
