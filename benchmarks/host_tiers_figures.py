@@ -114,6 +114,7 @@ def run_figures(
     near_full_ms = [
         float(r["ttft_ms"]) for r in done
         if r["ttft_ms"] is not None and r["cached_tokens"] is not None
+        and r["sent_prompt_tokens"] is not None
         and r["sent_prompt_tokens"] - r["cached_tokens"] < NEAR_FULL_HIT_BLOCKS * block_tokens
     ]  # fmt: skip
     prompt, cached = int(summary["prompt_tokens"] or 0), int(summary["cached_tokens"] or 0)
