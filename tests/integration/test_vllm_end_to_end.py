@@ -9,6 +9,9 @@ compute; with A's device blocks gone, kvswap brought them back:
     host tier      A again: 96 tokens loaded from kvswap's host pool, the same tokens as
                    a run without offload; with the host bytes damaged (a test hook),
                    the output changes: the loaded KV is what vLLM reads
+    within a step  the host tier through kvswap's connector with a load budget: A again
+                   is loaded within the step that schedules it, and so are the four
+                   prompts sent together; every output is the one computed without a hit
     NVMe + store   a 4-chunk host tier: A again comes from kvswap's NVMe slab; with
                    every slab slot damaged on disk, the slab's CRC refuses them and
                    the Redis store serves A
@@ -87,6 +90,28 @@ def test_a_prompt_pushed_out_of_the_device_pool_is_loaded_back_from_the_host_tie
     assert host["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
     assert host["loads_for_again"] == 1  # one load job brought A's 3 blocks
     assert host["counts"]["num_failed"] == 0
+
+
+def test_kvswap_s_connector_loads_a_hit_within_its_step_and_changes_no_output(
+    first: dict[str, Any],
+) -> None:
+    sync = first["sync"]
+    assert sync["again"]["tokens"] == sync["firsts"][0]["tokens"] == first["baseline"]["tokens"]
+    assert sync["again"]["cached"] >= PROMPT_BLOCK_TOKENS
+    assert sync["counts_after_again"]["within_step"] == 1
+    assert sync["counts_after_again"]["within_step_tokens"] == sync["again"]["cached"]
+    # The host bytes damaged (a test hook): A's output changes, so what vLLM read in
+    # that step is what the load brought
+    assert sync["damaged"]["cached"] >= PROMPT_BLOCK_TOKENS
+    assert sync["damaged"]["tokens"] != first["baseline"]["tokens"]
+
+
+def test_prompts_sent_together_each_load_within_their_step(first: dict[str, Any]) -> None:
+    sync = first["sync"]
+    assert [run["tokens"] for run in sync["together"]] == [run["tokens"] for run in sync["firsts"]]
+    hits = sum(run["cached"] > 0 for run in sync["together"])
+    assert hits >= 2
+    assert sync["counts"]["within_step"] - sync["counts_after_again"]["within_step"] >= 2
 
 
 def test_damaging_the_loaded_bytes_changes_the_output(first: dict[str, Any]) -> None:

@@ -102,12 +102,16 @@ def test_a_promoted_chunk_stays_for_its_minimum_residency(scenarios: Any) -> Non
 
 def test_vllm_s_factories_find_the_adapter_s_classes_by_name(scenarios: Any) -> None:
     """What a kv_transfer_config names resolves, on both versions (0.33's CachePolicy
-    inserts with a req_context and has on_request_access; the scenarios above ran on it)."""
+    inserts with a req_context and has on_request_access; the scenarios above ran on it).
+    kvswap's connector loads within a step itself on 0.32; on 0.33 vLLM's does."""
     assert scenarios["factories"] == {
         "spec": "KvswapOffloadingSpec",
         "cache_policy": "KvswapCachePolicy",
         "standalone_sinks": False,  # built by vLLM's factory alone: no block size known
         "tiers": ["KvswapNvmeTier", "KvswapRedisTier"],
+        "connector": "KvswapConnector",
+        "connector_loads_within_step_itself": scenarios["vllm_version"] == "0.33.0",
+        "budget_read_by_vllm_s_connector": scenarios["vllm_version"] == "0.33.0",
     }
 
 

@@ -107,6 +107,13 @@ def test_the_tiers_are_read_under_kvswap_s_names() -> None:
         ({"remote_url": "http://x"}, "remote_url = 'http://x' (from kv_connector_extra_config)"),
         ({"swap_out_high_watermark": 0.9}, "'swap_out_high_watermark' is a setting of kvswap's"),
         ({"min_residency_steps": True}, "min_residency_steps = True (from kv_connector_extra"),
+        (  # vLLM 0.33's key, which kvswap's connector reads on 0.32
+            {"sync_load_budget_bytes": -1},
+            "sync_load_budget_bytes = -1 (kv_connector_extra_config); allowed: a whole number "
+            "of bytes >= 0",
+        ),
+        ({"sync_load_budget_bytes": "8"}, "sync_load_budget_bytes = '8' (kv_connector_extra"),
+        ({"sync_load_budget_bytes": 1.5}, "sync_load_budget_bytes = 1.5 (kv_connector_extra"),
         (  # a misspelt key would do nothing
             {"protected_sink_block": 4},
             "unknown key 'protected_sink_block' (did you mean 'protected_sink_blocks'?); "
@@ -369,6 +376,7 @@ def test_only_the_adapter_package_imports_vllm() -> None:
     )
     assert importers == [
         "integrations/vllm/cache_policy.py",
+        "integrations/vllm/connector.py",
         "integrations/vllm/manager.py",
         "integrations/vllm/spec.py",
         "integrations/vllm/tiers.py",

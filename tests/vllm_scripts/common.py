@@ -30,7 +30,10 @@ def emit(result: dict[str, Any]) -> None:
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
-def llm_arguments(model_dir: Path, extra: dict[str, Any] | None) -> dict[str, Any]:
+def llm_arguments(
+    model_dir: Path, extra: dict[str, Any] | None, connector: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`connector`: the connector's names (vLLM's OffloadingConnector by default)."""
     arguments: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": "float32",
@@ -48,14 +51,17 @@ def llm_arguments(model_dir: Path, extra: dict[str, Any] | None) -> dict[str, An
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {**SPEC, **extra},
+            **(connector or {}),
         }
     return arguments
 
 
-def make_llm(model_dir: Path, extra: dict[str, Any] | None) -> Any:
+def make_llm(
+    model_dir: Path, extra: dict[str, Any] | None, connector: dict[str, str] | None = None
+) -> Any:
     from vllm import LLM
 
-    return LLM(**llm_arguments(model_dir, extra))
+    return LLM(**llm_arguments(model_dir, extra, connector))
 
 
 def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> dict[str, Any]:
@@ -68,6 +74,22 @@ def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> dict[str, Any]
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sampling, use_tqdm=False)
     settle(llm)
     return {"tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens}
+
+
+def generate_all(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:
+    """`generate` for several prompts submitted together (vLLM batches them)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens) for tokens in prompts], sampling, use_tqdm=False
+    )
+    settle(llm)
+    return [
+        {"tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens}
+        for output in outputs
+    ]
 
 
 def settle(llm: Any) -> None:

@@ -13,6 +13,8 @@ device blocks gone, they came through kvswap.
   baseline  no kv_transfer_config: A's reference tokens
   host      kvswap's host tier (16 chunks): A again is loaded back; then the host
             tier's bytes are damaged (a test hook) and A's output changes
+  sync      host as kvswap's connector with a load budget: A again, then all four
+            prompts at once, each loaded within the step that schedules it
   tiers     host tier of 4 chunks, kvswap's NVMe slab and Redis store below it: A
             again comes back from NVMe; then every NVMe slot is damaged on disk, the
             slab's CRC refuses them, and the store serves A instead
@@ -37,7 +39,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_scripts.common import close, emit, generate, instances, make_llm, only, tokens
+from kvswap.integrations.vllm.settings import KVSWAP_CONNECTOR
+from tests.vllm_scripts.common import (
+    close,
+    emit,
+    generate,
+    generate_all,
+    instances,
+    make_llm,
+    only,
+    tokens,
+)
 from tests.vllm_scripts.tiny_llama import build, chunk_bytes
 
 PROMPT = tokens(0, 100)
@@ -75,12 +87,8 @@ def host_tier(model: Path) -> dict[str, Any]:
         loads_before = worker.counts.num_loads
         again = generate(llm, PROMPT)
         loaded = worker.counts.num_loads - loads_before
-        # The test hook: negate every K and V value the host tier holds. A's next load
-        # brings these bytes to the device; if vLLM reads them, its output changes.
         push(llm)
-        host = worker.host_pool
-        for slot in range(host.num_slots):
-            host.byte_view(slot).view(dtype=_float32()).neg_()
+        negate_host_tier(worker)
         damaged = generate(llm, PROMPT)
         return {
             "first": first,
@@ -88,6 +96,50 @@ def host_tier(model: Path) -> dict[str, Any]:
             "damaged": damaged,
             "loads_for_again": loaded,
             "counts": worker.counts.__dict__,
+        }
+    finally:
+        close(llm)
+
+
+def negate_host_tier(worker: Any) -> None:
+    """The test hook: negate every K and V value the host tier holds. A's next load
+    brings these bytes to the device; if vLLM reads them, its output changes."""
+    host = worker.host_pool
+    for slot in range(host.num_slots):
+        host.byte_view(slot).view(dtype=_float32()).neg_()
+
+
+def sync_loads(model: Path) -> dict[str, Any]:
+    """kvswap's connector with a load budget: A again is loaded within the step that
+    schedules it; then all four prompts at once (more than the device pool holds), each
+    a hit in the host tier, loaded within their steps while others wait."""
+    from dataclasses import asdict
+
+    from kvswap.integrations.vllm.connector import KvswapConnector
+    from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
+
+    extra = {"cpu_bytes_to_use": 16 * CHUNK_BYTES, "sync_load_budget_bytes": 1 << 30}
+    llm = make_llm(model, extra, KVSWAP_CONNECTOR)
+    try:
+        firsts = [generate(llm, prompt) for prompt in [PROMPT, *PUSHES]]
+        (counts,) = [
+            found.sync_load_counts
+            for found in instances(KvswapConnector)
+            if found.sync_load_counts is not None
+        ]
+        again = generate(llm, PROMPT)
+        after_again = asdict(counts)
+        together = generate_all(llm, [PROMPT, *PUSHES])
+        push(llm)
+        negate_host_tier(only(KvswapOffloadingWorker))
+        damaged = generate(llm, PROMPT)
+        return {
+            "firsts": firsts,
+            "again": again,
+            "counts_after_again": after_again,
+            "together": together,
+            "counts": asdict(counts),
+            "damaged": damaged,
         }
     finally:
         close(llm)
@@ -311,6 +363,7 @@ def main(argv: list[str]) -> None:
             {
                 "baseline": baseline(model),
                 "host": host_tier(model),
+                "sync": sync_loads(model),
                 "tiers": tiers(model, nvme_dir, redis_url),
                 "vllm_tier": vllm_tier(model, nvme_dir / "vllm-fs"),
             }

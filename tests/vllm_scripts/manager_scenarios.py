@@ -267,11 +267,16 @@ def too_small() -> dict[str, Any]:
 def factories() -> dict[str, Any]:
     """The names vLLM's own factories resolve from a config: our classes, each a
     subclass of vLLM's base (the factories check that)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+    from kvswap.integrations.vllm import connector
+    from kvswap.integrations.vllm.settings import KVSWAP_CONNECTOR
+
     module = "kvswap.integrations.vllm"
+    connector_class = KVConnectorFactory.get_connector_class(SimpleNamespace(**KVSWAP_CONNECTOR))
     spec = OffloadingSpecFactory.get_spec_cls(
         {"spec_name": "KvswapOffloadingSpec", "spec_module_path": module}
     )
@@ -286,6 +291,11 @@ def factories() -> dict[str, Any]:
         "cache_policy": type(standalone).__name__,
         "standalone_sinks": standalone.ranking.tokens_per_chunk is not None,
         "tiers": tiers,
+        "connector": connector_class.__name__,
+        "connector_loads_within_step_itself": connector.NATIVE_SYNC_LOADS,
+        # whether a spec built outside kvswap's connector finds sync_load_budget_bytes read
+        # (kvswap's spec warns where it is not)
+        "budget_read_by_vllm_s_connector": connector.loads_within_step_read(),
     }
 
 

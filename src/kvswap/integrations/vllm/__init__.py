@@ -8,6 +8,8 @@
 
 The modules, each a translation and nothing more:
 
+    connector.py     KvswapConnector: vLLM's connector, loading small hits within their
+                     step on vLLM 0.32 as 0.33's does (`sync_load_budget_bytes`)
     settings.py      kvswap's keys in kv_connector_extra_config, validated (vLLM-free)
     spec.py          KvswapOffloadingSpec: sizes the host tier as vLLM does, builds the rest
     cache_policy.py  KvswapCachePolicy: vLLM's CachePolicy calls -> kvswap's EvictionPolicy
@@ -32,6 +34,7 @@ from typing import Any
 
 #: The names vLLM looks up here (spec_name, eviction_policy, a tier's type) -> module.
 _EXPORTS = {
+    "KvswapConnector": "connector",
     "KvswapOffloadingSpec": "spec",
     "KvswapCachePolicy": "cache_policy",
     "KvswapNvmeTier": "tiers",

@@ -29,6 +29,12 @@ from kvswap.errors import ConfigError
 
 #: Where the values come from, as an error names it.
 SOURCE = "kv_connector_extra_config"
+#: kvswap's connector (connector.py) in vLLM's `kv_transfer_config`: the names vLLM
+#: loads it by, beside "kv_role" and "kv_connector_extra_config".
+KVSWAP_CONNECTOR = {
+    "kv_connector": "KvswapConnector",
+    "kv_connector_module_path": "kvswap.integrations.vllm",
+}
 #: The key naming the host tier's policy (vLLM's name for it).
 POLICY_KEY = "eviction_policy"
 #: The host tier's ranking unless `eviction_policy` names another: kvswap's reuse
@@ -58,7 +64,7 @@ VLLM_KEYS = frozenset(
     {
         "spec_name", "spec_module_path",  # OffloadingSpecFactory
         "block_size", "blocks_per_chunk", "canonical_layout",  # the connector's config
-        "sync_load_budget_bytes",  # the connector's scheduler
+        "sync_load_budget_bytes",  # the connector's scheduler (0.33; KvswapConnector on 0.32)
         "offload_prompt_only", "self_describing_kv_events",  # OffloadingSpec
         "cpu_bytes_to_use", POLICY_KEY, "cache_policy_module_path",  # CPUOffloadingSpec
         "store_threshold", "max_tracker_size",
@@ -129,6 +135,7 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
             "'kvswap', 'lru', 'arc', or an import path 'package.module:ClassName'"
         )
     policy_class(POLICY_KEY, policy_name, top=True)  # a bad name or import: one line, now
+    sync_load_budget_bytes(extra_config)  # the connector's key, checked with the rest
     swap, tiers, cache = config.swap, config.tiers, config.cache
     policy_class("nvme_eviction_policy", swap.nvme_eviction_policy, top=False)
     return AdapterSettings(
@@ -194,6 +201,18 @@ def _vllm_tiers(extra_config: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...
             entry["backpressure"] = merged
         resolved.append(entry)
     return tuple(resolved)
+
+
+def sync_load_budget_bytes(extra_config: Mapping[str, Any]) -> int:
+    """`sync_load_budget_bytes` (vLLM 0.33's key, which `KvswapConnector` also reads on
+    0.32): the bytes a step may load before its forward pass; 0, the default: none."""
+    value = extra_config.get("sync_load_budget_bytes", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"sync_load_budget_bytes = {value!r:.80} ({SOURCE}); allowed: a whole number of "
+            "bytes >= 0 (0: every load between steps)"
+        )
+    return value
 
 
 def _poll_interval(value: object) -> float | None:

@@ -28,19 +28,20 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from kvswap.data.remote_url import parse_remote_url
 from kvswap.errors import ConfigError, KvSwapError
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
+from kvswap.integrations.vllm.connector import loads_within_step_read
 from kvswap.integrations.vllm.host_file import (
     host_file_path,
     refusing_a_shared_engine_id,
     sweep_host_files,
 )
-from kvswap.integrations.vllm.host_report import HostReport, metric_definitions
+from kvswap.integrations.vllm.host_report import LOGGER, HostReport, metric_definitions
 from kvswap.integrations.vllm.manager import (
     KvswapHostManager,
     KvswapPrimaryTier,
     KvswapTieringManager,
     SharedHostRows,
 )
-from kvswap.integrations.vllm.settings import SOURCE, adapter_settings
+from kvswap.integrations.vllm.settings import SOURCE, adapter_settings, sync_load_budget_bytes
 from kvswap.integrations.vllm.tiers import build_secondary_tiers, build_vllm_tiers, tier_counters
 from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
 from kvswap.units import format_bytes
@@ -76,6 +77,13 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
                 f"{len(self.tokens_per_block)} (hybrid models are not supported)"
             )
         self.tokens_per_chunk = self.tokens_per_block[0] * self.blocks_per_chunk
+        if sync_load_budget_bytes(self.extra_config) and not loads_within_step_read():
+            LOGGER.warning(
+                "kvswap: sync_load_budget_bytes is read by vLLM 0.33's connector and by "
+                'kvswap\'s ("kv_connector": "KvswapConnector", "kv_connector_module_path": '
+                '"kvswap.integrations.vllm"); this vLLM\'s OffloadingConnector ignores it: '
+                "every load goes between steps"
+            )
         if self.settings.has_secondary_tiers and config.parallel.world_size != 1:
             raise KvSwapError(
                 f"{SOURCE}: nvme_dir / remote_url / secondary_tiers need one vLLM worker (the "
