@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvswap.units import format_bytes
 from policy_ratios import ratios
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +236,21 @@ def figured(result: dict[str, Any]) -> list[str]:
     return lines + _figure_rows(figures, {})
 
 
+def _sync_loads_sentence(shapes: dict[str, Any]) -> str:
+    """How the host-tier configs loaded their hits (nothing for a result from before the
+    load budget: vLLM 0.32's connector, every load between steps)."""
+    budget = shapes.get("sync_load_budget_bytes")
+    if not budget:
+        return ""
+    return (
+        f" (b), (c) and (d) load a hit within the step that schedules it, up to "
+        f"{format_bytes(budget)} a step, through kvswap's connector (vLLM 0.33's "
+        "`sync_load_budget_bytes`); (b0) is (b) through vLLM 0.32's own connector, every load "
+        "between steps. The goals are judged against (b). The last column: the connector's "
+        "last stats line (written every 10 s while loads happen, the warm-up included)."
+    )
+
+
 def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
     from host_tiers_figures import DIAGNOSTIC_FIGURES, FIGURES
 
@@ -256,7 +272,7 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
         f"{server['block_tokens']} tokens; the working set {shapes['working_set_blocks_planned']} "
         f"blocks ({shapes['working_set_over_device']}x the device pool); every host tier "
         f"{shapes['host_chunks']} chunks, the NVMe tier 4x that. Medians of {rounds} rounds "
-        "[min-max], the configs interleaved.",
+        "[min-max], the configs interleaved." + _sync_loads_sentence(shapes),
         "",
         machine_line(result),
         "",
@@ -275,17 +291,20 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_cell(ratio)} |")
     lines += ["", "Per run, vLLM's counters (connector hits: tokens from the host tier and below):",
               "", "| run | prefix-cache hit tokens (device / connector) | host hits / loads / "
-              "stores / evictions / refused | NVMe chunk hits | preemptions |",
-              "|---|---|---|---|---|"]  # fmt: skip
+              "stores / evictions / refused | NVMe chunk hits | preemptions | loads within "
+              "their step / between steps |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for run in result["runs"]:
         counted = {key: int(value) for key, value in run["vllm"].items()}
+        logged = run.get("sync_loads_logged")
+        within = "-" if logged is None else f"{logged['within_step']} / {logged['between_steps']}"
         lines.append(
             f"| {labels[run['config']]}, round {run['round'] + 1} | "
             f"{counted['device_prefix_hit_tokens']} / {counted['connector_hit_tokens']} | "
             f"{counted['kvswap_host_hits']} / {counted['kvswap_host_loads']} / "
             f"{counted['kvswap_host_stores']} / {counted['kvswap_host_evictions']} / "
             f"{counted['kvswap_host_refused_stores']} | {counted['nvme_chunk_hits']} | "
-            f"{counted['preemptions']} |"
+            f"{counted['preemptions']} | {within} |"
         )
     lines += [
         "",

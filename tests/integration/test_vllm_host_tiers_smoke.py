@@ -21,7 +21,7 @@ import pytest
 from tests.vllm_support import VLLM_VENV, vllm_venv_missing
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ("none", "vllm", "kvswap", "kvswap_nvme")
+CONFIGS = ("none", "vllm_between", "vllm", "kvswap", "kvswap_nvme")
 #: vLLM's counters that must rise exactly as loadgen counted (figure key, counter key).
 SAME_COUNTS = (
     ("requests_completed", "requests"),
@@ -115,16 +115,34 @@ def test_the_host_tiers_were_used_where_they_exist(report: dict[str, Any]) -> No
     host_chunks = report["shapes"]["host_chunks"]
     # (a) has no connector at all; (b) has vLLM's own manager, which kvswap does not count.
     assert runs["none"]["vllm"]["connector_hit_tokens"] == 0
-    for config in ("none", "vllm"):
+    for config in ("none", "vllm_between", "vllm"):
         assert runs[config]["vllm"]["kvswap_host_hits"] == 0, config
         assert runs[config]["host_chunks_logged"] is None, config
-    assert runs["vllm"]["vllm"]["connector_hit_tokens"] > 0  # vLLM's host tier served hits
+    for config in ("vllm_between", "vllm"):  # vLLM's host tier served hits
+        assert runs[config]["vllm"]["connector_hit_tokens"] > 0, config
     for config in ("kvswap", "kvswap_nvme"):
         run = runs[config]
         assert run["host_chunks_logged"] == host_chunks, config  # the same bytes as (b)
         assert run["vllm"]["kvswap_host_hits"] > 0, config
         assert run["vllm"]["connector_hit_tokens"] > 0, config
     assert runs["kvswap"]["vllm"]["nvme_chunk_hits"] == 0  # no slab below (c)
+
+
+@pytest.mark.vllm
+def test_b_c_d_load_hits_within_their_step_and_b0_between_steps(report: dict[str, Any]) -> None:
+    """(b), (c), (d) run through kvswap's connector with the load budget and say so in
+    the server's log; (b0), vLLM 0.32's own connector, and (a) have no such line."""
+    runs = runs_by_config(report)
+    budget = report["shapes"]["sync_load_budget_bytes"]
+    assert budget > 0
+    for config in ("none", "vllm_between"):
+        assert runs[config]["sync_load_budget_bytes"] == 0, config
+        assert runs[config]["sync_loads_logged"] is None, config
+    for config in ("vllm", "kvswap", "kvswap_nvme"):
+        run = runs[config]
+        assert run["sync_load_budget_bytes"] == budget, config
+        assert run["sync_loads_logged"] is not None, config
+        assert run["sync_loads_logged"]["within_step"] > 0, config
 
 
 @pytest.mark.vllm
