@@ -9,12 +9,14 @@ tokens. Here vLLM runs its scheduler and its worker in two processes of their
 own, so the host pool is the file both map. The scenario of the end-to-end
 test, over HTTP: prompt A, three prompts that push it out of the device pool
 and the host tier, A again, served with its 96 full-block tokens from NVMe
-(vLLM's own tiering metrics say so).
+(vLLM's own tiering metrics say so), loaded within the step that scheduled it by
+the README's connector, kvswap's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
 import urllib.request
@@ -136,6 +138,14 @@ def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
     assert " INFO " in start and "kvswap " in start and "NVMe " in start
     assert any("kvswap host tier:" in line and "stored" in line for line in lines)
     assert stores >= 4  # prompt A's and the pushes' chunks, counted by kvswap
+    # The README's connector is kvswap's, with a load budget: it says so at start, and A
+    # again was loaded within the step that scheduled it (its stats line counts it), in a
+    # vLLM whose scheduler and worker are two processes.
+    assert any("kvswap connector: a hit below the device pool loads within" in line
+               for line in lines)  # fmt: skip
+    counted = [re.search(r"kvswap connector: (\d+) loads within their step", line)
+               for line in lines]  # fmt: skip
+    assert max(int(found.group(1)) for found in counted if found) >= 1
     # Killed (it ignores SIGTERM), the server never closed its slab; kvswap's next start
     # in that directory would remove it, as this sweep does: nothing is left.
     sweep_stale_slabs(tmp_path)

@@ -19,6 +19,7 @@ one worker: a tensor- or pipeline-parallel run is refused.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,17 @@ from kvswap.integrations.vllm.settings import SOURCE, adapter_settings, sync_loa
 from kvswap.integrations.vllm.tiers import build_secondary_tiers, build_vllm_tiers, tier_counters
 from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
 from kvswap.units import format_bytes
+
+
+@functools.cache
+def _warn_budget_ignored() -> None:
+    """Once a process (the scheduler's spec and the worker's may share one)."""
+    LOGGER.warning(
+        "kvswap: sync_load_budget_bytes is read by vLLM 0.33's connector and by "
+        'kvswap\'s ("kv_connector": "KvswapConnector", "kv_connector_module_path": '
+        '"kvswap.integrations.vllm"); this vLLM\'s OffloadingConnector ignores it: '
+        "every load goes between steps"
+    )
 
 
 class KvswapOffloadingSpec(CPUOffloadingSpec):
@@ -78,12 +90,7 @@ class KvswapOffloadingSpec(CPUOffloadingSpec):
             )
         self.tokens_per_chunk = self.tokens_per_block[0] * self.blocks_per_chunk
         if sync_load_budget_bytes(self.extra_config) and not loads_within_step_read():
-            LOGGER.warning(
-                "kvswap: sync_load_budget_bytes is read by vLLM 0.33's connector and by "
-                'kvswap\'s ("kv_connector": "KvswapConnector", "kv_connector_module_path": '
-                '"kvswap.integrations.vllm"); this vLLM\'s OffloadingConnector ignores it: '
-                "every load goes between steps"
-            )
+            _warn_budget_ignored()
         if self.settings.has_secondary_tiers and config.parallel.world_size != 1:
             raise KvSwapError(
                 f"{SOURCE}: nvme_dir / remote_url / secondary_tiers need one vLLM worker (the "
