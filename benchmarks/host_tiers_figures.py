@@ -4,6 +4,7 @@
     run = run_figures(summary, records, rise)                 one run's figures
     merged = merge_rounds([run, ...])                         median and spread per figure
     ratios, goals = judge(merged_by_config)                   (c)/(b), (d)/(b), the goals
+    between_steps_ratios(merged_by_config)                    (c)/(b0), (d)/(b0), shown
 
 The working set is kvswap.sim.policy_curve's (the KV the sessions between two turns
 will reuse, plus the system prompt once), time-averaged over the run: a turn's
@@ -150,38 +151,53 @@ def merge_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _median(merged: Mapping[str, Mapping[str, Any]], config: str, key: str) -> float | None:
+    figures = merged.get(config)
+    return None if figures is None else float(figures[key]["median"])
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return round(ours / theirs, 3)
+
+
 def judge(
     merged: Mapping[str, Mapping[str, Any]],
 ) -> tuple[dict[str, float | None], dict[str, bool | None]]:
     """(c)/(b) per figure and (d)/(b) TTFT p50 on the medians; whether each goal was met
     (None where a config did not run)."""
-
-    def median(config: str, key: str) -> float | None:
-        figures = merged.get(config)
-        return None if figures is None else float(figures[key]["median"])
-
-    def ratio(ours: float | None, theirs: float | None) -> float | None:
-        if ours is None or theirs is None or theirs == 0:
-            return None
-        return round(ours / theirs, 3)
-
     ratios: dict[str, float | None] = {}
     goals: dict[str, bool | None] = {}
     for key, _, lower_is_better in FIGURES:
-        kvswap, vllm = median("kvswap", key), median("vllm", key)
-        ratios[f"kvswap_over_vllm_{key}"] = ratio(kvswap, vllm)
+        kvswap, vllm = _median(merged, "kvswap", key), _median(merged, "vllm", key)
+        ratios[f"kvswap_over_vllm_{key}"] = _ratio(kvswap, vllm)
         if kvswap is None or vllm is None:
             goals[f"kvswap_at_least_vllm_{key}"] = None
         else:
             goals[f"kvswap_at_least_vllm_{key}"] = (
                 kvswap <= vllm if lower_is_better else kvswap >= vllm
             )
-    nvme = ratio(median("kvswap_nvme", "ttft_p50_ms"), median("vllm", "ttft_p50_ms"))
+    nvme = _ratio(
+        _median(merged, "kvswap_nvme", "ttft_p50_ms"), _median(merged, "vllm", "ttft_p50_ms")
+    )
     ratios["kvswap_nvme_over_vllm_ttft_p50_ms"] = nvme
     goals["kvswap_nvme_ttft_p50_at_most_0.7_vllm"] = (
         None if nvme is None else nvme <= GOAL_NVME_TTFT_P50_RATIO
     )
     return ratios, goals
+
+
+def between_steps_ratios(merged: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """Shown, not judged: (c)/(b0) and (d)/(b0) TTFT p50 and p90, against vLLM's host
+    tier through vLLM 0.32's own connector (every load between steps)."""
+    return {
+        f"{config}_over_vllm_between_{key}": _ratio(
+            _median(merged, config, key), _median(merged, "vllm_between", key)
+        )
+        for config in ("kvswap", "kvswap_nvme")
+        for key in ("ttft_p50_ms", "ttft_p90_ms")
+    }
 
 
 def table(

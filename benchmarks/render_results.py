@@ -252,7 +252,7 @@ def _sync_loads_sentence(shapes: dict[str, Any]) -> str:
 
 
 def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
-    from host_tiers_figures import DIAGNOSTIC_FIGURES, FIGURES
+    from host_tiers_figures import DIAGNOSTIC_FIGURES, FIGURES, between_steps_ratios
 
     shapes, labels, medians = result["shapes"], result["labels"], result["medians"]
     chat, model, server = shapes["chat"], shapes["model"], shapes["server"]
@@ -288,7 +288,8 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
             for figure in merged
         ]
         ratio = result["ratios"].get(f"kvswap_over_vllm_{key}")
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {_cell(ratio)} |")
+        shown = "-" if ratio is None else _cell(ratio)  # a diagnostic row has none
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
     lines += ["", "Per run, vLLM's counters (connector hits: tokens from the host tier and below):",
               "", "| run | prefix-cache hit tokens (device / connector) | host hits / loads / "
               "stores / evictions / refused | NVMe chunk hits | preemptions | loads within "
@@ -315,6 +316,16 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
         )
         + f" ((d)/(b) TTFT p50 {_cell(result['ratios']['kvswap_nvme_over_vllm_ttft_p50_ms'])}).",
     ]
+    if "vllm_between" in medians:
+        between = between_steps_ratios(medians)
+        lines += [
+            "",
+            "Against (b0), vLLM's host tier through vLLM 0.32's own connector (shown, not "
+            f"judged): (c)/(b0) TTFT p50 {_cell(between['kvswap_over_vllm_between_ttft_p50_ms'])}"
+            f", p90 {_cell(between['kvswap_over_vllm_between_ttft_p90_ms'])}; (d)/(b0) TTFT p50 "
+            f"{_cell(between['kvswap_nvme_over_vllm_between_ttft_p50_ms'])}, p90 "
+            f"{_cell(between['kvswap_nvme_over_vllm_between_ttft_p90_ms'])}.",
+        ]
     return lines
 
 

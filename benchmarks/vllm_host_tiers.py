@@ -78,6 +78,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from host_tiers_figures import (  # noqa: E402
+    between_steps_ratios,
     judge,
     measured_turns,
     merge_rounds,
@@ -528,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print("\n".join(table(labels, merged, ratios)))
     print(f"(d)/(b) TTFT p50: {ratios['kvswap_nvme_over_vllm_ttft_p50_ms']}")
+    print(f"against (b0), shown, not judged: {between_steps_ratios(merged)}")
     for goal, met in goals.items():
         print(f"goal {goal}: {'-' if met is None else ('met' if met else 'NOT met')}")
     if args.out is not None:
