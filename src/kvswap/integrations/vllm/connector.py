@@ -57,7 +57,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from kvswap.integrations.vllm.host_report import stats_interval_s
 from kvswap.integrations.vllm.settings import sync_load_budget_bytes
-from kvswap.units import format_bytes
+from kvswap.units import ceil_div, format_bytes
 
 LOGGER = logging.getLogger("vllm.kvswap")
 #: Whether this vLLM's connector loads within the step itself (vLLM 0.33 does).
@@ -204,7 +204,7 @@ class KvswapConnector(OffloadingConnector):
             return
         scheduler = self.scheduler
         status = scheduler._req_status[request.request_id]
-        first_fresh = _ceil_div(status.num_locally_computed_tokens, _tokens_per_block(scheduler))
+        first_fresh = ceil_div(status.num_locally_computed_tokens, _tokens_per_block(scheduler))
         being_loaded = scheduler._chunks_being_loaded
         loading_before = frozenset(being_loaded or ())
         jobs_before = set(scheduler._current_batch_load_jobs)
@@ -271,10 +271,6 @@ class KvswapConnector(OffloadingConnector):
         waited = receiving & self._waited_requests
         self._waited_requests -= waited
         return sending, receiving - waited
-
-
-def _ceil_div(numerator: int, denominator: int) -> int:
-    return -(-numerator // denominator)
 
 
 def _tokens_per_block(scheduler: Any) -> int:
