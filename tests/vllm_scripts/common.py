@@ -67,13 +67,8 @@ def make_llm(
 def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> dict[str, Any]:
     """Greedy tokens for one prompt, and how many prompt tokens vLLM did not compute.
     Then the engine is settled: the request's stores (and their cascades) landed."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sampling, use_tqdm=False)
-    settle(llm)
-    return {"tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens}
+    (result,) = generate_all(llm, [tokens], max_tokens)
+    return result
 
 
 def generate_all(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:

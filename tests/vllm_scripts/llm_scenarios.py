@@ -87,9 +87,7 @@ def host_tier(model: Path) -> dict[str, Any]:
         loads_before = worker.counts.num_loads
         again = generate(llm, PROMPT)
         loaded = worker.counts.num_loads - loads_before
-        push(llm)
-        negate_host_tier(worker)
-        damaged = generate(llm, PROMPT)
+        damaged = damaged_run(llm, worker)
         return {
             "first": first,
             "again": again,
@@ -101,12 +99,15 @@ def host_tier(model: Path) -> dict[str, Any]:
         close(llm)
 
 
-def negate_host_tier(worker: Any) -> None:
-    """The test hook: negate every K and V value the host tier holds. A's next load
-    brings these bytes to the device; if vLLM reads them, its output changes."""
+def damaged_run(llm: Any, worker: Any) -> dict[str, Any]:
+    """A pushed out of the device pool, then the test hook: every K and V value the host
+    tier holds negated. A's next load brings these bytes to the device; if vLLM reads
+    them, its output changes."""
+    push(llm)
     host = worker.host_pool
     for slot in range(host.num_slots):
         host.byte_view(slot).view(dtype=_float32()).neg_()
+    return generate(llm, PROMPT)
 
 
 def sync_loads(model: Path) -> dict[str, Any]:
@@ -130,9 +131,7 @@ def sync_loads(model: Path) -> dict[str, Any]:
         again = generate(llm, PROMPT)
         after_again = asdict(counts)
         together = generate_all(llm, [PROMPT, *PUSHES])
-        push(llm)
-        negate_host_tier(only(KvswapOffloadingWorker))
-        damaged = generate(llm, PROMPT)
+        damaged = damaged_run(llm, only(KvswapOffloadingWorker))
         return {
             "firsts": firsts,
             "again": again,
