@@ -66,6 +66,7 @@ from kvswap.openmp_env import prefer_passive_openmp_wait
 prefer_passive_openmp_wait()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -90,6 +91,7 @@ from host_tiers_figures import (  # noqa: E402
 from kvswap.commands.outputs import check_output_dir, check_output_file  # noqa: E402
 from kvswap.data.disk_pool import sweep_stale_slabs  # noqa: E402
 from kvswap.errors import KvSwapError  # noqa: E402
+from kvswap.integrations.vllm.host_report import SyncLoadCounts  # noqa: E402
 from kvswap.integrations.vllm.settings import KVSWAP_CONNECTOR  # noqa: E402
 from kvswap.serve.loadgen.prompts import VOCAB_SIZE  # noqa: E402
 from kvswap.signals import run_stoppable  # noqa: E402
@@ -178,9 +180,6 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "nvme_chunk_hits": ("vllm:kv_offload_tiering_chunk_hits_total", "kvswap-nvme"),
 }
 HOST_LINE = re.compile(r"inside vLLM: host tier (\d+) chunks")
-SYNC_LINE = re.compile(
-    r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps"
-)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -369,24 +368,22 @@ def counted_rise(server: VllmServer, before: dict[str, float], summary: dict[str
 
 
 def server_log(server: VllmServer) -> str:
+    """What this server wrote to its log."""
     with open(server.log_path, "rb") as log:
         log.seek(server.log_start)
         return log.read().decode(errors="replace")
 
 
-def host_chunks_logged(server: VllmServer) -> int | None:
+def host_chunks_logged(log_text: str) -> int | None:
     """kvswap's start-up line's host tier size (None: not kvswap's manager)."""
-    found = HOST_LINE.search(server_log(server))
+    found = HOST_LINE.search(log_text)
     return None if found is None else int(found.group(1))
 
 
-def sync_loads_logged(server: VllmServer) -> dict[str, int] | None:
+def sync_loads_logged(log_text: str) -> dict[str, int] | None:
     """kvswap's connector's last stats line (None: none written), warm-up included."""
-    found = SYNC_LINE.findall(server_log(server))
-    if not found:
-        return None
-    within, tokens, between = (int(value) for value in found[-1])
-    return {"within_step": within, "within_step_tokens": tokens, "between_steps": between}
+    counts = SyncLoadCounts.last_in(log_text)
+    return None if counts is None else dataclasses.asdict(counts)
 
 
 def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -413,8 +410,9 @@ def run_once(config: str, round_index: int, setup: dict[str, Any], work: Path) -
             rise = counted_rise(server, before, summary)
     except AssertionError as failed:  # the server exited or was not ready: its log's end
         raise KvSwapError(f"{name}: {failed}") from None
-    host_chunks = host_chunks_logged(server)
-    sync_loads = sync_loads_logged(server)
+    log_text = server_log(server)
+    host_chunks = host_chunks_logged(log_text)
+    sync_loads = sync_loads_logged(log_text)
     left: dict[str, list[Any]] = {
         "server_processes": group_members(server.process_group),
         "nvme_files": [],

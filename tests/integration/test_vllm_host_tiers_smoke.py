@@ -55,6 +55,7 @@ def leftovers() -> set[str]:
     [
         (("--rounds", "0"), "--rounds 0"),
         (("--configs", "none", "none"), "--configs none none"),
+        (("--sync-load-budget-bytes", "-1"), "--sync-load-budget-bytes -1"),
         (("--out", "/no/such/dir/tiers.json"), "/no/such/dir"),
         (("--keep-reports", "benchmarks"), "--keep-reports benchmarks"),
     ],

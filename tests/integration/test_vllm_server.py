@@ -16,7 +16,6 @@ the README's connector, kvswap's.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import time
 import urllib.request
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from kvswap.data.disk_pool import sweep_stale_slabs
+from kvswap.integrations.vllm.host_report import SyncLoadCounts
 from tests.redis_server import HOST
 from tests.vllm_scripts.tiny_llama import chunk_bytes
 from tests.vllm_support import VLLM_VENV, VllmServer
@@ -143,9 +143,8 @@ def test_vllm_serve_with_the_readme_flags_loads_a_prompt_back_through_kvswap(
     # vLLM whose scheduler and worker are two processes.
     assert any("kvswap connector: a hit below the device pool loads within" in line
                for line in lines)  # fmt: skip
-    counted = [re.search(r"kvswap connector: (\d+) loads within their step", line)
-               for line in lines]  # fmt: skip
-    assert max(int(found.group(1)) for found in counted if found) >= 1
+    counted = SyncLoadCounts.last_in("\n".join(lines))
+    assert counted is not None and counted.within_step >= 1
     # Killed (it ignores SIGTERM), the server never closed its slab; kvswap's next start
     # in that directory would remove it, as this sweep does: nothing is left.
     sweep_stale_slabs(tmp_path)

@@ -407,3 +407,14 @@ def test_a_host_tier_that_does_not_fit_names_vllm_s_own_reservation(
 def test_the_host_tier_s_policy_takes_parameters_in_its_name() -> None:
     settings = adapter_settings({"eviction_policy": "reuse(once=oldest, dead_gaps=1.2)"})
     assert settings.policy_name == "reuse(once=oldest, dead_gaps=1.2)"
+
+
+def test_the_connector_s_stats_line_reads_back_from_a_log() -> None:
+    """What kvswap's connector writes to vLLM's log is what benchmarks read back: the
+    last of its lines, none where it wrote none."""
+    from kvswap.integrations.vllm.host_report import SyncLoadCounts
+
+    first, last = SyncLoadCounts(2, 352, 0), SyncLoadCounts(154, 62752, 3)
+    log = f"INFO [connector.py:1] {first.line()}\nINFO other\nINFO [connector.py:1] {last.line()}"
+    assert SyncLoadCounts.last_in(log) == last
+    assert SyncLoadCounts.last_in("INFO kvswap host tier: 1 of 2 chunks looked up hit") is None

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-from kvswap.integrations.vllm.host_report import stats_interval_s
+from kvswap.integrations.vllm.host_report import SyncLoadCounts, stats_interval_s
 from kvswap.integrations.vllm.settings import sync_load_budget_bytes
 from kvswap.units import ceil_div, format_bytes
 
@@ -94,21 +94,6 @@ class _TakenJob:
 
     keys: set[Any]
     req_context: Any
-
-
-@dataclass
-class SyncLoadCounts:
-    """Loads since start: within their step, or between steps (vLLM's way)."""
-
-    within_step: int = 0
-    within_step_tokens: int = 0
-    between_steps: int = 0
-
-    def line(self) -> str:
-        return (
-            f"kvswap connector: {self.within_step} loads within their step "
-            f"({self.within_step_tokens} tokens), {self.between_steps} between steps"
-        )
 
 
 @dataclass

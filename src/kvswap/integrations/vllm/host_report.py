@@ -11,6 +11,9 @@ vLLM's log with its format and level (`VLLM_LOGGING_LEVEL`), beside vLLM's lines
                vLLM's own path: the spec declares them (`metric_definitions`), the
                manager's `get_stats` hands the increments over (`HostReport.take`)
 
+kvswap's connector (connector.py) writes its own stats line beside these
+(`SyncLoadCounts`): loads within their step and between steps.
+
 And one warning, once: a request offered more chunks than the host tier holds (it
 keeps the request's first chunks, so the tiers below still get them; a larger
 `cpu_bytes_to_use` keeps all of them). vLLM-free: the counters are written into the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +62,32 @@ class HostCounts:
     policy_failures: int = 0  # calls the ranking policy raised in (it is then replaced)
 
 
+@dataclass
+class SyncLoadCounts:
+    """kvswap's connector's loads since start: within the step that scheduled them, or
+    between steps (vLLM 0.32's way). Its stats line is written by the connector and
+    read back from vLLM's log by benchmarks and tests (`last_in`)."""
+
+    within_step: int = 0
+    within_step_tokens: int = 0
+    between_steps: int = 0
+
+    def line(self) -> str:
+        return (
+            f"kvswap connector: {self.within_step} loads within their step "
+            f"({self.within_step_tokens} tokens), {self.between_steps} between steps"
+        )
+
+    @classmethod
+    def last_in(cls, log_text: str) -> SyncLoadCounts | None:
+        """The counts of the last such line in `log_text` (None: there is none)."""
+        found = _SYNC_LOADS_LINE.findall(log_text)
+        return None if not found else cls(*(int(value) for value in found[-1]))
+
+
+_SYNC_LOADS_LINE = re.compile(
+    r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps"
+)
 #: Each count as a vLLM counter: name and documentation.
 METRICS: dict[str, tuple[str, str]] = {
     "lookups": ("vllm:kvswap_host_lookups", "Chunks looked up in kvswap's host tier."),
