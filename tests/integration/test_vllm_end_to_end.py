@@ -12,6 +12,9 @@ compute; with A's device blocks gone, kvswap brought them back:
     within a step  the host tier through kvswap's connector with a load budget: A again
                    is loaded within the step that schedules it, and so are the four
                    prompts sent together; every output is the one computed without a hit
+    NVMe, within   a 4-chunk host tier and kvswap's NVMe slab through the connector: A
+                   again is promoted from NVMe and loaded within its step; beyond the
+                   budget vLLM's way runs; a damaged slab costs a recomputation
     NVMe + store   a 4-chunk host tier: A again comes from kvswap's NVMe slab; with
                    every slab slot damaged on disk, the slab's CRC refuses them and
                    the Redis store serves A
@@ -112,6 +115,37 @@ def test_prompts_sent_together_each_load_within_their_step(first: dict[str, Any]
     hits = sum(run["cached"] > 0 for run in sync["together"])
     assert hits >= 2
     assert sync["counts"]["within_step"] - sync["counts_after_again"]["within_step"] >= 2
+
+
+def test_a_hit_on_nvme_is_promoted_and_loaded_within_its_step(first: dict[str, Any]) -> None:
+    """A pushed out of a 4-chunk host tier is on NVMe only: kvswap's connector promotes
+    its 3 chunks and loads them within the step that schedules A (vLLM 0.32 waits a
+    step or more for the promotion first); the output is the one computed without a hit."""
+    promoted = first["sync_promotions"]
+    reference = first["baseline"]["tokens"]
+    assert promoted["first"] == {"tokens": reference, "cached": 0}
+    assert promoted["counts_before_again"]["promoted_chunks"] == 0
+    assert promoted["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
+    assert promoted["counts_after_again"] == {
+        "within_step": 1, "within_step_tokens": PROMPT_BLOCK_TOKENS, "between_steps": 0,
+        "promoted_chunks": 3,
+    }  # fmt: skip
+    # The slab damaged on disk: the promotion's read is refused, nothing counted as
+    # promoted for A, and A is computed again with the same tokens
+    assert promoted["nvme"]["corrupt_blocks"] == 3
+    assert promoted["damaged"] == {"tokens": reference, "cached": 0}
+
+
+def test_a_promotion_beyond_the_budget_goes_vllm_s_way(first: dict[str, Any]) -> None:
+    """A budget of two chunks: A's 3-chunk promotion does not fit, so vLLM promotes it
+    between steps and the connector loads it between steps too; the same output."""
+    beyond = first["promotions_beyond_budget"]
+    reference = first["baseline"]["tokens"]
+    assert beyond["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
+    assert beyond["counts_after_again"] == {
+        "within_step": 0, "within_step_tokens": 0, "between_steps": 1, "promoted_chunks": 0,
+    }  # fmt: skip
+    assert beyond["damaged"] == {"tokens": reference, "cached": 0}
 
 
 def test_damaging_the_loaded_bytes_changes_the_output(first: dict[str, Any]) -> None:

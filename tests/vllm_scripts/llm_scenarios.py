@@ -15,6 +15,9 @@ device blocks gone, they came through kvswap.
             tier's bytes are damaged (a test hook) and A's output changes
   sync      host as kvswap's connector with a load budget: A again, then all four
             prompts at once, each loaded within the step that schedules it
+  sync_promotions  the connector with a load budget over a 4-chunk host tier and
+            the NVMe slab: A again is promoted from NVMe and loaded within its step;
+            with a budget of two chunks, the way of vLLM's connector
   tiers     host tier of 4 chunks, kvswap's NVMe slab and Redis store below it: A
             again comes back from NVMe; then every NVMe slot is damaged on disk, the
             slab's CRC refuses them, and the store serves A instead
@@ -139,6 +142,55 @@ def sync_loads(model: Path) -> dict[str, Any]:
             "together": together,
             "counts": asdict(counts),
             "damaged": damaged,
+        }
+    finally:
+        close(llm)
+
+
+def sync_promotions(model: Path, nvme_dir: Path, budget_bytes: int) -> dict[str, Any]:
+    """kvswap's connector with a load budget over a 4-chunk host tier and the NVMe slab:
+    A again is found on NVMe only; within the budget it is promoted to the host tier and
+    loaded to the device within the step that schedules it (vLLM 0.32 would wait a
+    step or more for the promotion first), beyond it vLLM's own way runs. Then A is
+    pushed out again and the slab damaged on disk: the promotion's read is refused,
+    and A is computed again."""
+    from dataclasses import asdict
+
+    from kvswap.integrations.vllm.connector import KvswapConnector
+    from kvswap.integrations.vllm.manager import KvswapTieringManager
+
+    earlier = [*instances(KvswapTieringManager), *instances(KvswapConnector)]
+    extra = {
+        "cpu_bytes_to_use": 4 * CHUNK_BYTES,
+        "eviction_policy": PUSHED_OUT,
+        "nvme_dir": str(nvme_dir),
+        "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
+        "sync_load_budget_bytes": budget_bytes,
+    }
+    llm = make_llm(model, extra, KVSWAP_CONNECTOR)
+    try:
+        (nvme,) = only(KvswapTieringManager, besides=earlier).secondary_tiers
+        (counts,) = [
+            found.sync_load_counts
+            for found in instances(KvswapConnector)
+            if found.sync_load_counts is not None and all(found is not old for old in earlier)
+        ]
+        first = generate(llm, PROMPT)
+        push(llm)
+        before = asdict(counts)
+        again = generate(llm, PROMPT)
+        after_again = asdict(counts)
+        push(llm)
+        damage_slab(nvme.tier.disk)
+        damaged = generate(llm, PROMPT)
+        return {
+            "first": first,
+            "again": again,
+            "counts_before_again": before,
+            "counts_after_again": after_again,
+            "damaged": damaged,
+            "counts": asdict(counts),
+            "nvme": dict(nvme.counters()),
         }
     finally:
         close(llm)
@@ -363,6 +415,8 @@ def main(argv: list[str]) -> None:
                 "baseline": baseline(model),
                 "host": host_tier(model),
                 "sync": sync_loads(model),
+                "sync_promotions": sync_promotions(model, nvme_dir, 1 << 30),
+                "promotions_beyond_budget": sync_promotions(model, nvme_dir, 2 * CHUNK_BYTES),
                 "tiers": tiers(model, nvme_dir, redis_url),
                 "vllm_tier": vllm_tier(model, nvme_dir / "vllm-fs"),
             }

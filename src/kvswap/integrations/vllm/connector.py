@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 from kvswap.integrations.vllm.host_report import SyncLoadCounts, stats_interval_s
+from kvswap.integrations.vllm.manager import KvswapTieringManager
 from kvswap.integrations.vllm.settings import sync_load_budget_bytes
 from kvswap.units import ceil_div, format_bytes
 
@@ -122,14 +123,18 @@ class _SchedulerSide:
     def reserve(self, request: Any, num_computed_tokens: int, num_hit_tokens: int) -> bool:
         """Whether this hit loads within the step: it fits what is left of the step's
         budget, and leaves a token to compute (vLLM schedules none otherwise)."""
-        num_bytes = num_hit_tokens * self.kv_bytes_per_token
-        if (
-            num_computed_tokens + num_hit_tokens >= request.num_tokens
-            or self.step_bytes + num_bytes > self.budget_bytes
+        if num_computed_tokens + num_hit_tokens >= request.num_tokens or not self.reserve_bytes(
+            num_hit_tokens * self.kv_bytes_per_token
         ):
             return False
-        self.step_bytes += num_bytes
         self.step_requests.add(request.request_id)
+        return True
+
+    def reserve_bytes(self, num_bytes: int) -> bool:
+        """Whether `num_bytes` more fit this step's budget (then they are counted in)."""
+        if self.step_bytes + num_bytes > self.budget_bytes:
+            return False
+        self.step_bytes += num_bytes
         return True
 
 
@@ -174,11 +179,32 @@ class KvswapConnector(OffloadingConnector):
             request, num_computed_tokens
         )
         sync = self._sync
+        if sync is not None and num_hit_tokens is None and self._promoted_now(sync, request):
+            num_hit_tokens, load_async = super().get_num_new_matched_tokens(
+                request, num_computed_tokens
+            )
         if sync is None or not num_hit_tokens or not load_async:
             return num_hit_tokens, load_async
         if sync.reserve(request, num_computed_tokens, num_hit_tokens):
             return num_hit_tokens, False
         return num_hit_tokens, True
+
+    def _promoted_now(self, sync: _SchedulerSide, request: Any) -> bool:
+        """Whether `request`'s chunks on their way up from kvswap's secondary tiers (its
+        lookup found them there and vLLM deferred it) were promoted now, within the
+        step's budget: the request then looks its hit up again in this step, where vLLM
+        would look again a step later, or several while the read runs."""
+        manager = self.scheduler.manager
+        if not isinstance(manager, KvswapTieringManager):
+            return False
+        num_chunks = manager.chunks_promoting(request.request_id)
+        if not num_chunks:
+            return False
+        group = _group_config(self.scheduler)
+        if not sync.reserve_bytes(num_chunks * group.tokens_per_chunk * sync.kv_bytes_per_token):
+            return False
+        sync.counts.promoted_chunks += manager.promote_now(request.request_id)
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         sync = self._sync
@@ -258,9 +284,13 @@ class KvswapConnector(OffloadingConnector):
         return sending, receiving - waited
 
 
-def _tokens_per_block(scheduler: Any) -> int:
+def _group_config(scheduler: Any) -> Any:
     (group,) = scheduler.config.kv_group_configs  # kvswap's adapter: one KV cache group
-    return int(group.tokens_per_block)
+    return group
+
+
+def _tokens_per_block(scheduler: Any) -> int:
+    return int(_group_config(scheduler).tokens_per_block)
 
 
 def _unhashed_from(blocks: Any, first_index: int) -> Any:

@@ -65,17 +65,22 @@ class HostCounts:
 @dataclass
 class SyncLoadCounts:
     """kvswap's connector's loads since start: within the step that scheduled them, or
-    between steps (vLLM 0.32's way). Its stats line is written by the connector and
+    between steps (vLLM 0.32's way), and the chunks it promoted from a secondary tier
+    within a step. Its stats line is written by the connector and
     read back from vLLM's log by benchmarks and tests (`last_in`)."""
 
     within_step: int = 0
     within_step_tokens: int = 0
     between_steps: int = 0
+    #: Chunks promoted from a secondary tier (NVMe, the store) within a step (read
+    #: whole: a value the tier refused is not counted).
+    promoted_chunks: int = 0
 
     def line(self) -> str:
         return (
             f"kvswap connector: {self.within_step} loads within their step "
-            f"({self.within_step_tokens} tokens), {self.between_steps} between steps"
+            f"({self.within_step_tokens} tokens), {self.between_steps} between steps, "
+            f"{self.promoted_chunks} chunks promoted within their step"
         )
 
     @classmethod
@@ -86,7 +91,8 @@ class SyncLoadCounts:
 
 
 _SYNC_LOADS_LINE = re.compile(
-    r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps"
+    r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps, "
+    r"(\d+) chunks promoted within their step"
 )
 #: Each count as a vLLM counter: name and documentation.
 METRICS: dict[str, tuple[str, str]] = {

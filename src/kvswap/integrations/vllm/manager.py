@@ -44,6 +44,7 @@ from kvswap.data.shared_file import SharedFile
 from kvswap.integrations.vllm.cache_policy import KvswapCachePolicy
 from kvswap.integrations.vllm.host_file import SCHEDULER
 from kvswap.integrations.vllm.host_report import HostReport
+from kvswap.integrations.vllm.tiers import KvswapSecondaryTier
 
 
 class StepClock:
@@ -205,10 +206,52 @@ class KvswapPrimaryTier(_ReportingHostTier, CPUPrimaryTierOffloadingManager):
 
 
 class KvswapTieringManager(TieringOffloadingManager):
-    """vLLM's tiering manager; ticks its primary tier's clock every step."""
+    """vLLM's tiering manager; ticks its primary tier's clock every step, and can
+    promote a request's chunks at once (`promote_now`, for `KvswapConnector`)."""
 
     primary_tier: KvswapPrimaryTier
 
     def on_schedule_end(self, context: Any) -> None:
         super().on_schedule_end(context)
         self.primary_tier.clock.tick()
+
+    def chunks_promoting(self, req_id: str) -> int | None:
+        """How many of request `req_id`'s chunks are on their way up to the host tier
+        (queued by this step's lookups, or in flight since an earlier step); None when
+        one comes from a tier that cannot be waited for (one of vLLM's own)."""
+        count = 0
+        for tier_idx, by_request in self._pending_load_submissions.items():
+            entry = by_request.get(req_id)
+            if entry is not None:
+                if not isinstance(self.secondary_tiers[tier_idx], KvswapSecondaryTier):
+                    return None
+                count += len(entry.keys)
+        for tier_idx, job in self._promotions_of(req_id):
+            if not isinstance(self.secondary_tiers[tier_idx], KvswapSecondaryTier):
+                return None
+            count += len(job.keys)
+        return count
+
+    def promote_now(self, req_id: str) -> int:
+        """Submit the step's queued promotions now (vLLM would at the step's end), wait
+        for `req_id`'s (`chunks_promoting` said kvswap's tiers hold them all), and take
+        in what finished: the chunks a tier read are in the host tier, ready for a
+        lookup; one it could not read (corrupt, gone) is not, and is recomputed.
+        Returns how many of `req_id`'s chunks arrived."""
+        self._flush_pending_promotions()
+        arrived = 0
+        for tier_idx, job in self._promotions_of(req_id):
+            tier = self.secondary_tiers[tier_idx]
+            assert isinstance(tier, KvswapSecondaryTier), "chunks_promoting said so"
+            result = tier.wait_for(job.job_id)
+            arrived += len(job.keys) if result.success else len(result.successful_keys or ())
+        self._process_finished_jobs()
+        return arrived
+
+    def _promotions_of(self, req_id: str) -> list[tuple[int, Any]]:
+        """(tier index, transfer job) of `req_id`'s promotions in flight."""
+        return [
+            (meta.tier_idx, meta.transfer_job)
+            for meta in self._jobs.values()
+            if meta.transfer_job.is_promotion and meta.transfer_job.req_context.req_id == req_id
+        ]

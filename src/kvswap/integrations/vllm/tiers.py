@@ -50,7 +50,7 @@ CopiedBelow = Callable[[Iterable[bytes]], None]
 _T = TypeVar("_T")
 
 
-class _KvswapTier(SecondaryTierManager):
+class KvswapSecondaryTier(SecondaryTierManager):
     """One kvswap `SecondaryTier` behind vLLM's interface (module docstring)."""
 
     #: Whether the tier's keys leave this process (`vllm_identity`'s `shared`).
@@ -77,6 +77,7 @@ class _KvswapTier(SecondaryTierManager):
         self.tier = self._open(adapter_settings(config), primary_kv_view)
         # job id -> (its vLLM keys in order, is a load)
         self._jobs: dict[int, tuple[tuple[Any, ...], bool]] = {}
+        self._waited: list[Any] = []  # results `wait_for` took, not yet reported
 
     def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
         raise NotImplementedError
@@ -93,26 +94,33 @@ class _KvswapTier(SecondaryTierManager):
         self.tier.submit_load(self._job(job_metadata, is_load=True))
 
     def get_finished_jobs(self) -> list[Any]:
-        results = []
-        for done in self.tier.get_finished_jobs():
-            vllm_keys, is_load = self._jobs.pop(done.job_id)
-            kept = set(done.successful_keys)
-            successful = [key for key in vllm_keys if self.keys.key(key) in kept]
-            if not is_load and successful and self.copied_below is not None:
-                self.copied_below(successful)
-            results.append(
-                JobResult(
-                    job_id=done.job_id,
-                    success=done.success,
-                    successful_keys=successful if is_load else None,
-                    transfer_time=done.transfer_time_s,
-                    transfer_bytes=done.transfer_bytes,
-                )
-            )
+        results, self._waited = self._waited, []
+        results.extend(self._result(done) for done in self.tier.get_finished_jobs())
         return results
 
+    def wait_for(self, job_id: int) -> Any:
+        """Block until job `job_id` finished (a promotion the step waits for); its
+        result, which also comes with the next `get_finished_jobs()`, as any other's."""
+        result = self._result(self.tier.wait(job_id))
+        self._waited.append(result)
+        return result
+
+    def _result(self, done: Any) -> Any:
+        vllm_keys, is_load = self._jobs.pop(done.job_id)
+        kept = set(done.successful_keys)
+        successful = [key for key in vllm_keys if self.keys.key(key) in kept]
+        if not is_load and successful and self.copied_below is not None:
+            self.copied_below(successful)
+        return JobResult(
+            job_id=done.job_id,
+            success=done.success,
+            successful_keys=successful if is_load else None,
+            transfer_time=done.transfer_time_s,
+            transfer_bytes=done.transfer_bytes,
+        )
+
     def has_pending_work(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs or self._waited)
 
     def on_new_request(self, req_context: Any) -> Any:
         return RequestOffloadingContext()
@@ -138,7 +146,7 @@ class _KvswapTier(SecondaryTierManager):
         )
 
 
-class KvswapNvmeTier(_KvswapTier):
+class KvswapNvmeTier(KvswapSecondaryTier):
     """kvswap's NVMe slab (`NvmeTier` over a `DiskPool`), slots of one host chunk each."""
 
     medium: ClassVar[Any] = Medium.STORAGE
@@ -156,7 +164,7 @@ class KvswapNvmeTier(_KvswapTier):
         return open_nvme_tier(host_rows, nvme.directory, num_slots, policy=policy)
 
 
-class KvswapRedisTier(_KvswapTier):
+class KvswapRedisTier(KvswapSecondaryTier):
     """kvswap's store on the Redis protocol (`RedisTier`): one self-checking value per
     chunk, shared by every vLLM instance of the same model that names it."""
 
@@ -189,7 +197,7 @@ def build_secondary_tiers(
     each reports the chunks it stored to `copied_below` (the host tier's ranking)."""
     settings: AdapterSettings = spec.settings
     extra = spec.extra_config
-    tiers: list[_KvswapTier] = []
+    tiers: list[KvswapSecondaryTier] = []
     try:
         if settings.nvme is not None:
             tiers.append(KvswapNvmeTier(spec, host_rows, "kvswap-nvme", **_keys(extra, "nvme_")))
