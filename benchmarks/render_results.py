@@ -293,14 +293,15 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
     lines += ["", "Per run, vLLM's counters (connector hits: tokens from the host tier and below):",
               "", "| run | prefix-cache hit tokens (device / connector) | host hits / loads / "
               "stores / evictions / refused | NVMe chunk hits | preemptions | loads within "
-              "their step / between steps (chunks promoted from NVMe within their step) |",
+              "their step / between steps (chunks promoted from NVMe within their step, the "
+              "steps' wait for them) |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for run in result["runs"]:
         counted = {key: int(value) for key, value in run["vllm"].items()}
         logged = run.get("sync_loads_logged")
         within = "-" if logged is None else f"{logged['within_step']} / {logged['between_steps']}"
         if logged is not None and "promoted_chunks" in logged:  # a result from before: none
-            within += f" ({logged['promoted_chunks']})"
+            within += f" ({logged['promoted_chunks']}, {logged['promotion_wait_ms']} ms)"
         lines.append(
             f"| {labels[run['config']]}, round {run['round'] + 1} | "
             f"{counted['device_prefix_hit_tokens']} / {counted['connector_hit_tokens']} | "

@@ -126,10 +126,12 @@ def test_a_hit_on_nvme_is_promoted_and_loaded_within_its_step(first: dict[str, A
     assert promoted["first"] == {"tokens": reference, "cached": 0}
     assert promoted["counts_before_again"]["promoted_chunks"] == 0
     assert promoted["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
+    waited_ms = promoted["counts_after_again"].pop("promotion_wait_ms")
     assert promoted["counts_after_again"] == {
         "within_step": 1, "within_step_tokens": PROMPT_BLOCK_TOKENS, "between_steps": 0,
         "promoted_chunks": 3,
     }  # fmt: skip
+    assert waited_ms >= 0
     # The slab damaged on disk: the promotion's read is refused, nothing counted as
     # promoted for A, and A is computed again with the same tokens
     assert promoted["nvme"]["corrupt_blocks"] == 3
@@ -144,6 +146,7 @@ def test_a_promotion_beyond_the_budget_goes_vllm_s_way(first: dict[str, Any]) ->
     assert beyond["again"] == {"tokens": reference, "cached": PROMPT_BLOCK_TOKENS}
     assert beyond["counts_after_again"] == {
         "within_step": 0, "within_step_tokens": 0, "between_steps": 1, "promoted_chunks": 0,
+        "promotion_wait_ms": 0,
     }  # fmt: skip
     assert beyond["damaged"] == {"tokens": reference, "cached": 0}
 

@@ -414,7 +414,7 @@ def test_the_connector_s_stats_line_reads_back_from_a_log() -> None:
     last of its lines, none where it wrote none."""
     from kvswap.integrations.vllm.host_report import SyncLoadCounts
 
-    first, last = SyncLoadCounts(2, 352, 0, 0), SyncLoadCounts(154, 62752, 3, 40)
+    first, last = SyncLoadCounts(2, 352, 0, 0, 0), SyncLoadCounts(154, 62752, 3, 40, 17)
     log = f"INFO [connector.py:1] {first.line()}\nINFO other\nINFO [connector.py:1] {last.line()}"
     assert SyncLoadCounts.last_in(log) == last
     assert SyncLoadCounts.last_in("INFO kvswap host tier: 1 of 2 chunks looked up hit") is None

@@ -75,12 +75,15 @@ class SyncLoadCounts:
     #: Chunks promoted from a secondary tier (NVMe, the store) within a step (read
     #: whole: a value the tier refused is not counted).
     promoted_chunks: int = 0
+    #: What the steps waited for those promotions, in all (ms).
+    promotion_wait_ms: int = 0
 
     def line(self) -> str:
         return (
             f"kvswap connector: {self.within_step} loads within their step "
             f"({self.within_step_tokens} tokens), {self.between_steps} between steps, "
-            f"{self.promoted_chunks} chunks promoted within their step"
+            f"{self.promoted_chunks} chunks promoted within their step "
+            f"({self.promotion_wait_ms} ms waited)"
         )
 
     @classmethod
@@ -92,7 +95,7 @@ class SyncLoadCounts:
 
 _SYNC_LOADS_LINE = re.compile(
     r"kvswap connector: (\d+) loads within their step \((\d+) tokens\), (\d+) between steps, "
-    r"(\d+) chunks promoted within their step"
+    r"(\d+) chunks promoted within their step \((\d+) ms waited\)"
 )
 #: Each count as a vLLM counter: name and documentation.
 METRICS: dict[str, tuple[str, str]] = {
