@@ -418,3 +418,24 @@ def test_the_connector_s_stats_line_reads_back_from_a_log() -> None:
     log = f"INFO [connector.py:1] {first.line()}\nINFO other\nINFO [connector.py:1] {last.line()}"
     assert SyncLoadCounts.last_in(log) == last
     assert SyncLoadCounts.last_in("INFO kvswap host tier: 1 of 2 chunks looked up hit") is None
+
+
+def test_a_stats_line_is_due_once_an_interval_when_its_counts_moved() -> None:
+    """The host tier's and the connector's lines keep one cadence: never twice within
+    `interval_s`, never a line that repeats the last one."""
+    from kvswap.integrations.vllm.host_report import StatsCadence, SyncLoadCounts
+
+    now_s = [0.0]
+    counts = SyncLoadCounts()
+    cadence = StatsCadence(counts, clock=lambda: now_s[0], interval_s=10.0)
+    now_s[0] = 11.0
+    assert not cadence.due(counts)  # nothing moved since start
+    counts.within_step += 1
+    now_s[0] = 12.0
+    assert cadence.changed(counts) and cadence.due(counts)
+    assert not cadence.changed(counts)
+    counts.between_steps += 1
+    now_s[0] = 21.0
+    assert not cadence.due(counts)  # moved, but within the interval of the last line
+    now_s[0] = 22.0
+    assert cadence.due(counts)

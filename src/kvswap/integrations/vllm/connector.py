@@ -29,12 +29,18 @@ How it runs on 0.32 (the scheduler's state is vLLM's; this class only steers it)
   and completed here when the worker reports it;
 - the worker waits for that job in `start_load_kv` (vLLM calls it before the
   forward pass on a step with synchronous loads) and does not report the
-  request as received (vLLM 0.32 would take it for an asynchronous one).
+  request as received (vLLM 0.32 would take it for an asynchronous one);
+- a hit on kvswap's NVMe slab or store must first be promoted to the host tier:
+  vLLM's tiering manager queues the promotion, submits it at the step's end and
+  defers the request, which looks again a step later (or more, while the read
+  runs). Where the promotion fits the step's budget too, the connector submits
+  it at once, waits for it (`KvswapTieringManager.promote_now`) and looks the
+  hit up again in the same step. The step then waits for the read as well as the
+  copy: the stats line says how long, in all.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from contextvars import ContextVar
@@ -55,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-from kvswap.integrations.vllm.host_report import SyncLoadCounts, stats_interval_s
+from kvswap.integrations.vllm.host_report import StatsCadence, SyncLoadCounts
 from kvswap.integrations.vllm.manager import KvswapTieringManager
 from kvswap.integrations.vllm.settings import sync_load_budget_bytes
 from kvswap.units import ceil_div, format_bytes
@@ -109,17 +115,17 @@ class _SchedulerSide:
     taken: dict[int, _TakenJob] = field(default_factory=dict)
     promotion_wait_s: float = 0.0
     counts: SyncLoadCounts = field(default_factory=SyncLoadCounts)
-    logged: SyncLoadCounts = field(default_factory=SyncLoadCounts)
-    logged_at_s: float = field(default_factory=time.monotonic)
+    cadence: StatsCadence = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cadence = StatsCadence(self.counts)
 
     def end_step(self) -> None:
         """Ready for the next step; the stats line, as often as vLLM writes its own,
         when anything changed."""
         self.step_bytes, self.step_requests, self.step_jobs = 0, set(), set()
-        now_s = time.monotonic()
-        if now_s - self.logged_at_s >= stats_interval_s() and self.counts != self.logged:
+        if self.cadence.due(self.counts):
             LOGGER.info(self.counts.line())
-            self.logged, self.logged_at_s = dataclasses.replace(self.counts), now_s
 
     def reserve(self, request: Any, num_computed_tokens: int, num_hit_tokens: int) -> bool:
         """Whether this hit loads within the step: it fits what is left of the step's
@@ -167,7 +173,7 @@ class KvswapConnector(OffloadingConnector):
         return None if self._sync is None else self._sync.counts
 
     def shutdown(self) -> None:
-        if self._sync is not None and self._sync.counts != self._sync.logged:
+        if self._sync is not None and self._sync.cadence.changed(self._sync.counts):
             LOGGER.info(self._sync.counts.line())
         super().shutdown()
 

@@ -12,7 +12,8 @@ vLLM's log with its format and level (`VLLM_LOGGING_LEVEL`), beside vLLM's lines
                manager's `get_stats` hands the increments over (`HostReport.take`)
 
 kvswap's connector (connector.py) writes its own stats line beside these
-(`SyncLoadCounts`): loads within their step and between steps.
+(`SyncLoadCounts`): loads within their step and between steps, and the chunks it
+promoted within their step. Both lines keep one cadence (`StatsCadence`).
 
 And one warning, once: a request offered more chunks than the host tier holds (it
 keeps the request's first chunks, so the tiers below still get them; a larger
@@ -30,9 +31,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvswap.units import format_bytes
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Under vLLM's logger: its handler, format and level.
 LOGGER = logging.getLogger("vllm.kvswap")
@@ -47,6 +51,37 @@ def stats_interval_s() -> float:
         return float(os.environ.get(STATS_INTERVAL_ENV, STATS_INTERVAL_S))
     except ValueError:  # vLLM refuses such a value itself at start
         return STATS_INTERVAL_S
+
+
+class StatsCadence:
+    """When a stats line is due: at most once every `interval_s`, and only when its
+    counts changed since the last line (the host tier's line and the connector's)."""
+
+    def __init__(
+        self,
+        counts: DataclassInstance,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float | None = None,
+    ) -> None:
+        """`counts`: the dataclass the line shows, as of now (nothing to say yet)."""
+        self._clock = clock
+        self._interval_s = stats_interval_s() if interval_s is None else interval_s
+        self._last_line_s = clock()
+        self._logged = dataclasses.replace(counts)
+
+    def changed(self, counts: DataclassInstance) -> bool:
+        """Whether `counts` moved since the last line."""
+        return counts != self._logged
+
+    def due(self, counts: DataclassInstance) -> bool:
+        """Whether a line showing `counts` is due now; if so, it counts as written."""
+        now_s = self._clock()
+        if now_s - self._last_line_s < self._interval_s or not self.changed(counts):
+            return False
+        self._last_line_s = now_s
+        self._logged = dataclasses.replace(counts)
+        return True
 
 
 @dataclass
@@ -145,10 +180,7 @@ class HostReport:
         self.chunk_bytes = chunk_bytes
         self.counts = HostCounts()
         self._tiers = tiers
-        self._clock = clock
-        self._interval_s = stats_interval_s() if interval_s is None else interval_s
-        self._last_line_s = clock()
-        self._logged = HostCounts()  # as of the last stats line
+        self._cadence = StatsCadence(self.counts, clock=clock, interval_s=interval_s)
         self._taken = HostCounts()  # as of the last `take`
         self._warned_small = False
 
@@ -169,12 +201,8 @@ class HostReport:
 
     def tick(self) -> None:
         """A scheduler step ended: write the stats line if it is due and anything moved."""
-        now_s = self._clock()
-        if now_s - self._last_line_s < self._interval_s or self.counts == self._logged:
-            return
-        self._last_line_s = now_s
-        LOGGER.info(self.stats_line())
-        self._logged = dataclasses.replace(self.counts)
+        if self._cadence.due(self.counts):
+            LOGGER.info(self.stats_line())
 
     def stats_line(self) -> str:
         c = self.counts
