@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.alone_then_burst import write_alone_then_burst
 from tests.unit.serve_fakes import kvswap_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,17 +73,16 @@ def test_calibrated_prompts_match_the_trace_within_10_percent(tmp_path: Path) ->
 
 
 def test_an_overloaded_server_is_diagnosed_as_queueing(tmp_path: Path) -> None:
-    """On a real server: `kvswap serve tiny` running one request at a time, 48 one-turn
-    chats arriving together, each generating 64 tokens. The requests queue, and the load
-    test's report says so from the client's TTFTs alone (rule 7: the median against what
-    a request costs when it does not wait)."""
+    """On a real server: `kvswap serve tiny` running one request at a time, one chat
+    alone, then 47 arriving together, each generating 64 tokens. The burst queues, and
+    the load test's report says so from the client's TTFTs alone (rule 7: the median
+    against what a request costs when it does not wait, which the lone one shows)."""
+    trace = write_alone_then_burst(tmp_path / "alone_then_burst.jsonl")
     with kvswap_server("--model", "tiny", "--device", "cpu", "--port", "0",
                        "--max-num-seqs", "1") as url:  # fmt: skip
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", url, "--json",
-             "--num-sessions", "48", "--turns", "1", "--prompt-tokens", "32",
-             "--system-prompt-tokens", "0", "--output-tokens", "64", "--arrival-rate", "1000",
-             "--report", str(tmp_path / "lg")],
+             "--trace", str(trace), "--report", str(tmp_path / "lg")],
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests.alone_then_burst import write_alone_then_burst
 from tests.redis_server import HOST
 from tests.unit.serve_fakes import metric
 from tests.vllm_support import VLLM_VENV, VllmServer, run_script, vllm_venv_missing
@@ -134,22 +135,9 @@ def no_eos_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-#: One request alone, then a burst after it is long done: loadgen measures what a first
-#: token costs unqueued from the lone one (`alone`), and the burst queues behind
-#: `--max-num-seqs 1`.
+#: One request alone, then a burst (tests/alone_then_burst.py).
 ALONE_THEN_BURST = 1 + 47
-BURST_AT_MS = 3000
 QUEUE_OUTPUT_TOKENS = 64
-
-
-def write_alone_then_burst(path: Path) -> Path:
-    rows = [
-        {"timestamp": 0 if i == 0 else BURST_AT_MS, "input_length": 32,
-         "output_length": QUEUE_OUTPUT_TOKENS, "hash_ids": [i]}
-        for i in range(ALONE_THEN_BURST)
-    ]  # fmt: skip
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def test_an_overloaded_vllm_is_diagnosed_as_queueing(
@@ -166,7 +154,10 @@ def test_an_overloaded_vllm_is_diagnosed_as_queueing(
     its end, so even the burst's first request may wait as long as its median."""
     flags = list(SERVER_FLAGS)
     flags[flags.index("--max-num-seqs") + 1] = "1"
-    trace = write_alone_then_burst(tmp_path / "alone_then_burst.jsonl")
+    trace = write_alone_then_burst(
+        tmp_path / "alone_then_burst.jsonl", num_burst=ALONE_THEN_BURST - 1,
+        output_tokens=QUEUE_OUTPUT_TOKENS,
+    )  # fmt: skip
     with VllmServer(VLLM_VENV, no_eos_llama_dir, flags).start() as server:
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", server.base_url, "--json",
