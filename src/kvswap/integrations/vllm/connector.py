@@ -113,7 +113,6 @@ class _SchedulerSide:
     step_requests: set[str] = field(default_factory=set)
     step_jobs: set[int] = field(default_factory=set)
     taken: dict[int, _TakenJob] = field(default_factory=dict)
-    promotion_wait_s: float = 0.0
     counts: SyncLoadCounts = field(default_factory=SyncLoadCounts)
     cadence: StatsCadence = field(init=False)
 
@@ -212,8 +211,7 @@ class KvswapConnector(OffloadingConnector):
             return False
         start_s = time.monotonic()
         sync.counts.promoted_chunks += manager.promote_now(request.request_id)
-        sync.promotion_wait_s += time.monotonic() - start_s
-        sync.counts.promotion_wait_ms = round(sync.promotion_wait_s * 1e3)
+        sync.counts.promotion_wait_ms += (time.monotonic() - start_s) * 1e3
         return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

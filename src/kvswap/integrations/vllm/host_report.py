@@ -111,14 +111,14 @@ class SyncLoadCounts:
     #: whole: a value the tier refused is not counted).
     promoted_chunks: int = 0
     #: What the steps waited for those promotions, in all (ms).
-    promotion_wait_ms: int = 0
+    promotion_wait_ms: float = 0.0
 
     def line(self) -> str:
         return (
             f"kvswap connector: {self.within_step} loads within their step "
             f"({self.within_step_tokens} tokens), {self.between_steps} between steps, "
             f"{self.promoted_chunks} chunks promoted within their step "
-            f"({self.promotion_wait_ms} ms waited)"
+            f"({self.promotion_wait_ms:.0f} ms waited)"
         )
 
     @classmethod
