@@ -299,9 +299,12 @@ def vllm_host_tiers(result: dict[str, Any]) -> list[str]:
     for run in result["runs"]:
         counted = {key: int(value) for key, value in run["vllm"].items()}
         logged = run.get("sync_loads_logged")
-        within = "-" if logged is None else f"{logged['within_step']} / {logged['between_steps']}"
-        if logged is not None and "promoted_chunks" in logged:  # a result from before: none
-            within += f" ({logged['promoted_chunks']}, {logged['promotion_wait_ms']} ms)"
+        within = (
+            "-"
+            if logged is None
+            else f"{logged['within_step']} / {logged['between_steps']} "
+            f"({logged['promoted_chunks']}, {logged['promotion_wait_ms']:.0f} ms)"
+        )
         lines.append(
             f"| {labels[run['config']]}, round {run['round'] + 1} | "
             f"{counted['device_prefix_hit_tokens']} / {counted['connector_hit_tokens']} | "
