@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,27 @@ PUSHES = [tokens(100 * (i + 1), 100) for i in range(3)]
 #: by the pushes (a recency order): the default, reuse, keeps A's oldest chunk there.
 PUSHED_OUT = "kvswap"
 CHUNK_BYTES = chunk_bytes()
+#: A host tier of 4 chunks whose ranking pushes all of A's chunks out: a hit on A then
+#: comes from a tier below it.
+SMALL_HOST = {"cpu_bytes_to_use": 4 * CHUNK_BYTES, "eviction_policy": PUSHED_OUT}
+
+
+def over_nvme(nvme_dir: Path) -> dict[str, Any]:
+    """`SMALL_HOST` with kvswap's NVMe slab of 64 chunks below it."""
+    return {**SMALL_HOST, "nvme_dir": str(nvme_dir), "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES}
+
+
+def connector_counts(besides: Sequence[Any] = ()) -> Any:
+    """The scheduler-side `KvswapConnector`'s live `SyncLoadCounts` (the one not in
+    `besides`: a connector of an LLM closed earlier in this process may outlive it)."""
+    from kvswap.integrations.vllm.connector import KvswapConnector
+
+    (counts,) = [
+        found.sync_load_counts
+        for found in instances(KvswapConnector)
+        if found.sync_load_counts is not None and all(found is not old for old in besides)
+    ]
+    return counts
 
 
 def push(llm: Any) -> None:
@@ -119,18 +141,13 @@ def sync_loads(model: Path) -> dict[str, Any]:
     a hit in the host tier, loaded within their steps while others wait."""
     from dataclasses import asdict
 
-    from kvswap.integrations.vllm.connector import KvswapConnector
     from kvswap.integrations.vllm.worker import KvswapOffloadingWorker
 
     extra = {"cpu_bytes_to_use": 16 * CHUNK_BYTES, "sync_load_budget_bytes": 1 << 30}
     llm = make_llm(model, extra, KVSWAP_CONNECTOR)
     try:
         firsts = [generate(llm, prompt) for prompt in [PROMPT, *PUSHES]]
-        (counts,) = [
-            found.sync_load_counts
-            for found in instances(KvswapConnector)
-            if found.sync_load_counts is not None
-        ]
+        counts = connector_counts()
         again = generate(llm, PROMPT)
         after_again = asdict(counts)
         together = generate_all(llm, [PROMPT, *PUSHES])
@@ -160,21 +177,11 @@ def sync_promotions(model: Path, nvme_dir: Path, budget_bytes: int) -> dict[str,
     from kvswap.integrations.vllm.manager import KvswapTieringManager
 
     earlier = [*instances(KvswapTieringManager), *instances(KvswapConnector)]
-    extra = {
-        "cpu_bytes_to_use": 4 * CHUNK_BYTES,
-        "eviction_policy": PUSHED_OUT,
-        "nvme_dir": str(nvme_dir),
-        "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
-        "sync_load_budget_bytes": budget_bytes,
-    }
+    extra = {**over_nvme(nvme_dir), "sync_load_budget_bytes": budget_bytes}
     llm = make_llm(model, extra, KVSWAP_CONNECTOR)
     try:
         (nvme,) = only(KvswapTieringManager, besides=earlier).secondary_tiers
-        (counts,) = [
-            found.sync_load_counts
-            for found in instances(KvswapConnector)
-            if found.sync_load_counts is not None and all(found is not old for old in earlier)
-        ]
+        counts = connector_counts(besides=earlier)
         first = generate(llm, PROMPT)
         push(llm)
         before = asdict(counts)
@@ -214,8 +221,7 @@ def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
     llm = make_llm(
         model,
         {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
-            "eviction_policy": PUSHED_OUT,
+            **SMALL_HOST,
             "secondary_tiers": [
                 {"type": "fs", "root_dir": str(root_dir), "n_read_threads": 2, "n_write_threads": 2}
             ],
@@ -251,14 +257,7 @@ def tiers(model: Path, nvme_dir: Path, redis_url: str) -> dict[str, Any]:
 
     llm = make_llm(
         model,
-        {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
-            "eviction_policy": PUSHED_OUT,
-            "nvme_dir": str(nvme_dir),
-            "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
-            "remote_url": redis_url,
-            "remote_timeout_ms": STORE_TIMEOUT_MS,
-        },
+        {**over_nvme(nvme_dir), "remote_url": redis_url, "remote_timeout_ms": STORE_TIMEOUT_MS},
     )
     try:
         manager = only(KvswapTieringManager)
@@ -290,12 +289,7 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
 
     llm = make_llm(
         model,
-        {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
-            "eviction_policy": PUSHED_OUT,
-            "remote_url": redis_url,
-            "remote_timeout_ms": STORE_TIMEOUT_MS,
-        },
+        {**SMALL_HOST, "remote_url": redis_url, "remote_timeout_ms": STORE_TIMEOUT_MS},
     )
     try:
         (store,) = only(KvswapTieringManager).secondary_tiers
@@ -319,11 +313,7 @@ def restore(model: Path, redis_url: str) -> dict[str, Any]:
 def redeploy(model: Path, redis_url: str, work_dir: Path) -> dict[str, Any]:
     current = work_dir / "current"
     shutil.copytree(model, current)
-    store_only = {
-        "cpu_bytes_to_use": 4 * CHUNK_BYTES, "remote_url": redis_url,
-        "eviction_policy": PUSHED_OUT,
-        "remote_timeout_ms": STORE_TIMEOUT_MS,
-    }  # fmt: skip
+    store_only = {**SMALL_HOST, "remote_url": redis_url, "remote_timeout_ms": STORE_TIMEOUT_MS}
     llm = make_llm(current, store_only)
     try:
         served_a = generate(llm, PROMPT)
@@ -344,15 +334,7 @@ def nvme_only(model: Path, nvme_dir: Path) -> dict[str, Any]:
     from kvswap.integrations.vllm.manager import KvswapTieringManager
 
     earlier = instances(KvswapTieringManager)
-    llm = make_llm(
-        model,
-        {
-            "cpu_bytes_to_use": 4 * CHUNK_BYTES,
-            "eviction_policy": PUSHED_OUT,
-            "nvme_dir": str(nvme_dir),
-            "nvme_kv_capacity_bytes": 64 * CHUNK_BYTES,
-        },
-    )
+    llm = make_llm(model, over_nvme(nvme_dir))
     try:
         (nvme,) = only(KvswapTieringManager, besides=earlier).secondary_tiers
         generate(llm, PROMPT)
