@@ -180,6 +180,9 @@ def test_a_corrupt_nvme_value_is_refused_and_the_store_serves_the_prompt(
 def test_the_adapter_leaves_no_file_behind(first: dict[str, Any]) -> None:
     assert first["tiers"]["slab_left"] is False
     assert first["tiers"]["shm_left"] == []
+    for scenario in ("sync_promotions", "promotions_beyond_budget"):
+        assert first[scenario]["slab_left"] is False
+        assert first[scenario]["nvme_dir_left"] == []
 
 
 def test_a_second_process_restores_the_prompt_from_the_store(

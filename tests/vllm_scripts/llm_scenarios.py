@@ -190,7 +190,8 @@ def sync_promotions(model: Path, nvme_dir: Path, budget_bytes: int) -> dict[str,
         push(llm)
         damage_slab(nvme.tier.disk)
         damaged = generate(llm, PROMPT)
-        return {
+        slab = nvme.tier.disk.path
+        result = {
             "first": first,
             "again": again,
             "counts_before_again": before,
@@ -201,6 +202,8 @@ def sync_promotions(model: Path, nvme_dir: Path, budget_bytes: int) -> dict[str,
         }
     finally:
         close(llm)
+    return {**result, "nvme_dir_left": sorted(path.name for path in nvme_dir.iterdir()),
+            "slab_left": slab.exists()}  # fmt: skip
 
 
 def vllm_tier(model: Path, root_dir: Path) -> dict[str, Any]:
