@@ -1,7 +1,7 @@
 """A Mooncake-format trace for the queueing tests: one request alone, then a burst.
 
 The first request arrives alone and is long done when the others arrive together
-(`burst_at_ms` later): loadgen reads what an unqueued first token costs from it
+(`BURST_AT_MS` later): loadgen reads what an unqueued first token costs from it
 (the median of the requests sent while nothing else was in flight), and the burst
 queues behind a server that runs one sequence at a time. Without the lone request,
 a server whose API process is starved by its engine on 2 cores can deliver even
@@ -13,20 +13,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+#: The trace's requests: the lone one and the burst.
+NUM_REQUESTS = 1 + 47
+#: When the burst arrives, after the lone request (ms).
+BURST_AT_MS = 3000
+#: Each request's prompt and output.
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 64
 
-def write_alone_then_burst(
-    path: Path,
-    *,
-    num_burst: int = 47,
-    burst_at_ms: int = 3000,
-    prompt_tokens: int = 32,
-    output_tokens: int = 64,
-) -> Path:
-    """Write the trace to `path` (1 + `num_burst` rows, no prefix shared) and return it."""
+
+def write(path: Path) -> Path:
+    """Write the trace to `path` (`NUM_REQUESTS` rows, no prefix shared) and return it."""
     rows = [
-        {"timestamp": 0 if i == 0 else burst_at_ms, "input_length": prompt_tokens,
-         "output_length": output_tokens, "hash_ids": [i]}
-        for i in range(1 + num_burst)
+        {"timestamp": 0 if i == 0 else BURST_AT_MS, "input_length": PROMPT_TOKENS,
+         "output_length": OUTPUT_TOKENS, "hash_ids": [i]}
+        for i in range(NUM_REQUESTS)
     ]  # fmt: skip
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.alone_then_burst import write_alone_then_burst
+from tests import alone_then_burst
 from tests.unit.serve_fakes import kvswap_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_an_overloaded_server_is_diagnosed_as_queueing(tmp_path: Path) -> None:
     alone, then 47 arriving together, each generating 64 tokens. The burst queues, and
     the load test's report says so from the client's TTFTs alone (rule 7: the median
     against what a request costs when it does not wait, which the lone one shows)."""
-    trace = write_alone_then_burst(tmp_path / "alone_then_burst.jsonl")
+    trace = alone_then_burst.write(tmp_path / "alone_then_burst.jsonl")
     with kvswap_server("--model", "tiny", "--device", "cpu", "--port", "0",
                        "--max-num-seqs", "1") as url:  # fmt: skip
         run = subprocess.run(
@@ -88,6 +88,6 @@ def test_an_overloaded_server_is_diagnosed_as_queueing(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
     report = json.loads((tmp_path / "lg" / "report.json").read_text())
-    assert summary["requests_completed"] == 48
+    assert summary["requests_completed"] == alone_then_burst.NUM_REQUESTS
     (queued,) = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
     assert queued["values"]["queue_share"] > 0.5

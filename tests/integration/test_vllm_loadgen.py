@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.alone_then_burst import write_alone_then_burst
+from tests import alone_then_burst
 from tests.redis_server import HOST
 from tests.unit.serve_fakes import metric
 from tests.vllm_support import VLLM_VENV, VllmServer, run_script, vllm_venv_missing
@@ -135,11 +135,6 @@ def no_eos_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-#: One request alone, then a burst (tests/alone_then_burst.py).
-ALONE_THEN_BURST = 1 + 47
-QUEUE_OUTPUT_TOKENS = 64
-
-
 def test_an_overloaded_vllm_is_diagnosed_as_queueing(
     no_eos_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -154,10 +149,7 @@ def test_an_overloaded_vllm_is_diagnosed_as_queueing(
     its end, so even the burst's first request may wait as long as its median."""
     flags = list(SERVER_FLAGS)
     flags[flags.index("--max-num-seqs") + 1] = "1"
-    trace = write_alone_then_burst(
-        tmp_path / "alone_then_burst.jsonl", num_burst=ALONE_THEN_BURST - 1,
-        output_tokens=QUEUE_OUTPUT_TOKENS,
-    )  # fmt: skip
+    trace = alone_then_burst.write(tmp_path / "alone_then_burst.jsonl")
     with VllmServer(VLLM_VENV, no_eos_llama_dir, flags).start() as server:
         run = subprocess.run(
             [sys.executable, "-m", "kvswap", "loadgen", "--url", server.base_url, "--json",
@@ -167,8 +159,11 @@ def test_an_overloaded_vllm_is_diagnosed_as_queueing(
         )  # fmt: skip
     assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout)
-    assert summary["requests_completed"] == ALONE_THEN_BURST
-    assert summary["tokens_generated"] == ALONE_THEN_BURST * QUEUE_OUTPUT_TOKENS
+    assert summary["requests_completed"] == alone_then_burst.NUM_REQUESTS
+    assert (
+        summary["tokens_generated"]
+        == alone_then_burst.NUM_REQUESTS * alone_then_burst.OUTPUT_TOKENS
+    )
     report = json.loads((tmp_path / "lg" / "report.json").read_text())
     queued = [f for f in report["diagnosis"] if f["rule"] == "requests_queued"]
     assert len(queued) == 1, (summary["ttft_ms"], summary["ttft_fastest_ms"])
