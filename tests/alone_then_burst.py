@@ -22,12 +22,13 @@ PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 64
 
 
-def write(path: Path) -> Path:
-    """Write the trace to `path` (`NUM_REQUESTS` rows, no prefix shared) and return it."""
+def write(path: Path, num_requests: int = NUM_REQUESTS, burst_at_ms: int = BURST_AT_MS) -> Path:
+    """Write the trace to `path` (`num_requests` rows: the lone one, then the burst
+    `burst_at_ms` later; no prefix shared) and return it."""
     rows = [
-        {"timestamp": 0 if i == 0 else BURST_AT_MS, "input_length": PROMPT_TOKENS,
+        {"timestamp": 0 if i == 0 else burst_at_ms, "input_length": PROMPT_TOKENS,
          "output_length": OUTPUT_TOKENS, "hash_ids": [i]}
-        for i in range(NUM_REQUESTS)
+        for i in range(num_requests)
     ]  # fmt: skip
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
