@@ -98,6 +98,12 @@ def section_names(text: str, allowed: Iterable[str]) -> list[str]:
     return names
 
 
+def round_order(configs: list[str], round_index: int) -> list[str]:
+    """The order of one round of interleaved runs: a b c, then c b a, and so on, so
+    that no config is always first or last while a shared machine's speed drifts."""
+    return configs if round_index % 2 == 0 else configs[::-1]
+
+
 def ratio(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, 4) if denominator else float("nan")
 

@@ -78,6 +78,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from engine_support import round_order  # noqa: E402
 from host_tiers_figures import (  # noqa: E402
     between_steps_ratios,
     judge,
@@ -454,11 +455,6 @@ def vllm_venv_versions() -> dict[str, str]:
     return found
 
 
-def order(configs: list[str], round_index: int) -> list[str]:
-    """a b c d, then d c b a, and so on: no config always first or last."""
-    return configs if round_index % 2 == 0 else configs[::-1]
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -490,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             run_script(VLLM_VENV, "tests/vllm_scripts/tiny_llama.py", str(setup["model_dir"]),
                        "--shape", json.dumps(model_shape), "--no-eos")  # fmt: skip
             for round_index in range(args.rounds):
-                for config in order(list(args.configs), round_index):
+                for config in round_order(list(args.configs), round_index):
                     runs.append(run_once(config, round_index, setup, work))
                     run = runs[-1]
                     print(f"  round {round_index + 1} {labels[config]}: TTFT p50 "

@@ -21,7 +21,10 @@ Both sides get the same torch thread count and OpenMP wait policy (PASSIVE unles
 the user set one), the same prompts, pools of the same tokens and the same batch
 limits; each side serves one untimed short request before it is timed, then
 `--repeats` timed runs, the best reported: kvswap on a fresh engine each run,
-vLLM on one LLM whose prefix cache (and host tier) is emptied before each.
+vLLM on one LLM whose prefix cache (and host tier) is emptied before each; the
+pressure section's three vLLM sides instead run interleaved, one process per run,
+in rounds whose order turns (their ratios are what the section judges, and a
+shared machine's speed drifts over its minutes).
 Goals, from the issue: >= 1.0x on the one request, >= 1.5x on the batch. Prints
 each section's shapes and figures, goals beside the ratios; `--json` prints one
 JSON object instead (tables go to stderr), `--out FILE` also writes it after
@@ -66,6 +69,7 @@ from engine_support import (  # noqa: E402
     explicit_requests,
     ratio,
     require,
+    round_order,
     section_names,
     serve,
 )
@@ -148,11 +152,14 @@ def vllm_run(
     limits: dict[str, int],
     offload_bytes: int | None = None,
     extra_config: dict[str, str] | None = None,
+    repeats: int | None = None,
 ) -> dict[str, Any]:
-    """One vLLM process serving this case; the JSON it printed. With `offload_bytes`,
-    kvswap's spec is its host tier, `extra_config` added to the connector's keys."""
+    """One vLLM process serving this case `repeats` times (None: `sides.repeats`); the
+    JSON it printed. With `offload_bytes`, kvswap's spec is its host tier,
+    `extra_config` added to the connector's keys."""
     case = {
-        "model": sides.bench.model, "threads": sides.bench.threads, "repeats": sides.repeats,
+        "model": sides.bench.model, "threads": sides.bench.threads,
+        "repeats": sides.repeats if repeats is None else repeats,
         "kind": kind, "prompts": prompts, "new_tokens": new_tokens, "llm": limits,
         "offload_bytes": offload_bytes, "extra_config": extra_config or {},
     }  # fmt: skip
@@ -271,13 +278,23 @@ def section_pressure(sides: Sides) -> Result:
     )  # fmt: skip
     kv_token_bytes = kv_bytes_per_token(sides.bench.model)
     offload_bytes = 2 * demand_tokens * kv_token_bytes
-    recompute_side = vllm_run(sides, "pressure", prompts, new_tokens, limits)
-    offload_side = vllm_run(sides, "pressure", prompts, new_tokens, limits, offload_bytes)
-    idle_side = vllm_run(
-        sides, "pressure", prompts, new_tokens, limits, offload_bytes, STORE_NOTHING
-    )
-    recompute_runs, offload_runs = recompute_side["runs"], offload_side["runs"]
-    idle_runs = idle_side["runs"]
+    # vLLM's three sides, interleaved: one process per run, in rounds whose order turns
+    # (recompute, offload, store-nothing, then back), so that the machine's drift over
+    # the minutes they take falls on every side alike.
+    vllm_sides: dict[str, tuple[int | None, dict[str, str] | None]] = {
+        "recompute": (None, None), "offload": (offload_bytes, None),
+        "store_nothing": (offload_bytes, STORE_NOTHING),
+    }  # fmt: skip
+    side_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in vllm_sides}
+    for round_index in range(sides.repeats):
+        for name in round_order(list(vllm_sides), round_index):
+            host_bytes, extra = vllm_sides[name]
+            side = vllm_run(
+                sides, "pressure", prompts, new_tokens, limits, host_bytes, extra, repeats=1
+            )
+            side_runs[name] += side["runs"]
+    recompute_runs, offload_runs = side_runs["recompute"], side_runs["offload"]
+    idle_runs = side_runs["store_nothing"]
     # The fastest run of each side is reported, and must have done what it is named for.
     ours = max(ours_runs, key=lambda run: float(run["throughput_tok_s"]))
     recompute = max(recompute_runs, key=lambda run: float(run["tok_s"]))
@@ -333,8 +350,8 @@ def section_pressure(sides: Sides) -> Result:
         "requests": f"{num} x {prompt_tokens}+{new_tokens}", "kv_demand_tokens": demand_tokens,
         "device_pool_tokens": pool_tokens, "host_tier_tokens": 2 * demand_tokens,
         "max_num_seqs": num, "max_num_batched_tokens": PRESSURE_BATCHED_TOKENS,
-        "runs_each": sides.repeats, "vllm": recompute_side["vllm"],
-        "vllm_torch_threads": recompute_side["torch_threads"],
+        "runs_each": sides.repeats, "vllm": side["vllm"],
+        "vllm_torch_threads": side["torch_threads"], "vllm_runs": "interleaved, one process each",
     }  # fmt: skip
     return Result(shapes, figures, {"vllm_offload_over_recompute": Goal(">=", 0.97)})
 
