@@ -22,9 +22,9 @@ the user set one), the same prompts, pools of the same tokens and the same batch
 limits; each side serves one untimed short request before it is timed, then
 `--repeats` timed runs, the best reported: kvswap on a fresh engine each run,
 vLLM on one LLM whose prefix cache (and host tier) is emptied before each; the
-pressure section's three vLLM sides instead run interleaved, one process per run,
-in rounds whose order turns (their ratios are what the section judges, and a
-shared machine's speed drifts over its minutes).
+pressure section's three vLLM sides instead run interleaved, one process per timed
+run (after one untimed run of the case), in rounds whose order turns (their ratios
+are what the section judges, and a shared machine's speed drifts over its minutes).
 Goals, from the issue: >= 1.0x on the one request, >= 1.5x on the batch. Prints
 each section's shapes and figures, goals beside the ratios; `--json` prints one
 JSON object instead (tables go to stderr), `--out FILE` also writes it after
@@ -153,15 +153,18 @@ def vllm_run(
     offload_bytes: int | None = None,
     extra_config: dict[str, str] | None = None,
     repeats: int | None = None,
+    untimed_runs: int = 0,
 ) -> dict[str, Any]:
-    """One vLLM process serving this case `repeats` times (None: `sides.repeats`); the
-    JSON it printed. With `offload_bytes`, kvswap's spec is its host tier,
-    `extra_config` added to the connector's keys."""
+    """One vLLM process serving this case `repeats` times (None: `sides.repeats`),
+    after `untimed_runs` runs it does not report (the pressure case only); the JSON it
+    printed. With `offload_bytes`, kvswap's spec is its host tier, `extra_config`
+    added to the connector's keys."""
     case = {
         "model": sides.bench.model, "threads": sides.bench.threads,
         "repeats": sides.repeats if repeats is None else repeats,
         "kind": kind, "prompts": prompts, "new_tokens": new_tokens, "llm": limits,
         "offload_bytes": offload_bytes, "extra_config": extra_config or {},
+        "untimed_runs": untimed_runs,
     }  # fmt: skip
     # One file per side (in the run's temporary directory, removed with it).
     with tempfile.NamedTemporaryFile(
@@ -278,9 +281,12 @@ def section_pressure(sides: Sides) -> Result:
     )  # fmt: skip
     kv_token_bytes = kv_bytes_per_token(sides.bench.model)
     offload_bytes = 2 * demand_tokens * kv_token_bytes
-    # vLLM's three sides, interleaved: one process per run, in rounds whose order turns
-    # (recompute, offload, store-nothing, then back), so that the machine's drift over
-    # the minutes they take falls on every side alike.
+    # vLLM's three sides, interleaved: one process per timed run, in rounds whose order
+    # turns (recompute, offload, store-nothing, then back), so that the machine's drift
+    # over the minutes they take falls on every side alike. Each process first runs the
+    # case once untimed, so that the timed run finds what a running server has behind
+    # it (kernels built for each batch shape, memory touched), as the timed runs after
+    # the first did when each side ran its runs in one process.
     vllm_sides: dict[str, tuple[int | None, dict[str, str] | None]] = {
         "recompute": (None, None), "offload": (offload_bytes, None),
         "store_nothing": (offload_bytes, STORE_NOTHING),
@@ -290,8 +296,9 @@ def section_pressure(sides: Sides) -> Result:
         for name in round_order(list(vllm_sides), round_index):
             host_bytes, extra = vllm_sides[name]
             side = vllm_run(
-                sides, "pressure", prompts, new_tokens, limits, host_bytes, extra, repeats=1
-            )
+                sides, "pressure", prompts, new_tokens, limits, host_bytes, extra,
+                repeats=1, untimed_runs=1,
+            )  # fmt: skip
             side_runs[name] += side["runs"]
     recompute_runs, offload_runs = side_runs["recompute"], side_runs["offload"]
     idle_runs = side_runs["store_nothing"]
