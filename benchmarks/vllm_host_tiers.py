@@ -54,7 +54,7 @@ logs, reports and NVMe directories are in a temporary directory removed at the e
 
     .venv/bin/python benchmarks/vllm_host_tiers.py --out benchmarks/results/vllm_host_tiers.json
                                                             # 2 rounds: ~55 min on 2 cores
-    .venv/bin/python benchmarks/vllm_host_tiers.py --quick  # the smoke test's: ~6 min
+    .venv/bin/python benchmarks/vllm_host_tiers.py --quick  # the smoke test's: ~4 min
 """
 
 from __future__ import annotations
@@ -147,13 +147,13 @@ SERVERS: dict[bool, dict[str, int]] = {
 #: each 20 s (mean, exponential) after the last reply; a 448-token first prompt of which
 #: 128 are the system prompt every session shares, 32 new user tokens a turn, 32-token
 #: answers: prompts grow 448 -> 704 tokens (14-22 blocks). Working set ~250 blocks, ~4x
-#: the device pool. --quick: 8 sessions of 3 turns starting within a second, 4 s apart.
+#: the device pool. --quick: 8 sessions of 3 turns starting within a second, 2 s apart.
 CHATS: dict[bool, dict[str, float]] = {
     False: {"num_sessions": 64, "turns": 5, "prompt_tokens": 448, "system_prompt_tokens": 128,
             "user_tokens": 32, "output_tokens": 32, "arrival_rate": 1.0, "think_time_s": 20.0,
             "seed": 0},
     True: {"num_sessions": 8, "turns": 3, "prompt_tokens": 256, "system_prompt_tokens": 64,
-           "user_tokens": 16, "output_tokens": 8, "arrival_rate": 8.0, "think_time_s": 4.0,
+           "user_tokens": 16, "output_tokens": 8, "arrival_rate": 8.0, "think_time_s": 2.0,
            "seed": 0},
 }  # fmt: skip
 #: Prompts the chat does not share (another seed, no system prompt): the first requests
