@@ -508,7 +508,9 @@ def test_a_server_whose_requests_queue_is_diagnosed_as_queueing(
     ~0.25 s for the lone one. (Sent all at once, a busy 2-core CI run held even the
     fastest tenth back for several admissions, and nothing showed an unqueued first
     token: the lone request is what does, as in the vLLM twin of this test.)"""
-    trace = alone_then_burst.write(tmp_path / "alone_then_burst.jsonl", 1 + 16, 1000)
+    trace = alone_then_burst.write(
+        tmp_path / "alone_then_burst.jsonl", num_requests=1 + 16, burst_at_ms=1000
+    )
     with StubServer(StubOptions(admit_s=0.25)) as server:
         summary, _ = loadgen_json(
             capsys, server.url, "--trace", str(trace), "--time-scale", "1",
