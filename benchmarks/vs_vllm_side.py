@@ -15,7 +15,8 @@ case's `extra_config` keys added to the connector's. Kinds:
   pressure  the same, with what vLLM counted in each run: preemptions
             (`vllm:num_preemptions`), the tokens its scheduler computed beyond one
             pass over every prompt and output (recomputed after a preemption),
-            and the offload worker's loads and stores
+            and the offload worker's loads and stores; the case's `untimed_runs`
+            come first and are not reported
 
 Each LLM first serves one untimed short request; before every timed run its
 prefix cache is reset (and its host tier emptied), so no run reuses a previous
@@ -179,8 +180,8 @@ def pressure(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
     # One pass: every prompt token once, every output token but the last fed back once.
     one_pass_tokens = sum(len(p) + case["new_tokens"] - 1 for p in case["prompts"])
     runs: list[dict[str, Any]] = []
-    untimed = int(case.get("untimed_runs", 0))
-    for _ in range(untimed + case["repeats"]):
+    untimed_runs = int(case.get("untimed_runs", 0))
+    for _ in range(untimed_runs + case["repeats"]):
         if not llm.reset_prefix_cache(reset_connector=worker is not None):
             raise RuntimeError("vLLM did not reset its prefix cache")
         preemptions_before = metric_totals(llm).get("vllm:num_preemptions", 0.0)
@@ -202,7 +203,7 @@ def pressure(llm: Any, case: dict[str, Any]) -> dict[str, Any]:
             after = worker.counts.__dict__
             run["offload"] = {key: after[key] - counts_before[key] for key in counts_before}
         runs.append(run)
-    return {"runs": runs[untimed:]}
+    return {"runs": runs[untimed_runs:]}
 
 
 KINDS = {"long": long_request, "batch": batch, "pressure": pressure}
