@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvswap.base.eviction_policy import BlockKey
 from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.settings import RemoteWritePolicy
@@ -231,3 +234,43 @@ def test_on_demote_without_nvme_the_store_is_the_tier_below_the_pinned_pool() ->
     a.swapper.end_step()
     assert len(chunks(engine, Direction.CPU_TO_REMOTE)) == 2
     assert a.swapper.store.tiers[Tier.CPU].num_used_slots == 4
+
+
+def test_on_demote_without_nvme_a_pass_stops_once_the_store_has_no_room_for_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = FakeStore()
+    # One write of one block in flight at most; the pinned pool demotes past 6 of 12.
+    a, engine = make_process(
+        store, num_gpu_blocks=16, num_cpu_blocks=12, swap_out_chunk_blocks=1,
+        max_inflight_write_chunks=1, write_policy=RemoteWritePolicy.ON_DEMOTE,
+        cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.25,
+    )  # fmt: skip
+    a.add_request(1, list(range(1, 22)), 1, 0.0)  # 10 full blocks and a partial one
+    run_step(a)
+    engine.finish()  # the finish offload lands: 10 ready CPU copies, none written yet
+    a.swapper.begin_step(2)
+    policy = a.swapper.store.policies[Tier.CPU]
+    asked: list[int] = []
+    evict = policy.evict
+
+    def counted(n: int, **kwargs: bool) -> list[BlockKey] | None:
+        asked.append(n)
+        return evict(n, **kwargs)
+
+    monkeypatch.setattr(policy, "evict", counted)
+    a.swapper.end_step()
+    # The coldest block is written (the room for one write); the next victim could
+    # only leave by a write too, so the pass stops there instead of looking past
+    # every copy of the pool (each looked at is ranked again when the pass ends).
+    assert sum(c.num_blocks for c in chunks(engine, Direction.CPU_TO_REMOTE)) == 1
+    assert len(asked) == 2
+    a.swapper.check_integrity()
+    # Each landed write makes room for the next: a block a step leaves, each pass
+    # looking at two victims at most, until the pool is under its high watermark.
+    for step in range(3, 9):
+        asked.clear()
+        between_steps(a, engine, step)
+        assert len(asked) <= 2
+    assert a.swapper.store.tiers[Tier.CPU].num_used_slots == 5
+    assert len(store.keys) == 5

@@ -34,7 +34,9 @@ With a remote tier written `on_demote`, every block the tier above the store
 (`TierSpec.above` of `Tier.REMOTE`: the pinned pool) lets go is written to the
 store first, unless the store has it: alongside its NVMe demotion, or instead
 of a free drop (the CPU copy then goes once the write succeeded). Without an
-NVMe tier the store is where cold blocks go: written, then dropped.
+NVMe tier the store is where cold blocks go: written, then dropped; once the
+store's room for writes in flight is used up, nothing below has room and the
+pass stops (each write that lands makes room for the next pass).
 """
 
 from __future__ import annotations
@@ -204,15 +206,21 @@ class Demoter:
         if pair.lower in block.copies or no_tier_below:
             # A copy below still in flight (a stale one still read, an older one still
             # written): the block gets no second copy there and stays until it lands.
-            # With no tier below but the store, the write is the way down.
-            return _Outcome.LEFT if written else _Outcome.STAYS
-        copy = make_room(
-            self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
-        )
-        if copy is not None:
-            moves.append(self.mover.reserve(block, pair.upper, copy))
-            self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
-            return _Outcome.LEFT
+            # With no tier below but the store, the write is the way down; once the
+            # store's room for writes in flight is used up, nothing below has room
+            # (looking past every victim of the tier would only rank them all again).
+            if written:
+                return _Outcome.LEFT
+            if not no_tier_below or writes is None or writes.room_blocks > 0:
+                return _Outcome.STAYS
+        else:
+            copy = make_room(
+                self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
+            )
+            if copy is not None:
+                moves.append(self.mover.reserve(block, pair.upper, copy))
+                self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
+                return _Outcome.LEFT
         if not pair.discard_when_full:
             return _Outcome.STOP
         if block.ref_count == 0:
