@@ -187,6 +187,24 @@ def test_a_key_removed_and_inserted_again_leaves_no_stale_entry_alive() -> None:
     assert policy.evict(1) == ["k"] and policy.evict(1) is None
 
 
+def test_copies_that_may_not_leave_have_no_entry_for_evict_to_look_past() -> None:
+    """Regression: a copy that may not leave (a running sequence's on the device, one
+    under transfer) kept its heap entries, and every `evict` popped and pushed back each
+    of them: on a device tier of running sequences each victim cost a scan of the tier
+    (a simulation with `gpu_eviction_policy = "reuse"` of 100 requests ran for minutes)."""
+    policy = reuse_policy()
+    for index in range(1000):
+        policy.insert(f"r{index}", facts(running=True))  # the class evicted first
+    policy.insert("busy", BUSY)
+    policy.insert("free", FREE)
+    assert sum(map(len, policy._heaps)) + len(policy._idle) == 2  # "free"'s two only
+    assert policy.evict(1) == ["free"]
+    policy.update("r7", HELD)  # its sequence paused: it may leave now
+    policy.update("busy", FREE)  # its transfer ended
+    assert sorted(drain(policy)) == ["busy", "r7"]
+    policy.check_integrity({f"r{index}" for index in range(1000)})
+
+
 @pytest.mark.parametrize("tier", [Tier.GPU, Tier.CPU, Tier.NVME])
 def test_reuse_is_a_built_in_name_on_every_tier(tier: Tier) -> None:
     options = PolicyOptions(gpu_eviction_policy="reuse", cpu_eviction_policy="reuse",

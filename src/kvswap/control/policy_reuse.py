@@ -53,8 +53,9 @@ The default stays newest first. No signal tried chose between them by itself
 saw as many returns at every size).
 
 Each class is a heap with lazy deletion (an entry carries the key's version; a
-changed key pushes a new one): `evict` costs O(log n) per victim and per stale
-entry, never a scan of the tier.
+changed key pushes a new one) of the copies that may leave now: `evict` costs
+O(log n) per victim and per stale entry, and, with `droppable_only`, per copy it
+looks past that only a transfer could move (a paused sequence's only copy).
 
 On `host_tier_replay.py` (vLLM's host tier replayed at its manager level), this
 ranking hits more than Belady's rule with the future read off an unlimited run, with
@@ -241,9 +242,9 @@ class ReusePolicy(EvictionPolicy):
     def check_integrity(self, keys_with_copy: Collection[BlockKey]) -> None:
         candidates = sum(held.facts.may_leave for held in self._held.values())
         assert candidates == self._num_candidates, "candidate count out of step"
-        live = {(key, held.version) for key, held in self._held.items()}
+        live = {(key, held.version) for key, held in self._held.items() if held.facts.may_leave}
         in_heaps = {(entry[2], entry[1]) for heap in self._heaps for entry in heap}
-        assert live <= in_heaps, "a held copy is in no class heap"
+        assert live <= in_heaps, "a candidate is in no class heap"
         for key, held in self._held.items():
             assert key in keys_with_copy, f"{self.tier.value}: key {key} held without a copy"
             assert held.first_step <= held.last_step and held.uses >= 1
@@ -256,9 +257,14 @@ class ReusePolicy(EvictionPolicy):
     def _push(self, key: BlockKey, held: _Use) -> None:
         """The copy's ranking inputs changed: its new entries; the old ones go stale. The
         version is the policy's, not the key's: a key removed and inserted again must
-        not bring its old entries back to life."""
+        not bring its old entries back to life. A copy that may not leave now (busy, a
+        running sequence's) gets no entry until a change lets it: `evict` would pop it
+        and push it back at every call, a scan of the tier where most copies are such
+        (a device tier of running sequences)."""
         self._versions += 1
         held.version = self._versions
+        if not held.facts.may_leave:
+            return
         heap_id, order = held.class_and_order(self._once_oldest)
         heapq.heappush(self._heaps[heap_id], (order, held.version, key))
         if not held.facts.referenced:
