@@ -191,7 +191,8 @@ def test_copies_that_may_not_leave_have_no_entry_for_evict_to_look_past() -> Non
     """Regression: a copy that may not leave (a running sequence's on the device, one
     under transfer) kept its heap entries, and every `evict` popped and pushed back each
     of them: on a device tier of running sequences each victim cost a scan of the tier
-    (a simulation with `gpu_eviction_policy = "reuse"` of 100 requests ran for minutes)."""
+    (the simulator with `gpu_eviction_policy = "reuse"` took over 100 s for 90 requests
+    of sim_scale.py's trace, 2 s without the scan)."""
     policy = reuse_policy()
     for index in range(1000):
         policy.insert(f"r{index}", facts(running=True))  # the class evicted first
