@@ -24,6 +24,7 @@ While `RemoteIndex.available` is False nothing is looked up or written.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvswap.base.remote_index import RemoteIndex
@@ -50,8 +51,10 @@ class RemoteTier:
         self.settings = settings
         self.index = index
         # Blocks to write, oldest first; each had a ready CPU copy when queued (checked
-        # again at flush: nothing is reserved while queued, so a CPU drop may win).
-        self._queue: dict[int, Block] = {}
+        # again at flush: nothing is reserved while queued, so a CPU drop may win). An
+        # OrderedDict: `flush` takes from the front, which a dict does in time growing
+        # with the entries deleted before it (a queue of 100k blocks: quadratic).
+        self._queue: OrderedDict[int, Block] = OrderedDict()
         # Blocks to queue once their CPU copy lands (the finish offload gives them one).
         self._on_cpu_arrival: set[int] = set()
 
@@ -120,8 +123,7 @@ class RemoteTier:
         pairs: list[tuple[Block, Copy]] = []
         room_blocks = self.write_room_blocks()
         while self._queue and len(pairs) < room_blocks:
-            block_id = next(iter(self._queue))
-            block = self._queue.pop(block_id)
+            _, block = self._queue.popitem(last=False)
             if not self._due(block):
                 continue  # written meanwhile, or gone: nothing to do
             pair = self.plan_write(block)
