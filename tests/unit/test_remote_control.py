@@ -122,6 +122,28 @@ def test_the_lookup_is_bounded_and_never_asks_for_the_block_of_the_last_token() 
     assert len(store.lookups) == 1
 
 
+def test_a_prompt_longer_than_a_page_asks_the_next_page_while_each_is_found_whole() -> None:
+    """`max_lookup_blocks` bounds one round trip, not the prefix a store can serve: a
+    page found whole is followed by the next, and the first page with a miss ends it."""
+    store = FakeStore()
+    serve_and_write(store, list(range(1, 10)))  # 4 full blocks of 2 tokens in the store
+    store.lookups.clear()
+    b, _ = make_process(store, max_lookup_blocks=2)
+    b.add_request(1, [*range(1, 9), 50], 1, 0.0)  # 4 candidates: pages of 2 and 2
+    plan, _ = run_step(b)
+    assert [len(keys) for keys in store.lookups] == [2, 2]
+    assert computed(plan) == [(1, (50,), 8)]  # every full block came from the store
+    assert b.swapper.metrics.remote_found_blocks == 4
+    assert b.swapper.metrics.remote_lookup_misses == 0
+    # The third block differs: the second page finds nothing and the lookups stop there.
+    store.lookups.clear()
+    b.add_request(2, [1, 2, 3, 4, 60, 61, 7, 8, 50], 1, 0.0)
+    plan, _ = run_step(b)
+    assert [len(keys) for keys in store.lookups] == [2]  # page 1 is a local hit now
+    assert b.swapper.metrics.remote_lookup_misses == 1
+    assert computed(plan) == [(2, (60, 61, 7, 8, 50), 4)]
+
+
 def test_different_cache_salts_never_share_remote_kv() -> None:
     store = FakeStore()
     serve_and_write(store, [1, 2, 3, 4, 5], cache_salt="alice")

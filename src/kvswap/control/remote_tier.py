@@ -1,11 +1,14 @@
 """The remote tier in the control plane: prefix lookups, and the write-behind.
 
 Reads. When a prompt's prefix misses on every local tier, the keys of its next
-full blocks (at most `max_lookup_blocks`, never the block holding the last
-prompt token) are asked of the `RemoteIndex` in ONE call (one pipelined round
-trip). The blocks it holds join the sequence with a ready remote copy; swap-in
-brings them up as it brings NVMe blocks (remote -> CPU on HIGH, then CPU ->
-GPU). A fetch that fails makes the block lost, and its owner recomputes it.
+full blocks (never the block holding the last prompt token) are asked of the
+`RemoteIndex` a page of at most `max_lookup_blocks` keys per call (one
+pipelined round trip each); the next page is asked only while the store holds
+every key of the one before, so a miss costs one round trip and a long prompt
+found whole costs one per page. The blocks it holds join the sequence with a
+ready remote copy; swap-in brings them up as it brings NVMe blocks (remote ->
+CPU on HIGH, then CPU -> GPU). A fetch that fails makes the block lost, and
+its owner recomputes it.
 
 Writes never sit on the decode path. They read a ready CPU copy, on the LOW
 queue in swap-out chunks, and hold that CPU slot until the result is polled:
@@ -65,20 +68,23 @@ class RemoteTier:
         holds next, attached to it (empty when it holds none or is down)."""
         if not self.index.available or self.store.tiers[Tier.CPU].num_slots == 0:
             return []  # a fetch lands in a CPU slot: without a pinned pool, no reads
-        candidates = self.store.next_prompt_blocks(
-            seq_id, prompt_ids, self.settings.max_lookup_blocks
-        )
-        if not candidates:
-            return []
-        num_found = self.index.lookup([key for key, _ in candidates])
-        num_found = max(0, min(int(num_found), len(candidates)))
-        self.metrics.remote_lookups += 1
-        self.metrics.remote_lookup_blocks += len(candidates)
-        self.metrics.remote_found_blocks += num_found
-        if num_found == 0:
-            self.metrics.remote_lookup_misses += 1
-            return []
-        return self.store.attach_remote_blocks(seq_id, candidates[:num_found])
+        attached: list[Block] = []
+        page_blocks = self.settings.max_lookup_blocks
+        while True:  # page after page, while the store holds each page whole
+            candidates = self.store.next_prompt_blocks(seq_id, prompt_ids, page_blocks)
+            if not candidates:
+                return attached
+            num_found = self.index.lookup([key for key, _ in candidates])
+            num_found = max(0, min(int(num_found), len(candidates)))
+            self.metrics.remote_lookups += 1
+            self.metrics.remote_lookup_blocks += len(candidates)
+            self.metrics.remote_found_blocks += num_found
+            if num_found == 0:
+                self.metrics.remote_lookup_misses += 1
+                return attached
+            attached += self.store.attach_remote_blocks(seq_id, candidates[:num_found])
+            if num_found < len(candidates):
+                return attached
 
     # ------------------------------------------------------------------ writes
 

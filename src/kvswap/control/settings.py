@@ -33,9 +33,9 @@ class RemoteWritePolicy(enum.Enum):
     OFF = "off"  # read only
 
 
-#: Keys asked in one lookup at most by default: one pipelined round trip of 512
-#: EXISTS is well under a millisecond of store time, and 512 blocks of 16 tokens
-#: cover an 8K-token prompt.
+#: Keys asked in one lookup call (one page) at most by default: one pipelined round
+#: trip of 512 EXISTS is well under a millisecond of store time. A longer prompt asks
+#: its next page only while the store holds every key of the page before.
 DEFAULT_MAX_LOOKUP_BLOCKS = 512
 
 

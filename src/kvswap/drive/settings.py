@@ -93,9 +93,10 @@ def control_settings(
     `arch.max_position_tokens`): longer requests are rejected at admission.
     `model_fingerprint` names the model's blocks (its weights included: pass
     `ModelDescription.fingerprint(weights=...)`); it roots every block key and is
-    the remote store's default namespace. `remote_max_lookup_blocks` bounds one
-    remote lookup (default `DEFAULT_MAX_LOOKUP_BLOCKS`); `shared_store`: the caller
-    brings a remote store the config names no URL for (see `remote_settings`)."""
+    the remote store's default namespace. `remote_max_lookup_blocks` bounds the
+    keys of one remote lookup call, a page (default `DEFAULT_MAX_LOOKUP_BLOCKS`);
+    `shared_store`: the caller brings a remote store the config names no URL for
+    (see `remote_settings`)."""
     if max_sequence_tokens is not None and (
         isinstance(max_sequence_tokens, bool)
         or not isinstance(max_sequence_tokens, int)
