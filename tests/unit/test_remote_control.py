@@ -144,6 +144,32 @@ def test_a_prompt_longer_than_a_page_asks_the_next_page_while_each_is_found_whol
     assert computed(plan) == [(2, (60, 61, 7, 8, 50), 4)]
 
 
+def test_blocks_here_after_a_block_only_the_store_still_holds_are_shared_again() -> None:
+    """A process forgets a block its store holds while keeping the blocks after it: a
+    prompt through them takes the first run here, the forgotten block from the store,
+    and the run after it here again, instead of computing everything past the gap."""
+    store = FakeStore()
+    serve_and_write(store, [1, 2, 3, 4, 5])  # [1 2] [3 4] in the store
+    b, engine = make_process(store, write_policy=RemoteWritePolicy.OFF)
+    b.add_request(1, [*range(1, 9), 9], 1, 0.0)  # [1 2] [3 4] restored, [5 6] [7 8] computed
+    run_step(b)
+    between_steps(b, engine, 2)
+    between_steps(b, engine, 3)
+    local = b.swapper.store
+    (gap,) = [block for block in local.blocks.values() if block.token_ids == [3, 4]]
+    for tier in (Tier.GPU, Tier.CPU):
+        if tier in gap.copies:
+            local.drop_copy(gap, tier)
+    assert gap.block_id not in local.blocks  # only the store holds [3 4] now
+    store.lookups.clear()
+    b.add_request(2, [*range(1, 9), 50], 1, 0.0)
+    plan, _ = run_step(b)
+    assert [len(keys) for keys in store.lookups] == [3]  # [3 4] found, [5 6] not
+    assert computed(plan) == [(2, (50,), 8)]
+    assert b.runs[2].recomputed_tokens == 0
+    assert b.swapper.metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] == 3  # 2 earlier
+
+
 def test_different_cache_salts_never_share_remote_kv() -> None:
     store = FakeStore()
     serve_and_write(store, [1, 2, 3, 4, 5], cache_salt="alice")

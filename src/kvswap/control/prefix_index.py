@@ -32,10 +32,12 @@ class PrefixIndex:
         if block.key is not None and self._by_key.get(block.key) is block:
             del self._by_key[block.key]
 
-    def match(self, root_key: bytes, token_ids: Sequence[int]) -> list[Block]:
-        """The longest run of indexed full blocks that prefixes `token_ids` under `root_key`."""
+    def match(
+        self, parent_key: bytes, token_ids: Sequence[int], previous: Block | None = None
+    ) -> list[Block]:
+        """The longest run of indexed full blocks that prefixes `token_ids` after
+        `previous`, the block keyed `parent_key` (None: `parent_key` is a root key)."""
         hits: list[Block] = []
-        parent_key = root_key
         size = self.block_tokens
         for start in range(0, len(token_ids) - size + 1, size):
             chunk = list(token_ids[start : start + size])
@@ -44,7 +46,7 @@ class PrefixIndex:
             block = self._by_key.get(key)
             if block is None or block.lost or block.token_ids != chunk:
                 break
-            if not self._follows(block, parent_key, hits[-1] if hits else None):
+            if not self._follows(block, parent_key, hits[-1] if hits else previous):
                 break
             hits.append(block)
             parent_key = key

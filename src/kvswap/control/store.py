@@ -100,12 +100,26 @@ class BlockStore:
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} is already open")
         root_key = self.namespace.root_key(cache_salt)
-        hits = self.index.match(root_key, prompt_ids[: max(0, len(prompt_ids) - 1)])
-        state = SequenceState(block_ids=[], num_tokens=0, root_key=root_key)
-        self.sequences[seq_id] = state
+        self.sequences[seq_id] = SequenceState(block_ids=[], num_tokens=0, root_key=root_key)
+        return self.attach_indexed_prefix(seq_id, prompt_ids)
+
+    def attach_indexed_prefix(self, seq_id: int, prompt_ids: Sequence[int]) -> list[Block]:
+        """Share the indexed blocks that continue the sequence's table (full blocks
+        only, so far) along `prompt_ids`, never the block holding its last token;
+        returns them. Asked again after blocks from the remote store joined the table:
+        the blocks after a run the store served may still be here."""
+        state = self.sequences[seq_id]
+        size = self.block_tokens
+        start = len(state.block_ids)
+        assert state.num_tokens == start * size, "asked while the table holds full blocks"
+        previous = self.blocks[state.block_ids[-1]] if state.block_ids else None
+        parent_key = state.root_key if previous is None else previous.key
+        assert parent_key is not None, "a table's blocks before its last are full"
+        tail = prompt_ids[start * size : max(start * size, len(prompt_ids) - 1)]
+        hits = self.index.match(parent_key, tail, previous)
         for block in hits:
             self._attach(state, block)
-            state.num_tokens += self.block_tokens
+            state.num_tokens += size
         return hits
 
     def num_new_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:

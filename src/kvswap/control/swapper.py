@@ -135,10 +135,19 @@ class Swapper:
         self, seq_id: int, prompt_ids: Sequence[int], *, cache_salt: str | None = None
     ) -> int:
         """Start a sequence; returns how many prompt tokens its prefix hits cover.
-        Past the local hits, the remote store is asked for the next blocks."""
+        Past the local hits, the remote store is asked for the next blocks, and past
+        those the local tiers again (a run of blocks here may follow one only the
+        store still holds), until neither has the next block."""
         hits = self.store.open_sequence(seq_id, prompt_ids, cache_salt=cache_salt)
-        if self.remote is not None:
-            hits += self.remote.extend_prefix(seq_id, prompt_ids)
+        while self.remote is not None:
+            served = self.remote.extend_prefix(seq_id, prompt_ids)
+            if not served:
+                break
+            hits += served
+            local = self.store.attach_indexed_prefix(seq_id, prompt_ids)
+            if not local:
+                break
+            hits += local
         for block in hits:
             tier = block.fastest_copy_tier()
             assert tier is not None, "the prefix index holds no lost block"
