@@ -206,6 +206,13 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "a generated hour-long trace through the simulator (article-8b, h200)",
         (),
     ),
+    "keyed_tier_parity": (
+        "NVMe as a slot tier against a keyed tier in its place",
+        "sim_scale's trace and configuration three ways: the NVMe slot tier; no NVMe and a "
+        "store of its capacity in its place (written on demotion, the NVMe's write rate and "
+        "latency both ways, 64 or 4 write chunks in flight); ratios keyed / slot",
+        (),
+    ),
     "calibration": (
         "The simulator against the CPU engine it models",
         "the engine's measured run and the simulator's prediction with this machine's "
