@@ -90,6 +90,25 @@ def test_a_written_block_leaves_the_pool_for_free_and_a_later_turn_finds_it_remo
     assert a.swapper.metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] == 1
 
 
+def test_a_pinned_block_the_store_holds_still_goes_to_nvme_when_nvme_has_room() -> None:
+    """The store's copy makes a pinned copy free to drop only when no local tier below
+    takes it: the store evicts by its own rules and reads slower than the NVMe slab."""
+    store = FakeStore()
+    a, engine = make_process(store, num_cpu_blocks=4, num_nvme_blocks=8)
+    a.add_request(1, [1, 2, 3, 4, 5, 6, 7], 1, 0.0)
+    run_step(a)
+    between_steps(a, engine, 2)
+    between_steps(a, engine, 3)
+    full = [b for b in a.swapper.store.blocks.values() if b.key is not None]
+    assert len(full) == 3 and all(b.ready_copy(Tier.REMOTE) for b in full)  # on finish
+    a.swapper.demoter.make_room_now(Tier.CPU, 3)  # 3 of 4 slots used: 2 must leave
+    assert [c.num_blocks for c in chunks(engine, Direction.CPU_TO_NVME)] == [2]
+    assert dict(a.swapper.metrics.evictions_by_reason) == {"demote": 2}  # no free drop
+    between_steps(a, engine, 4)
+    assert sum(b.ready_copy(Tier.NVME) is not None for b in full) == 2
+    assert a.swapper.store.tiers[Tier.CPU].num_used_slots == 1
+
+
 def test_a_block_already_in_the_store_is_not_written_again() -> None:
     store = FakeStore()
     # B restores [1 2] [3 4] and computes [9 9] [9]; at its finish only [9 9] is new.

@@ -76,6 +76,11 @@ TIER_SPECS: dict[Tier, TierSpec] = {
 TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
     tier: tuple(TIER_SPECS)[position + 1 :] for position, tier in enumerate(TIER_SPECS)
 }
+#: The tiers of this process slower than each tier, fastest first.
+LOCAL_TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
+    tier: tuple(lower for lower in below if TIER_SPECS[lower].local)
+    for tier, below in TIERS_BELOW.items()
+}
 #: The tiers whose copies take a slot of this process (each has a `TierSlots`).
 SLOT_TIERS: tuple[Tier, ...] = tuple(
     spec.tier for spec in TIER_SPECS.values() if spec.addressing is Addressing.SLOTS

@@ -10,16 +10,17 @@ its lower copies.
 
 A remote copy lives in a store shared by processes and is addressed by the
 block's key, not by a slot (its `slot` is None). It counts
-as a copy below like an NVMe copy: dropping the copies above it is free, and
-if the store lost the key after all, the fetch fails and the block is
-recomputed (lost), never read wrong.
+as a copy below like an NVMe copy: dropping the copies above it is free (the
+demoter still moves a copy to a local tier below with room first), and if the
+store lost the key after all, the fetch fails and the block is recomputed
+(lost), never read wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import LOCAL_TIERS, TIER_SPECS, TIERS_BELOW, Tier
+from kvswap.base.transfer import LOCAL_TIERS, LOCAL_TIERS_BELOW, TIER_SPECS, TIERS_BELOW, Tier
 
 
 @dataclass(slots=True)
@@ -105,11 +106,12 @@ class Block:
                 return True
         return False
 
-    def has_ready_copy_below(self, tier: Tier) -> bool:
-        """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped).
-        Called for every re-rank: written as a plain loop over a precomputed tuple."""
+    def has_ready_copy_below(self, tier: Tier, *, local: bool = False) -> bool:
+        """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped);
+        `local`: on a tier of this process. Called for every re-rank: written as a
+        plain loop over a precomputed tuple."""
         copies = self.copies
-        for lower in TIERS_BELOW[tier]:
+        for lower in (LOCAL_TIERS_BELOW if local else TIERS_BELOW)[tier]:
             copy = copies.get(lower)
             if copy is not None and copy.ready and not copy.stale:
                 return True

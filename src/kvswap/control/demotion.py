@@ -11,7 +11,9 @@ them. A pass takes the upper tier's victims from the store (`store.victims`,
 as its policy ranks them) until the tier is back under its low watermark, and
 each victim meets the same rule (`Demoter.move_down`):
 
-    a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`)
+    a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`);
+                                     when only the shared store holds it, the tier
+                                     below takes it first if it has room
     a copy below still in flight  -> stays for a later pass
     room below (`room.make_room`) -> copied down; the upper copy is freed when it
                                      lands (`{reason}{moved_suffix}`)
@@ -198,9 +200,16 @@ class Demoter:
         if written:
             self.metrics.evictions_by_reason[f"{reason}_remote"] += 1
         if block.has_ready_copy_below(pair.upper):
-            if not written:  # else the copy goes once the write succeeded
-                self.store.drop_copy(block, pair.upper)
-                self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
+            if written:
+                return _Outcome.LEFT  # the copy goes once the write succeeded
+            if not block.has_ready_copy_below(pair.upper, local=True):
+                # Only the shared store holds it: the tier below takes it first when it
+                # has room (the store evicts by its own rules, and reads slower).
+                moved = self._move(pair, block, reason, moves)
+                if moved is not None:
+                    return moved
+            self.store.drop_copy(block, pair.upper)
+            self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
             return _Outcome.LEFT
         no_tier_below = writes is not None and self.store.tiers[pair.lower].num_slots == 0
         if pair.lower in block.copies or no_tier_below:
@@ -213,14 +222,8 @@ class Demoter:
                 return _Outcome.LEFT
             if not no_tier_below or writes is None or writes.room_blocks > 0:
                 return _Outcome.STAYS
-        else:
-            copy = make_room(
-                self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
-            )
-            if copy is not None:
-                moves.append(self.mover.reserve(block, pair.upper, copy))
-                self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
-                return _Outcome.LEFT
+        elif self._move(pair, block, reason, moves) is not None:
+            return _Outcome.LEFT
         if not pair.discard_when_full:
             return _Outcome.STOP
         if block.ref_count == 0:
@@ -228,6 +231,22 @@ class Demoter:
             self.metrics.evictions_by_reason[f"{reason}_discard"] += 1
             return _Outcome.LEFT
         return _Outcome.STAYS  # nowhere below has room
+
+    def _move(
+        self, pair: TierPair, block: Block, reason: str, moves: list[tuple[Block, Copy]]
+    ) -> _Outcome | None:
+        """`block` copied down to `pair.lower` if that tier has or makes room (LEFT);
+        None when it has none."""
+        if pair.lower in block.copies or self.store.tiers[pair.lower].num_slots == 0:
+            return None
+        copy = make_room(
+            self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
+        )
+        if copy is None:
+            return None
+        moves.append(self.mover.reserve(block, pair.upper, copy))
+        self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
+        return _Outcome.LEFT
 
     def _leaving(self, tier: Tier) -> int:
         """Copies of `tier` not counted as used: the GPU's evictions in flight (freed when
