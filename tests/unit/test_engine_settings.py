@@ -62,7 +62,7 @@ def test_a_configured_store_is_in_the_record_under_the_control_planes_namespace(
     assert settings.control.remote is not None
     assert settings.remote_store == RemoteStoreSettings(
         url="redis://127.0.0.1:1/0", namespace=settings.control.remote.namespace,
-        timeout_ms=20.0, ttl_s=0.0, max_inflight_chunks=4, required=True,
+        timeout_ms=20.0, ttl_s=0.0, max_inflight_chunks=64, required=True,
     )  # fmt: skip
 
 

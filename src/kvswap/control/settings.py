@@ -52,8 +52,11 @@ class RemoteSettings:
     write_policy: RemoteWritePolicy = RemoteWritePolicy.ON_FINISH
     max_lookup_blocks: int = DEFAULT_MAX_LOOKUP_BLOCKS
     # Write chunks in flight at most: a slow store holds CPU slots (the sources stay
-    # reserved until the result is polled), so the write-behind waits instead.
-    max_inflight_write_chunks: int = 4
+    # reserved until the result is polled), so the write-behind waits instead. Results
+    # are polled between steps, so this also caps the blocks written per step: 4
+    # chunks of 8 blocks (32 a step) held demotion to the store under 1 GB/s at
+    # sim_scale's shape (2 MiB blocks, ~70 ms steps), less than it needed.
+    max_inflight_write_chunks: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
