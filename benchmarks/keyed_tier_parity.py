@@ -10,8 +10,9 @@ NVMe moves there, a keyed tier must find what the slot tier finds. This runs
     keyed           no NVMe; a store of the same capacity in its place, written as
                     blocks leave the pinned pool (`remote_write_policy = on_demote`),
                     its link at the NVMe's write rate and latency, 64 write chunks
-                    in flight
-    keyed_bounded   the same with the default 4 write chunks in flight
+                    in flight (`remote_max_inflight_chunks`' default)
+    keyed_bounded   the same with 4 write chunks in flight (the default before: 32
+                    blocks written a step, since results are polled between steps)
 
 The keyed sides model the store's own plain LRU (`SharedRemoteStore`) and one link
 rate both ways (NVMe reads at its write rate: an approximation against the keyed
@@ -43,8 +44,9 @@ from kvswap.workload.request import Workload
 from machine import add_out_argument, keep_result
 from sim_scale import CONFIG
 
-#: Write chunks in flight on the keyed side: enough that the bound never holds the
-#: pinned pool's demotion back (the slot tier's demotion has no such bound).
+#: Write chunks in flight on the keyed side (the config's default): enough that the
+#: bound does not hold the pinned pool's demotion back at this shape (the slot tier's
+#: demotion has no such bound).
 UNBOUNDED_WRITE_CHUNKS = 64
 #: The NVMe tier's capacity, and so the store's on the keyed sides.
 NVME_BLOCKS = cast(int, CONFIG["nvme_kv_capacity_blocks"])
