@@ -202,12 +202,11 @@ class Demoter:
         if block.has_ready_copy_below(pair.upper):
             if written:
                 return _Outcome.LEFT  # the copy goes once the write succeeded
-            if not block.has_ready_copy_below(pair.upper, local=True):
-                # Only the shared store holds it: the tier below takes it first when it
-                # has room (the store evicts by its own rules, and reads slower).
-                moved = self._move(pair, block, reason, moves)
-                if moved is not None:
-                    return moved
+            # Only the shared store holds it: the tier below takes it first when it has
+            # room (the store evicts by its own rules, and reads slower).
+            local = block.has_ready_copy_below(pair.upper, local=True)
+            if not local and self._move(pair, block, reason, moves):
+                return _Outcome.LEFT
             self.store.drop_copy(block, pair.upper)
             self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
             return _Outcome.LEFT
@@ -222,7 +221,7 @@ class Demoter:
                 return _Outcome.LEFT
             if not no_tier_below or writes is None or writes.room_blocks > 0:
                 return _Outcome.STAYS
-        elif self._move(pair, block, reason, moves) is not None:
+        elif self._move(pair, block, reason, moves):
             return _Outcome.LEFT
         if not pair.discard_when_full:
             return _Outcome.STOP
@@ -234,19 +233,19 @@ class Demoter:
 
     def _move(
         self, pair: TierPair, block: Block, reason: str, moves: list[tuple[Block, Copy]]
-    ) -> _Outcome | None:
-        """`block` copied down to `pair.lower` if that tier has or makes room (LEFT);
-        None when it has none."""
+    ) -> bool:
+        """Whether `block` is copied down to `pair.lower` (planned in `moves`): False
+        when that tier has a copy of it or neither has nor makes room."""
         if pair.lower in block.copies or self.store.tiers[pair.lower].num_slots == 0:
-            return None
+            return False
         copy = make_room(
             self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
         )
         if copy is None:
-            return None
+            return False
         moves.append(self.mover.reserve(block, pair.upper, copy))
         self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
-        return _Outcome.LEFT
+        return True
 
     def _leaving(self, tier: Tier) -> int:
         """Copies of `tier` not counted as used: the GPU's evictions in flight (freed when
