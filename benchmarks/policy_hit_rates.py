@@ -10,9 +10,10 @@ the 2-4x band the comparison is about, with points either side for the curve.
 
 The host tier replaces as vLLM's does only with somewhere to put its victims,
 so these runs give it a 64-block NVMe spill (its hits are listed apart). A
-second table runs the pool with nothing below it at the 3x size: it never
-discards a cache entry to take in another, and with kvswap's policy it keeps
-what it holds (see kvswap.sim.policy_curve).
+second table runs the pool with nothing below it at the 3x size: there it holds
+more than half the GPU tier's blocks, so the GPU's victims displace its cache
+entries as its policy ranks them (a smaller pool keeps what it holds; see
+kvswap.sim.policy_curve).
 
 Prints both tables, the ratio kvswap / max(lru, arc) at each size, then one JSON
 line. Hit tokens and prefill tokens are counts in virtual time: runs may go in
@@ -198,7 +199,7 @@ def main() -> None:
           f"{100 * unlimited.point.hit_rate:.1f} % ({unlimited.hit_tokens} tokens)")  # fmt: skip
     print("\nhost tier that replaces (a 64-block NVMe spill below it):")
     print(render(replacing, shape.block_tokens, ours))
-    print("\nhost tier with nothing below it (never discards a cache entry for another):")
+    print("\nhost tier with nothing below it (the GPU's victims displace its cache entries):")
     print(render(nothing_below, shape.block_tokens, ours))
     if args.plot is not None:
         plot(

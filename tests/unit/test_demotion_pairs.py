@@ -17,15 +17,18 @@ def test_pairs_walk_adjacent_slot_tiers_fastest_first_with_their_watermarks() ->
         cpu_demote_high_watermark=0.95,
         cpu_demote_low_watermark=0.7,
     )
-    gpu_cpu, cpu_nvme = tier_pairs(settings)  # the remote store takes no slot: no pair
+    num_slots = {Tier.GPU: 1000, Tier.CPU: 499, Tier.NVME: 64}
+    gpu_cpu, cpu_nvme = tier_pairs(settings, num_slots)  # the store takes no slot: no pair
 
     assert (gpu_cpu.upper, gpu_cpu.lower, gpu_cpu.direction) == (
         Tier.GPU, Tier.CPU, Direction.GPU_TO_CPU,
     )  # fmt: skip
     assert (gpu_cpu.high_watermark, gpu_cpu.low_watermark) == (0.8, 0.6)
     # The GPU must make room: an unreferenced victim with nowhere to go is discarded,
-    # and the pinned pool never trades one cache entry for another.
+    # and a pinned pool under half the GPU tier's size keeps its cache entries.
     assert gpu_cpu.discard_when_full and not gpu_cpu.displace_cache
+    (larger, _) = tier_pairs(settings, {**num_slots, Tier.CPU: 500})
+    assert larger.displace_cache  # from half the GPU tier's size, the newer entry wins
 
     assert (cpu_nvme.upper, cpu_nvme.lower, cpu_nvme.direction) == (
         Tier.CPU, Tier.NVME, Direction.CPU_TO_NVME,

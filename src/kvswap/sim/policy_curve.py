@@ -8,13 +8,15 @@ everything else equal; the GPU tier keeps kvswap's policy in every run and is
 small on purpose, so that most reuse has to come back through the host tier.
 
 A host tier replaces: vLLM's evicts its policy's victims for every new store.
-kvswap's pinned pool with nothing below it mostly does not: it never discards
-one unreferenced cache entry to take in another (`room.make_room`); it
-takes a new one only by dropping a copy that also lives on the GPU, and only
-when that copy is the policy's first offer. LRU and ARC sometimes offer one;
-kvswap's policy offers its discardable cache entries first, so with it the
-pool keeps what it holds. The policy then decides little, and what it decides
-is whether the pool replaces at all. So the comparison runs the pool with a
+kvswap's pinned pool with nothing below it does so only when it holds at least
+half the GPU tier's blocks (`demotion.DISPLACING_POOL_FRACTION`): the GPU's
+victims then displace its cache entries as its policy ranks them. A smaller
+pool never discards one unreferenced cache entry to take in another
+(`room.make_room`); it takes a new one only by dropping a copy that also lives
+on the GPU, and only when that copy is the policy's first offer. LRU and ARC
+sometimes offer one; kvswap's policy offers its discardable cache entries
+first, so with it such a pool keeps what it holds, and the policy decides
+little but whether the pool replaces at all. So the comparison runs the pool with a
 small NVMe spill below it (`SPILL_BLOCKS`): past `cpu_demote_high_watermark`
 the pool demotes its policy's victims there (and the spill discards its oldest
 for newer ones), which makes the pool a replacing tier whose victims the CPU
