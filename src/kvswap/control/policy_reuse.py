@@ -45,8 +45,8 @@ chat on seeds 0, 1 and 2 (prefix-hit tokens over the better of LRU and ARC,
 working set over the tier):
 
     order     8x          4x          3x          2x          1x
-    newest    1.04-1.07   1.05-1.06   1.03-1.04   1.01-1.02   0.92-0.98
-    oldest    0.93-0.97   1.03-1.05   1.04-1.05   1.01-1.03   1.01-1.02
+    newest    1.04-1.07   1.05-1.08   1.03-1.05   1.01        0.92-0.98
+    oldest    0.93-0.97   1.05        1.04-1.05   1.01-1.03   1.01-1.02
 
 The default stays newest first. No signal tried chose between them by itself
 (ghost lists of each order's victims, miniature caches of a sample of keys: both
