@@ -37,6 +37,7 @@ from typing import Any, cast
 from kvswap.config_load import load_config
 from kvswap.sim.hardware import HardwareProfile, hardware_preset
 from kvswap.sim.remote_store import SharedRemoteStore
+from kvswap.sim.setup import resolve_setup
 from kvswap.sim.simulator import Simulator
 from kvswap.sim.trace import load_trace_workload
 from kvswap.sim.tracegen import TraceSpec, generate_trace_rows, write_trace
@@ -70,7 +71,7 @@ def run_side(
     config = load_config(None, overrides=overrides)
     store = None
     if keyed:
-        block_bytes = Simulator(config, hardware).setup.block_bytes
+        block_bytes = resolve_setup(config, hardware).block_bytes
         store = SharedRemoteStore(capacity_bytes=NVME_BLOCKS * block_bytes)
         hardware = dataclasses.replace(
             hardware, remote_gb_per_s=hardware.nvme_write_gb_per_s,
