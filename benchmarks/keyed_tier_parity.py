@@ -16,13 +16,14 @@ NVMe moves there, a keyed tier must find what the slot tier finds. This runs
 
 The keyed sides model the store's own plain LRU (`SharedRemoteStore`) and one link
 rate both ways (NVMe reads at its write rate: an approximation against the keyed
-side). Each side checks it used the tier it names. Prints each side's prefix hit
+side). Each side checks it wrote to the tier it names and got prefix hits from it
+(at 300 requests the keyed side has none yet). Prints each side's prefix hit
 rates and speed, the ratios keyed / slot, then one JSON line. Throughput is kept
 but not compared: a run's duration ends when its last transfer does, and the
 sides' last writes differ (the slot tier's demotions still in flight).
 
     .venv/bin/python benchmarks/keyed_tier_parity.py                     # ~3 minutes
-    .venv/bin/python benchmarks/keyed_tier_parity.py --max-requests 300
+    .venv/bin/python benchmarks/keyed_tier_parity.py --max-requests 600
 """
 
 from __future__ import annotations
@@ -86,10 +87,12 @@ def run_side(
     side["store_evictions"] = remote.get("evictions", 0)
     wrote_nvme, wrote_store = summary["bytes_cpu_to_nvme"], summary["bytes_cpu_to_remote"]
     used = wrote_store > 0 and wrote_nvme == 0 if keyed else wrote_nvme > 0 and wrote_store == 0
-    if not used:
+    served = rates["remote" if keyed else "nvme"] > 0
+    if not (used and served):
         raise SystemExit(
             f"{name}: did not use the tier it names (bytes to NVMe {wrote_nvme}, to the "
-            f"store {wrote_store})"
+            f"store {wrote_store}; prefix hits from NVMe {rates['nvme']}, from the store "
+            f"{rates['remote']})"
         )
     return side
 
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=1500)
     add_out_argument(parser)
     args = parser.parse_args()
+    if args.max_requests < 1:
+        parser.error(f"--max-requests {args.max_requests}: allowed: >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.jsonl"
         write_trace(generate_trace_rows(TraceSpec()), path)
