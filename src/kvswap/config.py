@@ -168,7 +168,8 @@ class TiersSection(_Section):
     remote_timeout_ms: float = Field(default=50.0, gt=0.0, le=60_000.0)
     """timeout of one store round trip, ms"""
     remote_max_inflight_chunks: int = Field(default=64, ge=1, le=1024)
-    """remote write chunks (swap_out_chunk_blocks each) in flight at most; more wait"""
+    """remote write chunks in flight at most (kvswap's engine holds more back; inside vLLM a
+    store past it is skipped and counted)"""
     remote_write_policy: Literal["on_finish", "on_demote", "off"] = "on_finish"
     """when blocks are written to the store: on_finish, on_demote, off"""
     remote_required: bool = False
