@@ -176,6 +176,38 @@ def test_a_key_being_written_is_never_a_victim(
     tier.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["kvswap", "lru"])
+def test_a_held_key_is_never_a_victim_until_its_last_release(
+    open_tier: Callable[..., NvmeTier], policy: str
+) -> None:
+    """The only copy of a paused sequence's block: held, it outlives every newer store;
+    a hold taken before the store lands holds too; with every key held, a store fails."""
+    tier = open_tier(eviction_policy=policy)
+    assert tier.holds_keys
+    tier.hold(KEYS[:1] * 2)  # twice: two releases to let it go
+    tier.hold(KEYS[1:2])  # before its store
+    for i in range(6):
+        assert store(tier, i, KEYS[i : i + 1], (i,)).success
+    assert [tier.lookup(KEYS[i : i + 1]) for i in range(6)] == [1, 1, 0, 0, 1, 1]
+    tier.hold(KEYS[4:6])
+    refused = store(tier, 6, KEYS[6:7], (6,))  # four keys, four holds: no victim
+    assert not refused.success
+    assert refused.error == "full: every key is being read, written or held x1"
+    assert tier.counters()["no_room_blocks"] == 1 and tier.num_held_keys == 4
+    tier.check_integrity()
+
+    tier.release(KEYS[:1])  # one hold of two left
+    assert not store(tier, 7, KEYS[6:7], (6,)).success
+    tier.release(KEYS[:1])
+    assert store(tier, 8, KEYS[6:7], (6,)).success and tier.lookup(KEYS[:1]) == 0
+    with pytest.raises(ValueError, match="not held"):
+        tier.release(KEYS[:1])
+    with pytest.raises(ValueError, match="not held"):
+        tier.release(KEYS[1:2] * 2)  # one hold, two releases: nothing released
+    assert tier.num_held_keys == 3
+    tier.check_integrity()
+
+
 def test_wrong_options_are_one_line_errors(tmp_path: Path, host: memoryview) -> None:
     with pytest.raises(ConfigError) as unknown:
         named_policy(Tier.NVME, "fifo")

@@ -13,6 +13,7 @@ from kvswap.base.transfer import Tier
 from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.tiers.base import HostSlots, TransferJob
+from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.tier_list import TierList
 from tests.unit.dict_tier_support import DictTier
@@ -168,3 +169,22 @@ def test_threads_that_each_wait_for_their_own_jobs_get_their_own_results(tmp_pat
         assert errors == []
         assert tiers[1].counters()["hits_blocks"] == 4 * 20  # every key 4-7 fell through
     assert list(front_dir.iterdir()) == list(back_dir.iterdir()) == []
+
+
+def test_holds_reach_each_tier_that_holds_keys_and_the_adapter_passes_them_on(
+    tmp_path: Path,
+) -> None:
+    """A dict tier (no holds: the default) above an NVMe slab (holds): the list holds
+    when one of its tiers does, and a hold or release reaches that tier alone."""
+    host = host_slots()
+    upper = DictTier(host, {})
+    nvme = NvmeTier(host, DiskPool(tmp_path, BLOCK_BYTES, 4), policy=named_policy(Tier.NVME, "lru"))
+    with TierCopyEngine(TierList([upper, nvme])) as engine:
+        assert not upper.holds_keys and engine.holds_keys
+        engine.hold(KEYS[:2])
+        assert nvme.num_held_keys == 2
+        engine.release(KEYS[:1])
+        assert nvme.num_held_keys == 1
+        with pytest.raises(ValueError, match="not held"):
+            engine.release(KEYS[:1])
+    assert not TierList([DictTier(host, {})]).holds_keys

@@ -36,3 +36,16 @@ class RemoteIndex(ABC):
     @abstractmethod
     def available(self) -> bool:
         """False while the store is known to be down (lookups and writes are skipped)."""
+
+    @property
+    def holds_keys(self) -> bool:
+        """Whether `hold` keeps a key in the store (`SecondaryTier.holds_keys`): then the
+        store (`kvswap.control.store`) holds the key of every block a sequence still
+        references while the store's is its only copy. Default: False."""
+        return False
+
+    def hold(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - most stores cannot hold
+        """Keep `keys` from eviction until as many `release`s. Default: nothing."""
+
+    def release(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - as `hold`
+        """End one `hold` of each of `keys`. Default: nothing."""

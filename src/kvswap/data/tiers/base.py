@@ -27,6 +27,10 @@ scheduler); every call but `wait` and `drain` returns at once:
     wait(job_id)          block until that job finished; its result (not reported again)
     drain()               block until every submitted job finished; their results
                           come with the next `get_finished_jobs()`
+    hold(keys)            keep `keys` from being evicted until as many `release(keys)`:
+    release(keys)         the only copy of a paused sequence's blocks (`holds_keys`:
+                          whether the tier can; a store shared with other processes,
+                          evicting by its own rules, cannot, and says False)
     close()               once, at the end: queued jobs finish, threads, connections
                           and files are released
 
@@ -188,6 +192,22 @@ class SecondaryTier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Let queued jobs finish, then release what the tier holds; safe to call twice."""
+
+    @property
+    def holds_keys(self) -> bool:
+        """Whether `hold` keeps a key in the tier: a tier that evicts by a policy of its
+        own and can pass over some keys says True. Default: False (`hold` and `release`
+        do nothing, and the caller knows a held key may still leave)."""
+        return False
+
+    def hold(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - most stores cannot hold
+        """Keep each of `keys` from being evicted until one `release` for each `hold`
+        (holds are counted per key). A key not held yet is kept once it is stored; a
+        load that fails (a corrupt value) still drops it. Default: nothing."""
+
+    def release(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - as `hold`
+        """End one `hold` of each of `keys`: it may be evicted again once no hold is
+        left. ValueError for a key not held. Default: nothing."""
 
     def counters(self) -> Mapping[str, int]:
         """The tier's counts by name (hits, corrupt values, skipped stores, ...), for a

@@ -9,6 +9,7 @@ job id being the transfer id:
     CPU_TO_REMOTE chunk (keys, src host slots, dst 0..n-1) -> submit_store(job: keys, src)
     poll() / wait(id) / wait_all()   get_finished_jobs() / wait(id) / drain() + get_finished_jobs()
     lookup(keys), available          the tier's
+    holds_keys, hold, release        the tier's
     JobResult -> TransferResult      a key left out of `successful_keys` -> its dst slot in
                                      `failed_dst_slots` (the host slot of a load, the
                                      position of a store); `success`: some key succeeded,
@@ -60,6 +61,16 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
     @property
     def available(self) -> bool:
         return self.tier.available
+
+    @property
+    def holds_keys(self) -> bool:
+        return self.tier.holds_keys
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        self.tier.hold(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        self.tier.release(keys)
 
     # --- CopyEngine -------------------------------------------------------------------
 

@@ -4,18 +4,21 @@
                                                 READY:   written; found by lookup and loads
                                                 BAD:     failed a read; dropped with its
                                                          last reader
-    free     slots no key holds
+    free     slots no key takes
+    holds    key -> holds not yet released (a key may be held before its store lands)
     policy   the eviction policy the caller built for the NVMe tier (the adapters:
-             `kvswap.control.policy.named_policy`) over the keys held; one lock
-             guards all three, and the copies run outside it
+             `kvswap.control.policy.named_policy`) over the keys stored; one lock
+             guards all four, and the copies run outside it
 
 A store job (on a store lane), key by key:
-    held already (READY or WRITING)    succeeds without a copy: a block never changes
+    stored already (READY, WRITING)    succeeds without a copy: a block never changes
     a free slot, else the policy's     WRITING, written, READY. The victim is the
     victim (its cheapest key)          least valuable key; one being written or read
                                        is busy and never a victim (the hard rule)
-    no victim (every key busy)         that key fails: "full", counted `no_room_blocks`
+    no victim (every key busy, held)   that key fails: "full", counted `no_room_blocks`
     a write that fails (ENOSPC, EIO)   that key fails; its slot is free again
+
+A held key is never a victim: with every key held or busy, a store fails "full".
 
 A load job (on a load lane), key by key: a key not READY fails ("missing");
 a READY one is read into its host slot and checked against the CRC written
@@ -23,9 +26,9 @@ with it (`DiskPool.read_slot`): a mismatch (or a read error) fails the key and
 drops the entry (`corrupt_blocks`), so a corrupt value is a miss, never bytes
 served. A good read makes the key the most recently used.
 
-The policy sees each key as an unreferenced cache entry whose only copy is
-here (`BlockFacts`), busy while it is written or read; under "kvswap" and
-"lru" alike the least recently stored or loaded key leaves first. The tier
+The policy sees each key as a cache entry whose only copy is here
+(`BlockFacts`), busy while it is written or read, referenced and busy while
+held; under "kvswap" and "lru" alike the least recently stored or loaded key leaves first. The tier
 owns the `DiskPool`: `close()` closes it (the slab file is removed unless
 persisted).
 """
@@ -55,8 +58,8 @@ class _State(enum.Enum):
 class _NoSlot(enum.Enum):
     """Why `_claim` hands out no slot."""
 
-    HELD = "held"  # the key is held already: nothing to write
-    FULL = "full: every slot is being read or written"  # no victim
+    PRESENT = "present"  # the key is stored already: nothing to write
+    FULL = "full: every key is being read, written or held"  # no victim
     DROPPING = "its old value failed a read and is being dropped"
 
 
@@ -66,10 +69,9 @@ class _Entry:
     state: _State = _State.WRITING
     num_readers: int = 0
 
-    @property
-    def facts(self) -> BlockFacts:
-        busy = self.state is not _State.READY or self.num_readers > 0
-        return BlockFacts(referenced=False, running=False, sink=False, busy=busy,
+    def facts(self, held: bool) -> BlockFacts:
+        busy = held or self.state is not _State.READY or self.num_readers > 0
+        return BlockFacts(referenced=held, running=False, sink=False, busy=busy,
                           clean=False, ready_above=False, lost=False)  # fmt: skip
 
 
@@ -81,7 +83,7 @@ class NvmeTierStats:
     misses_blocks: int = 0  # loads of a key not held (or still being written)
     corrupt_blocks: int = 0  # loads that failed the CRC or the read: entry dropped
     written_blocks: int = 0
-    already_present: int = 0  # stores of a key held already: nothing written
+    already_present: int = 0  # stores of a key stored already: nothing written
     failed_writes: int = 0  # keys a store did not store, whatever the reason
     no_room_blocks: int = 0  # ... of them because every key was busy
     evicted_blocks: int = 0  # keys the policy gave up to make room
@@ -112,6 +114,7 @@ class NvmeTier(LaneTier):
         self._policy = policy
         self._lock = threading.Lock()  # guards the index, the free slots and the policy
         self._index: dict[bytes, _Entry] = {}
+        self._holds: Counter[bytes] = Counter()  # key -> holds not yet released
         self._free = list(range(disk.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._totals = Totals(NvmeTierStats())
         super().__init__(
@@ -128,6 +131,38 @@ class NvmeTier(LaneTier):
                 if entry is None or entry.state is not _State.READY:
                     return count
         return len(keys)
+
+    @property
+    def holds_keys(self) -> bool:
+        return True
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._holds[key] += 1
+                entry = self._index.get(key)
+                if entry is not None and self._holds[key] == 1:
+                    self._policy.update(key, entry.facts(held=True))
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            absent = [key for key, n in Counter(keys).items() if self._holds[key] < n]
+            if absent:
+                raise ValueError(f"release of {len(absent)} NVMe key(s) not held")
+            for key in keys:
+                self._holds[key] -= 1
+                if self._holds[key] > 0:
+                    continue
+                del self._holds[key]
+                entry = self._index.get(key)
+                if entry is not None and entry.state is not _State.BAD:
+                    self._policy.update(key, entry.facts(held=False))
+
+    @property
+    def num_held_keys(self) -> int:
+        """Keys held now (stored or not yet)."""
+        with self._lock:
+            return len(self._holds)
 
     def counters(self) -> Mapping[str, int]:
         return asdict(self.stats())
@@ -167,7 +202,7 @@ class NvmeTier(LaneTier):
         for key, host_slot in zip(job.keys, job.host_slots, strict=True):
             self._yield_to_loads()
             slot = self._claim(key)
-            if slot is _NoSlot.HELD:
+            if slot is _NoSlot.PRESENT:
                 num_present += 1
                 continue
             if isinstance(slot, _NoSlot):
@@ -197,9 +232,9 @@ class NvmeTier(LaneTier):
     def _claim(self, key: bytes) -> int | _NoSlot:
         """A slot for `key`, now WRITING: a free one, or the policy's victim's."""
         with self._lock:
-            held = self._index.get(key)
-            if held is not None:
-                return _NoSlot.DROPPING if held.state is _State.BAD else _NoSlot.HELD
+            present = self._index.get(key)
+            if present is not None:
+                return _NoSlot.DROPPING if present.state is _State.BAD else _NoSlot.PRESENT
             if self._free:
                 slot = self._free.pop()
             else:
@@ -209,20 +244,21 @@ class NvmeTier(LaneTier):
                 victim_key = victims[0]
                 assert isinstance(victim_key, bytes), f"the policy evicted {victim_key!r}"
                 victim = self._index.pop(victim_key)
-                assert victim.state is _State.READY and victim.num_readers == 0, (
-                    f"the NVMe tier's policy evicted a busy key ({victim})"
+                ready = victim.state is _State.READY and victim.num_readers == 0
+                assert ready and victim_key not in self._holds, (
+                    f"the NVMe tier's policy evicted a busy or held key ({victim})"
                 )
                 slot = victim.slot
                 self._totals.add(evicted_blocks=1)
             entry = self._index[key] = _Entry(slot)
-            self._policy.insert(key, entry.facts)
+            self._policy.insert(key, entry.facts(key in self._holds))
             return slot
 
     def _written(self, key: bytes) -> None:
         with self._lock:
             entry = self._index[key]
             entry.state = _State.READY
-            self._policy.update(key, entry.facts)
+            self._policy.update(key, entry.facts(key in self._holds))
 
     # --- loads --------------------------------------------------------------------------
 
@@ -263,7 +299,7 @@ class NvmeTier(LaneTier):
             if entry is None or entry.state is not _State.READY:
                 return None
             entry.num_readers += 1
-            self._policy.update(key, entry.facts)
+            self._policy.update(key, entry.facts(key in self._holds))
             return entry.slot
 
     def _end_read(self, key: bytes, *, good: bool) -> None:
@@ -276,7 +312,7 @@ class NvmeTier(LaneTier):
                 if entry.num_readers == 0:
                     self._drop_locked(key)
                 return
-            self._policy.update(key, entry.facts)
+            self._policy.update(key, entry.facts(key in self._holds))
             self._policy.touch((key,))  # the most recently used, whatever the policy
 
     def _drop(self, key: bytes) -> None:

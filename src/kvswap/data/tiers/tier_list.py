@@ -16,6 +16,8 @@ that holds it):
     submit_load(job)    the first usable tier; the keys it did not load (absent,
                         corrupt, the tier down) go to the next one, and so on
     get_finished_jobs   a job is finished when no tier still works on it
+    hold / release      passed to each tier that holds keys (a key one of them
+                        failed to store is held by the others only)
     counters()          each name summed over the tiers, and each tier's own as
                         `tier<i>_<name>` (tier 0 first)
 
@@ -151,6 +153,20 @@ class TierList(SecondaryTier):
         self._closed = True
         for tier in self.tiers:
             tier.close()
+
+    @property
+    def holds_keys(self) -> bool:
+        return any(tier.holds_keys for tier in self.tiers)
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            if tier.holds_keys:
+                tier.hold(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            if tier.holds_keys:
+                tier.release(keys)
 
     def counters(self) -> Mapping[str, int]:
         total: dict[str, int] = {}

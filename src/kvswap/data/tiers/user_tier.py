@@ -56,6 +56,16 @@ class UserTier(SecondaryTier):
     def close(self) -> None:
         self._call("close", self.tier.close)
 
+    @property
+    def holds_keys(self) -> bool:
+        return self._call("holds_keys", lambda: self.tier.holds_keys)
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        self._call("hold", lambda: self.tier.hold(keys))
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        self._call("release", lambda: self.tier.release(keys))
+
     def counters(self) -> Mapping[str, int]:
         return self._call("counters", self.tier.counters)
 
