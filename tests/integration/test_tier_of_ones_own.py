@@ -11,17 +11,21 @@ with a run that offloads nothing.
 from __future__ import annotations
 
 import hashlib
+import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvswap.base.transfer import Direction, Priority, TransferChunk
+from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
 from kvswap.config_load import load_config
+from kvswap.control.policy import named_policy
+from kvswap.data.disk_pool import DiskPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.tiers.base import HostSlots, SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
+from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.engine.engine import Engine
 from kvswap.engine.settings import EngineOptions, engine_settings
 from kvswap.errors import KvSwapError
@@ -180,6 +184,55 @@ def test_a_tier_that_raises_stops_the_engine_in_one_line_naming_it() -> None:
         "secondary_tiers[0] (RaisingTier).submit_load raised OSError: the archive went away; "
         "a tier reports a failure as a failed key, never an exception (kvswap.data.tiers.base)"
     )
+
+
+# --- holds: a keyed NVMe slab keeps a paused sequence's only copies -------------------------
+
+
+class _NvmeTierWithoutHolds(NvmeTier):
+    """The same slab, saying it cannot hold keys (as a shared store says)."""
+
+    @property
+    def holds_keys(self) -> bool:
+        return False
+
+
+def paused_run(directory: Path, *, holds: bool) -> tuple[dict[str, Any], NvmeTier]:
+    """Eight requests in a 30-block device pool and a 6-block pinned pool: preempted
+    sequences' blocks are demoted on to a 6-slot NVMe slab by key (on_demote)."""
+    tiers: list[NvmeTier] = []
+
+    def slab(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+        kind = NvmeTier if holds else _NvmeTierWithoutHolds
+        disk = DiskPool(directory, host_slots.shape[1], 6)
+        tier = kind(host_slots, disk, policy=named_policy(Tier.NVME, "lru"))
+        tiers.append(tier)
+        return tier
+
+    rng = random.Random(5)
+    requests = tuple(
+        Request(n, 0.0, tuple(rng.randrange(1, 250) for _ in range(40)), 40) for n in range(8)
+    )
+    settings = {"cpu_kv_capacity_blocks": 6, "gpu_kv_capacity_blocks": 30, "max_num_seqs": 8,
+                "remote_write_policy": "on_demote"}  # fmt: skip
+    config = load_config(environ={}, overrides={**BASE, **settings})
+    with Engine(engine_settings(config, EngineOptions(model="tiny", secondary_tiers=(slab,)))) as e:
+        summary = e.run(Workload(requests, "paused", 256)).to_json()
+    return summary, tiers[0]
+
+
+def test_a_tier_that_holds_keys_keeps_every_paused_sequences_blocks(tmp_path: Path) -> None:
+    """Without holds the slab evicts blocks whose only copy it had (lost: recomputed);
+    with them (`SecondaryTier.hold`, asked by the control plane) it refuses newer
+    writes instead, no block is lost, and every hold is released by the end."""
+    plain, plain_tier = paused_run(tmp_path, holds=False)
+    held, held_tier = paused_run(tmp_path, holds=True)
+    assert plain["lost_blocks"] > 0 and plain_tier.stats().misses_blocks > 0
+    stats = held_tier.stats()
+    assert held["lost_blocks"] == 0 and stats.misses_blocks == 0 and stats.hits_blocks > 0
+    assert stats.no_room_blocks > 0 and held_tier.num_held_keys == 0
+    assert held["outputs_digest"] == plain["outputs_digest"]
+    assert list(tmp_path.iterdir()) == []  # each slab went with its engine
 
 
 # --- a tier named in the configuration: `secondary_tiers` / --secondary-tiers ---------------

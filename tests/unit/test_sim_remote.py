@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 
@@ -154,6 +155,32 @@ def test_keys_expire_after_the_ttl_and_a_rewrite_starts_it_again() -> None:
     assert tally.already_present == 1
 
 
+def test_a_store_that_holds_keys_never_evicts_a_held_one() -> None:
+    """The keyed tier of this process (`holds_keys`): a held key leaves the LRU order
+    until its last release; with every key held a write fails. A plain store (Redis's
+    model) ignores holds."""
+    store, tally = SharedRemoteStore(capacity_bytes=2, holds_keys=True), StoreCounters()
+    a, b, c, d = KEYS[:4]
+    store.hold((a, b))
+    store.hold((a,))
+    store.write((a, b), 1, 0.0, tally)  # held before they were written
+    assert store.write((c,), 1, 1.0, tally) == [0] and store.counters.write_failed_keys == 1
+    store.release((b,))  # b, the one key not held, makes room
+    assert store.write((c,), 1, 2.0, tally) == [] and b not in store and a in store
+    store.release((a,))  # held twice: still held
+    assert store.write((d,), 1, 3.0, tally) == [] and a in store and c not in store
+    assert store.read((a,), 4.0, tally) == [] and store.num_held_keys == 1
+    store.release((a,))
+    with pytest.raises(ValueError, match="not held"):
+        store.release((a,))
+    plain = SharedRemoteStore(capacity_bytes=1)
+    plain.hold((a,))
+    plain.write((a, b), 1, 0.0, tally)
+    assert a not in plain and b in plain and plain.num_held_keys == 0
+    with pytest.raises(ValueError, match="no TTL"):
+        SharedRemoteStore(ttl_s=1.0, holds_keys=True)
+
+
 # --------------------------------------------------------------- the routing
 
 
@@ -255,6 +282,41 @@ def test_a_simulator_with_a_store_reads_the_remote_tier_settings_as_the_engine_d
     named = load_config(None, overrides={**SMALL, "remote_namespace": "team-a"})
     remote = Simulator(named, hardware, remote_store=store).control.settings.remote
     assert remote is not None and remote.namespace == "team-a"
+
+
+def paused_in_the_store(holds_keys: bool) -> tuple[dict[str, Any], SharedRemoteStore]:
+    """Sequences paused (preempted by swap) faster than a 20-block pinned pool holds
+    them: their blocks go on to a store of 20 blocks (written on demotion)."""
+    rng = random.Random(1)
+    requests = tuple(
+        request(i, i * 0.002, tuple(rng.randrange(32_000) for _ in range(rng.randrange(100, 300))),
+                rng.randrange(60, 200))
+        for i in range(24)
+    )  # fmt: skip
+    config = load_config(None, overrides={**SMALL, "cpu_kv_capacity_blocks": 20,
+                                          "max_num_seqs": 16, "min_residency_steps": 0,
+                                          "remote_write_policy": "on_demote"})  # fmt: skip
+    hardware = hardware_preset("article-40gb")
+    block_bytes = Simulator(config, hardware).control.settings.swap.block_bytes
+    store = SharedRemoteStore(capacity_bytes=20 * block_bytes, holds_keys=holds_keys)
+    simulator = Simulator(config, hardware, remote_store=store)
+    out = simulator.run(Workload(requests, "paused", 32_000)).to_json()
+    simulator.control.swapper.check_integrity()  # every hold in step with its block
+    return out, store
+
+
+def test_a_store_that_holds_keys_keeps_every_paused_sequences_blocks() -> None:
+    """A plain store evicts paused sequences' only copies (their blocks are recomputed);
+    one that holds keys never does: it refuses newer writes instead, and every hold is
+    released by the end. The same tokens either way."""
+    plain, plain_store = paused_in_the_store(holds_keys=False)
+    held, held_store = paused_in_the_store(holds_keys=True)
+    assert plain["preemptions"] == held["preemptions"] > 10
+    assert plain_store.counters.read_miss_keys > 0 and plain["recomputed_tokens"] > 0
+    assert held_store.counters.read_miss_keys == 0 and held["recomputed_tokens"] == 0
+    assert held_store.counters.read_hit_keys > plain_store.counters.read_hit_keys
+    assert held_store.counters.write_failed_keys > 0 and held_store.num_held_keys == 0
+    assert held["lost_blocks"] == 0 and held["outputs_digest"] == plain["outputs_digest"]
 
 
 def test_one_engine_without_a_store_is_the_plain_simulator() -> None:

@@ -29,6 +29,12 @@ has polled since. Evictions happen in the order the simulation processes the
 writes, which can be up to one step of the writing engine earlier in virtual
 time than a real store would evict; that is the one approximation.
 
+With `holds_keys` it models instead a keyed tier that evicts by its own LRU and
+can hold keys (kvswap's NVMe by key, `kvswap.data.tiers.nvme_tier`): a held key
+(`hold` / `release`, counted per key; a key may be held before its write lands)
+leaves the LRU order until its last release, is never evicted, and a write that
+finds every key held fails. Such a store has no TTL.
+
 Counters are kept for the whole store and for each engine's view: keys found
 and missed by lookups and reads, keys written, evictions, expirations, bytes.
 """
@@ -36,7 +42,7 @@ and missed by lookups and reads, keys written, evictions, expirations, bytes.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -56,7 +62,7 @@ class StoreCounters:
     read_miss_keys: int = 0  # a fetched key that was gone (evicted, expired, never written)
     written_keys: int = 0
     already_present: int = 0  # written keys the store held already (another engine's)
-    write_failed_keys: int = 0  # a value larger than the whole store
+    write_failed_keys: int = 0  # a value larger than the whole store, or every key held
     evictions: int = 0
     evicted_bytes: int = 0
     expirations: int = 0
@@ -83,24 +89,62 @@ Settle = Callable[[float], None]
 class SharedRemoteStore:
     """Block keys -> presence, shared by every simulated engine (see the module)."""
 
-    def __init__(self, capacity_bytes: int | None = None, *, ttl_s: float = 0.0):
+    def __init__(
+        self, capacity_bytes: int | None = None, *, ttl_s: float = 0.0, holds_keys: bool = False
+    ):
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or capacity_bytes < 1):
             raise ValueError(f"capacity_bytes must be >= 1 or None, got {capacity_bytes!r}")
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"ttl_s must be a finite number >= 0, got {ttl_s!r}")
+        if holds_keys and ttl_s > 0:
+            raise ValueError(f"a store that holds keys has no TTL, got ttl_s={ttl_s!r}")
+        self.holds_keys = holds_keys
         self.capacity_bytes = capacity_bytes  # None: unbounded
         self.ttl_s = ttl_s  # 0: keys never expire
         self.counters = StoreCounters()
         self.used_bytes = 0
         self.peak_used_bytes = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recent first
+        self._held_entries: dict[bytes, _Entry] = {}  # stored and held: out of the LRU order
+        self._holds: Counter[bytes] = Counter()  # key -> holds not yet released
         self._settlers: list[Settle] = []
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._held_entries)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self._held_entries
+
+    # ------------------------------------------------------------------ holds
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        """Keep `keys` from eviction until as many `release`s (module docstring)."""
+        if not self.holds_keys:
+            return
+        for key in keys:
+            self._holds[key] += 1
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._held_entries[key] = entry
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """End one `hold` of each of `keys`; a key left unheld is the most recently used."""
+        if not self.holds_keys:
+            return
+        for key in keys:
+            if self._holds[key] < 1:
+                raise ValueError("release of a key not held")
+            self._holds[key] -= 1
+            if self._holds[key] == 0:
+                del self._holds[key]
+                entry = self._held_entries.pop(key, None)
+                if entry is not None:
+                    self._entries[key] = entry
+
+    @property
+    def num_held_keys(self) -> int:
+        """Keys held now (stored or not yet)."""
+        return len(self._holds)
 
     def attach(self, settle: Settle) -> None:
         """Register an engine's copy engine: `settle(t_s)` records the writes it
@@ -138,7 +182,8 @@ class SharedRemoteStore:
             if entry is None:
                 missing.append(index)
                 continue
-            self._entries.move_to_end(key)
+            if key in self._entries:  # a held key is out of the LRU order
+                self._entries.move_to_end(key)
             num_bytes += entry.num_bytes
         for tally in (self.counters, counters):
             tally.read_hit_keys += len(keys) - len(missing)
@@ -165,6 +210,8 @@ class SharedRemoteStore:
                 failed.append(index)
                 continue
             old = self._entries.pop(key, None)
+            if old is None:
+                old = self._held_entries.pop(key, None)
             visible_s_of_key = visible_s
             if old is not None:
                 self.used_bytes -= old.num_bytes
@@ -173,8 +220,14 @@ class SharedRemoteStore:
                     visible_s_of_key = min(old.visible_s, visible_s)
                     for tally in (self.counters, counters):
                         tally.already_present += 1
-            self._make_room(value_bytes, counters)
-            self._entries[key] = _Entry(value_bytes, visible_s_of_key, expires_s)
+            if not self._make_room(value_bytes, counters):
+                failed.append(index)  # every key left is held
+                continue
+            entry = _Entry(value_bytes, visible_s_of_key, expires_s)
+            if key in self._holds:
+                self._held_entries[key] = entry
+            else:
+                self._entries[key] = entry
             self.used_bytes += value_bytes
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         stored = len(keys) - len(failed)
@@ -189,7 +242,7 @@ class SharedRemoteStore:
         return {
             "capacity_bytes": self.capacity_bytes,
             "ttl_s": self.ttl_s,
-            "num_keys": len(self._entries),
+            "num_keys": len(self),
             "used_bytes": self.used_bytes,
             "peak_used_bytes": self.peak_used_bytes,
             **self.counters.to_json(),
@@ -204,7 +257,8 @@ class SharedRemoteStore:
     def _present(self, key: bytes, now_s: float) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is None:
-            return None
+            held = self._held_entries.get(key)  # never expires: no TTL with holds
+            return held if held is not None and held.visible_s <= now_s else None
         if entry.expires_s <= now_s:
             del self._entries[key]  # lazy expiry, as Redis does on access
             self.used_bytes -= entry.num_bytes
@@ -212,16 +266,19 @@ class SharedRemoteStore:
             return None
         return entry if entry.visible_s <= now_s else None
 
-    def _make_room(self, num_bytes: int, counters: StoreCounters) -> None:
+    def _make_room(self, num_bytes: int, counters: StoreCounters) -> bool:
+        """Evict the least recently used unheld keys until `num_bytes` fit; False when
+        they do not even then (every key left is held)."""
         capacity = self.capacity_bytes
         if capacity is None:
-            return
+            return True
         while self._entries and self.used_bytes + num_bytes > capacity:
             _, victim = self._entries.popitem(last=False)
             self.used_bytes -= victim.num_bytes
             for tally in (self.counters, counters):
                 tally.evictions += 1
                 tally.evicted_bytes += victim.num_bytes
+        return self.used_bytes + num_bytes <= capacity
 
 
 class RemoteStoreView(RemoteIndex):
@@ -250,6 +307,16 @@ class RemoteStoreView(RemoteIndex):
     @property
     def available(self) -> bool:
         return True  # the modelled store never goes down
+
+    @property
+    def holds_keys(self) -> bool:
+        return self.store.holds_keys
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        self.store.hold(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        self.store.release(keys)
 
     def attach(self, settle: Settle) -> None:
         self.store.attach(settle)
