@@ -14,9 +14,12 @@ NVMe moves there, a keyed tier must find what the slot tier finds. This runs
     keyed_bounded   the same with 4 write chunks in flight (the default before: 32
                     blocks written a step, since results are polled between steps)
 
-The keyed sides model the store's own plain LRU (`SharedRemoteStore`) and one link
-rate both ways (NVMe reads at its write rate: an approximation against the keyed
-side). Each side checks it wrote to the tier it names and got prefix hits from it
+The keyed sides model a keyed NVMe tier (`SharedRemoteStore(holds_keys=True)`):
+its own plain LRU, passing over the keys the control plane holds (a paused or
+waiting sequence's blocks, `SecondaryTier.hold`), and one link rate both ways
+(NVMe reads at its write rate: an approximation against the keyed side). Each
+keyed side also counts fetches that found their key gone and writes refused
+(every key held). Each side checks it wrote to the tier it names and got prefix hits from it
 (at 300 requests the keyed side has none yet). Prints each side's prefix hit
 rates and speed, the ratios keyed / slot, then one JSON line. Throughput is kept
 but not compared: a run's duration ends when its last transfer does, and the
@@ -73,7 +76,7 @@ def run_side(
     store = None
     if keyed:
         block_bytes = resolve_setup(config, hardware).block_bytes
-        store = SharedRemoteStore(capacity_bytes=NVME_BLOCKS * block_bytes)
+        store = SharedRemoteStore(capacity_bytes=NVME_BLOCKS * block_bytes, holds_keys=True)
         hardware = dataclasses.replace(
             hardware, remote_gb_per_s=hardware.nvme_write_gb_per_s,
             remote_rtt_ms=hardware.nvme_latency_s * 1e3,
@@ -85,6 +88,8 @@ def run_side(
     side["below_pinned_hit_rate"] = round(rates["nvme"] + rates["remote"], 6)
     remote = summary["remote"]
     side["store_evictions"] = remote.get("evictions", 0)
+    side["store_fetch_failures"] = remote.get("fetch_failures", 0)
+    side["store_write_failures"] = remote.get("write_failures", 0)
     wrote_nvme, wrote_store = summary["bytes_cpu_to_nvme"], summary["bytes_cpu_to_remote"]
     used = wrote_store > 0 and wrote_nvme == 0 if keyed else wrote_nvme > 0 and wrote_store == 0
     served = rates["remote" if keyed else "nvme"] > 0

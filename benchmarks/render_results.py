@@ -209,8 +209,9 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "keyed_tier_parity": (
         "NVMe as a slot tier against a keyed tier in its place",
         "sim_scale's trace and configuration three ways: the NVMe slot tier; no NVMe and a "
-        "store of its capacity in its place (written on demotion, the NVMe's write rate and "
-        "latency both ways, 64 or 4 write chunks in flight); ratios keyed / slot",
+        "keyed tier of its capacity in its place (written on demotion, holding paused "
+        "sequences' keys, the NVMe's write rate and latency both ways, 64 or 4 write chunks "
+        "in flight); ratios keyed / slot",
         (),
     ),
     "calibration": (
