@@ -40,8 +40,8 @@ class RemoteIndex(ABC):
     @property
     def holds_keys(self) -> bool:
         """Whether `hold` keeps a key in the store (`SecondaryTier.holds_keys`): then the
-        store (`kvswap.control.store`) holds the key of every block a sequence still
-        references while the store's is its only copy. Default: False."""
+        block store (`kvswap.control.store`) holds the keys of a paused or waiting
+        sequence's blocks, from their write on. Default: False."""
         return False
 
     def hold(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - most stores cannot hold

@@ -28,9 +28,9 @@ served. A good read makes the key the most recently used.
 
 The policy sees each key as a cache entry whose only copy is here
 (`BlockFacts`), busy while it is written or read, referenced and busy while
-held; under "kvswap" and "lru" alike the least recently stored or loaded key leaves first. The tier
-owns the `DiskPool`: `close()` closes it (the slab file is removed unless
-persisted).
+held; under "kvswap" and "lru" alike the least recently stored or loaded key
+leaves first. The tier owns the `DiskPool`: `close()` closes it (the slab file
+is removed unless persisted).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class NvmeTierStats:
     written_blocks: int = 0
     already_present: int = 0  # stores of a key stored already: nothing written
     failed_writes: int = 0  # keys a store did not store, whatever the reason
-    no_room_blocks: int = 0  # ... of them because every key was busy
+    no_room_blocks: int = 0  # ... of them because every key was busy or held
     evicted_blocks: int = 0  # keys the policy gave up to make room
     nvme_to_cpu_bytes: int = 0
     cpu_to_nvme_bytes: int = 0
@@ -141,7 +141,7 @@ class NvmeTier(LaneTier):
             for key in keys:
                 self._holds[key] += 1
                 entry = self._index.get(key)
-                if entry is not None and self._holds[key] == 1:
+                if entry is not None and entry.state is not _State.BAD and self._holds[key] == 1:
                     self._policy.update(key, entry.facts(held=True))
 
     def release(self, keys: Sequence[bytes]) -> None:
