@@ -100,6 +100,21 @@ def test_a_promoted_chunk_stays_for_its_minimum_residency(scenarios: Any) -> Non
     assert sorted(no_window["store_within_window"]) == ["c0", "c2"]
 
 
+def test_a_hit_on_the_nvme_slab_is_held_until_its_promotion_lands(scenarios: Any) -> None:
+    """vLLM submits a HIT's promotion at the step's end; a cascade of that step needing
+    a slot on the slab took the key just found (its least recently used) and the
+    promotion failed. Held for the request from its lookup on, the key stays (another
+    goes) and the promotion lands; every hold is released once the request finished."""
+    held, plain = scenarios["hit_held"]["held"], scenarios["hit_held"]["plain"]
+    for side in (held, plain):
+        assert side["lookup"] == "HIT_PENDING" and side["nvme"]["evicted_blocks"] == 1
+        assert side["held_at_end"] == 0
+    assert plain["held_while_promoting"] == 0 and plain["lookup_after"] == "MISS"
+    assert (plain["nvme"]["hits_blocks"], plain["nvme"]["misses_blocks"]) == (0, 1)
+    assert held["held_while_promoting"] == 1 and held["lookup_after"] == "HIT"
+    assert (held["nvme"]["hits_blocks"], held["nvme"]["misses_blocks"]) == (1, 0)
+
+
 def test_vllm_s_factories_find_the_adapter_s_classes_by_name(scenarios: Any) -> None:
     """What a kv_transfer_config names resolves, on both versions (0.33's CachePolicy
     inserts with a req_context and has on_request_access; the scenarios above ran on it).

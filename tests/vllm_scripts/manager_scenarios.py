@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvswap.base.eviction_policy import PolicyOptions
 from kvswap.control.policy_lru import LruPolicy
+from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.integrations.vllm.cache_policy import HostRanking, KvswapCachePolicy
 from kvswap.integrations.vllm.host_report import HostReport
 from kvswap.integrations.vllm.manager import (
@@ -127,6 +128,17 @@ def sinks_kept(policy: str) -> dict[str, Any]:
     return {"evicted": store(manager, r2, chain("n", 1))}
 
 
+#: What the tiers read of vLLM's offloading spec, for a model named "scenario".
+SCENARIO_SPEC = SimpleNamespace(
+    config=SimpleNamespace(
+        model=SimpleNamespace(name="scenario", dtype="float32"),
+        parallel=SimpleNamespace(world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1),
+    ),
+    tokens_per_block=(TOKENS_PER_CHUNK,),
+    blocks_per_chunk=1,
+)
+
+
 def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     """A 2-chunk host tier over kvswap's NVMe slab. r1 stores c0 (cascaded to NVMe) and
     finishes; r2 stores c1, c2, which pushes c0 out of the host tier, and finishes. r3
@@ -141,16 +153,8 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
     policy = KvswapCachePolicy(2, ranking)
     rows = SharedHostRows(scratch / f"host-{min_residency_steps}", 2, ROW_BYTES)
     primary = KvswapPrimaryTier(2, rows, policy, HostReport(2, ROW_BYTES), enable_events=False)
-    spec = SimpleNamespace(
-        config=SimpleNamespace(
-            model=SimpleNamespace(name="scenario", dtype="float32"),
-            parallel=SimpleNamespace(world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1),
-        ),
-        tokens_per_block=(TOKENS_PER_CHUNK,),
-        blocks_per_chunk=1,
-    )
     nvme = KvswapNvmeTier(
-        spec,
+        SCENARIO_SPEC,
         primary.get_kv_memoryview(),
         "kvswap-nvme",
         nvme_dir=str(scratch),
@@ -196,6 +200,64 @@ def residency(scratch: Path, min_residency_steps: int) -> dict[str, Any]:
         "store_after_window": after_window,
         "nvme": counters,
     }
+
+
+class _SlabWithoutHolds(NvmeTier):
+    """The slab, saying it cannot hold keys: how the adapter ran before holds."""
+
+    @property
+    def holds_keys(self) -> bool:
+        return False
+
+
+def hit_held(scratch: Path, holds: bool) -> dict[str, Any]:
+    """A 2-chunk host tier over a 3-slot NVMe slab holding c0, c1, c2 (c0 the oldest,
+    no longer in the host tier). r3 looks c0 up: a HIT, whose promotion vLLM submits
+    at the step's end. In the same step r4 stores d0, whose cascade reaches the slab
+    first and needs a slot: the slab's least recently used key is c0. Held for r3
+    (`holds`), c0 stays and c1 goes; otherwise c0 goes and the promotion fails."""
+    ranking = HostRanking(protected_sink_blocks=0, tokens_per_chunk=TOKENS_PER_CHUNK)
+    policy = KvswapCachePolicy(2, ranking)
+    rows = SharedHostRows(scratch / f"held-{holds}", 2, ROW_BYTES)
+    primary = KvswapPrimaryTier(2, rows, policy, HostReport(2, ROW_BYTES), enable_events=False)
+    nvme = KvswapNvmeTier(
+        SCENARIO_SPEC, primary.get_kv_memoryview(), "kvswap-nvme", nvme_dir=str(scratch),
+        nvme_kv_capacity_bytes=3 * ROW_BYTES,
+    )  # fmt: skip
+    if not holds:
+        nvme.tier.__class__ = _SlabWithoutHolds
+    nvme.copied_below = policy.copied_below
+    manager = KvswapTieringManager(primary_tier=primary, secondary_tiers=[nvme])
+
+    def settle() -> None:
+        nvme.drain_jobs()
+        step(manager)
+
+    c = chain(f"h{int(holds)}c", 3)
+    try:
+        for number, keys in enumerate((c[:1], c[1:]), start=1):
+            stored = request(manager, f"r{number}", keys)
+            store(manager, stored, keys)
+            settle()
+            manager.on_request_finished(stored)
+        r3 = request(manager, "r3", c[:1])
+        found = manager.lookup(c[0], r3).name  # a promotion, submitted at the step's end
+        r4 = request(manager, "r4", chain(f"h{int(holds)}d", 1))
+        store(manager, r4, chain(f"h{int(holds)}d", 1))  # its cascade goes to the slab now
+        nvme.drain_jobs()
+        held_then = nvme.num_held_keys
+        settle()  # the promotion is submitted
+        settle()  # ... and lands, or fails
+        after = manager.lookup(c[0], r3).name
+        manager.on_request_finished(r3)
+        manager.on_request_finished(r4)
+        settle()
+        counters = dict(nvme.counters())
+        held_at_end = nvme.num_held_keys
+    finally:
+        manager.shutdown()
+    return {"lookup": found, "held_while_promoting": held_then, "lookup_after": after,
+            "held_at_end": held_at_end, "nvme": counters}  # fmt: skip
 
 
 def arc_adapts() -> dict[str, Any]:
@@ -346,6 +408,7 @@ def main(scratch: Path) -> None:
                 "kvswap": residency(scratch, 3),
                 "no_window": residency(scratch, 0),
             },
+            "hit_held": {"held": hit_held(scratch, True), "plain": hit_held(scratch, False)},
         }
     )
 

@@ -6,11 +6,20 @@ the host tier misses from the first that holds it. Each call is the call of
 kvswap's `SecondaryTier` (`kvswap.data.tiers`), which does the work:
 
     vLLM                                   kvswap SecondaryTier
-    lookup(key, ctx) -> HIT / MISS         lookup([key]) == 1
+    lookup(key, ctx) -> HIT / MISS         lookup([key]) == 1; a HIT is held for the
+                                           request (hold first, then lookup: no gap)
     submit_store(job)   (a cascade)        submit_store(TransferJob(keys, host_slots=chunk ids))
     submit_load(job)    (a promotion)      submit_load(...)
-    get_finished_jobs()                    get_finished_jobs(): success, the keys that did
+    get_finished_jobs()                    get_finished_jobs(): success, the keys that did;
+                                           a promotion's keys are released for its request
+    on_request_finished(ctx)               release what the request still holds
     drain_jobs() / shutdown()              drain() / close()
+
+vLLM answers a HIT by queueing a promotion that it submits at the step's end, and
+the cascades of that step may reach the tier first: a slab evicting its least
+recently used key would take exactly the old key just found. A tier that holds
+keys (`SecondaryTier.holds_keys`: the NVMe slab) keeps each key a request was told
+is a HIT until that request's promotion of it lands or the request finishes.
 
 Keys become kvswap keys under the identity of the model's chunks (`keys.py`). Values check
 themselves (the slab's CRC per slot; the store's header, key digest and CRC),
@@ -75,8 +84,10 @@ class KvswapSecondaryTier(SecondaryTierManager):
         )  # fmt: skip
         self.copied_below: CopiedBelow | None = None  # set by KvswapOffloadingSpec
         self.tier = self._open(adapter_settings(config), primary_kv_view)
-        # job id -> (its vLLM keys in order, is a load)
-        self._jobs: dict[int, tuple[tuple[Any, ...], bool]] = {}
+        # job id -> (its vLLM keys in order, is a load, the request's id)
+        self._jobs: dict[int, tuple[tuple[Any, ...], bool, str]] = {}
+        # request id -> the kvswap keys held for it (HITs not yet promoted)
+        self._held: dict[str, set[bytes]] = {}
         self._waited: list[Any] = []  # results `wait_for` took, not yet reported
 
     def _open(self, settings: AdapterSettings, host_rows: memoryview) -> SecondaryTier:
@@ -85,7 +96,19 @@ class KvswapSecondaryTier(SecondaryTierManager):
     # --- vLLM's SecondaryTierManager --------------------------------------------------
 
     def lookup(self, key: bytes, req_context: Any) -> Any:
-        return LookupResult.HIT if self.tier.lookup([self.keys.key(key)]) else LookupResult.MISS
+        kvswap_key = self.keys.key(key)
+        if not self.tier.holds_keys:
+            return LookupResult.HIT if self.tier.lookup([kvswap_key]) else LookupResult.MISS
+        held = self._held.setdefault(req_context.req_id, set())
+        new = kvswap_key not in held
+        if new:
+            self.tier.hold([kvswap_key])  # before the lookup: no eviction in between
+        found = self.tier.lookup([kvswap_key]) == 1
+        if new and found:
+            held.add(kvswap_key)
+        elif new:
+            self.tier.release([kvswap_key])
+        return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_store(self, job_metadata: Any) -> None:
         self.tier.submit_store(self._job(job_metadata, is_load=False))
@@ -106,7 +129,9 @@ class KvswapSecondaryTier(SecondaryTierManager):
         return result
 
     def _result(self, done: Any) -> Any:
-        vllm_keys, is_load = self._jobs.pop(done.job_id)
+        vllm_keys, is_load, req_id = self._jobs.pop(done.job_id)
+        if is_load:
+            self._release(req_id, [self.keys.key(key) for key in vllm_keys])
         kept = set(done.successful_keys)
         successful = [key for key in vllm_keys if self.keys.key(key) in kept]
         if not is_load and successful and self.copied_below is not None:
@@ -125,6 +150,26 @@ class KvswapSecondaryTier(SecondaryTierManager):
     def on_new_request(self, req_context: Any) -> Any:
         return RequestOffloadingContext()
 
+    def on_request_finished(self, req_context: Any) -> None:
+        held = self._held.pop(req_context.req_id, None)
+        if held:
+            self.tier.release(sorted(held))
+
+    @property
+    def num_held_keys(self) -> int:
+        """Keys held for requests (each request's own, counted per request)."""
+        return sum(len(held) for held in self._held.values())
+
+    def _release(self, req_id: str, kvswap_keys: Iterable[bytes]) -> None:
+        """End the request's holds of those of `kvswap_keys` it holds."""
+        held = self._held.get(req_id)
+        if not held:
+            return
+        done = [key for key in kvswap_keys if key in held]
+        if done:
+            held.difference_update(done)
+            self.tier.release(done)
+
     def drain_jobs(self) -> None:
         self.tier.drain()
 
@@ -137,7 +182,7 @@ class KvswapSecondaryTier(SecondaryTierManager):
 
     def _job(self, job: Any, *, is_load: bool) -> TransferJob:
         vllm_keys = tuple(job.keys)
-        self._jobs[job.job_id] = (vllm_keys, is_load)
+        self._jobs[job.job_id] = (vllm_keys, is_load, job.req_context.req_id)
         return TransferJob(
             job_id=job.job_id,
             keys=tuple(self.keys.key(key) for key in vllm_keys),
