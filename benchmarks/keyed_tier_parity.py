@@ -19,9 +19,9 @@ its own plain LRU, passing over the keys the control plane holds (a paused or
 waiting sequence's blocks, `SecondaryTier.hold`), and one link rate both ways
 (NVMe reads at its write rate: an approximation against the keyed side). Each
 keyed side also counts fetches that found their key gone and writes refused
-(every key held). Each side checks it wrote to the tier it names and got prefix hits from it
-(at 300 requests the keyed side has none yet). Prints each side's prefix hit
-rates and speed, the ratios keyed / slot, then one JSON line. Throughput is kept
+(every key held). Each side checks it wrote to the tier it names and got prefix
+hits from it (at 300 requests the keyed side has none yet). Prints each side's
+prefix hit rates and speed, the ratios keyed / slot, then one JSON line. Throughput is kept
 but not compared: a run's duration ends when its last transfer does, and the
 sides' last writes differ (the slot tier's demotions still in flight).
 

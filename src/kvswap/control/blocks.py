@@ -57,9 +57,6 @@ class Block:
     num_protected_refs: int = 0  # sequences holding it among their first protected blocks
     copies: dict[Tier, Copy] = field(default_factory=dict)
     lost: bool = False  # every copy failed: the owner must recompute it
-    # The remote store holds the key for this process (`RemoteIndex.hold`): kept by the
-    # store (`BlockStore._sync_hold`) while a paused or waiting sequence references it.
-    remote_held: bool = False
     # Derived from `parent` at construction: the position in its chain (0: a first
     # block) and a farther ancestor, so that `is_ancestor` takes O(log depth) steps
     # (skew-binary jump pointers, Myers 1983) instead of a walk down the chain.

@@ -28,17 +28,9 @@ local copy is forgotten (the store is asked again by the next lookup), so what
 this process remembers stays bounded by its own tiers and the tables that
 reference blocks.
 
-A keyed store that can hold keys (`RemoteIndex.holds_keys`: a tier evicting by
-its own policy in this process's keeping, not a store shared with others) holds
-the key of every block of a paused or waiting sequence, from the moment its
-write is planned: while a sequence references the block, the store has (or is
-being written) a copy, and the block has no ready GPU copy. The hold is released
-once the block is on the GPU again or nobody references it (`_sync_hold`, after
-every change that can alter one of these). Held from the write on, not from the
-moment the store's copy becomes the only one: the tier may evict a key between
-its write landing and this process hearing of it. A store that cannot hold may
-evict such a key: the fetch then fails and the block is recomputed, never read
-wrong.
+A keyed store that can hold keys keeps a paused or waiting sequence's blocks
+(`store_holds`): the store tells its `KeyHolds` of every change that can alter
+whether a block's key is held.
 """
 
 from __future__ import annotations
@@ -51,6 +43,7 @@ from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.prefix_index import PrefixIndex
+from kvswap.control.store_holds import key_holds
 from kvswap.control.store_integrity import check_store_integrity
 from kvswap.control.store_policies import TierPolicies, VictimRound
 from kvswap.control.store_records import SequenceState, StoreLayout, TransferOutcome
@@ -69,9 +62,13 @@ _new_outcome = tuple.__new__
 
 class BlockStore:
     def __init__(
-        self, layout: StoreLayout, options: PolicyOptions, *, holds: RemoteIndex | None = None
+        self,
+        layout: StoreLayout,
+        options: PolicyOptions,
+        *,
+        remote_index: RemoteIndex | None = None,
     ):
-        """`holds`: the keyed store, when it can hold keys (module docstring)."""
+        """`remote_index`: the keyed store, asked to hold keys when it can (`store_holds`)."""
         self.layout = layout
         self.block_tokens = layout.block_tokens
         self.namespace = layout.key_namespace()
@@ -97,7 +94,7 @@ class BlockStore:
         # scan of every table when (as almost always) none is.
         self._lost_referenced: set[int] = set()
         self.num_remote_copies = 0  # copies known (or being written) in the remote store
-        self._holds = holds if holds is not None and holds.holds_keys else None
+        self._holds = key_holds(remote_index)
 
     # ----------------------------------------------------------------- sequences
 
@@ -261,7 +258,7 @@ class BlockStore:
                 self.delete_block(block)
             else:
                 self._policies.changed(block)
-                self._sync_hold(block)
+                self._holds.sync(block)
                 released.append(block)
         released.reverse()
         return released
@@ -283,7 +280,7 @@ class BlockStore:
                 self.delete_block(block)
             else:
                 self._policies.changed(block)
-                self._sync_hold(block)
+                self._holds.sync(block)
         state.num_tokens = keep_blocks * self.block_tokens
         self.set_running(seq_id, running)
 
@@ -364,7 +361,7 @@ class BlockStore:
             copy = Copy(slot=slot, ready=ready)
         block.copies[tier] = copy
         if copy.slot is None:
-            self._sync_hold(block)  # a paused sequence's block: held from its write on
+            self._holds.sync(block)  # a paused sequence's block: held from its write on
         self._policies.placed(block, tier, copy)
         return copy
 
@@ -385,7 +382,7 @@ class BlockStore:
             self._lost_referenced.add(block.block_id)
             self.index.remove(block)
             self._policies.changed(block)
-        self._sync_hold(block)
+        self._holds.sync(block)
 
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
@@ -420,7 +417,7 @@ class BlockStore:
             block.lost = True
         else:
             del self.blocks[block.block_id]
-        self._sync_hold(block)
+        self._holds.sync(block)
 
     # ----------------------------------------------------------------- transfers
 
@@ -453,7 +450,7 @@ class BlockStore:
         ok = intact and not src.stale and not dst.stale
         if ok:
             dst.ready = True
-            self._sync_hold(block)  # on the GPU again: released
+            self._holds.sync(block)  # on the GPU again: released
         else:
             if src_tier in _CHECKED_READS and not intact:
                 src.stale = True
@@ -478,26 +475,6 @@ class BlockStore:
         return _new_outcome(TransferOutcome, (ok, ok and block.block_id in self.blocks, lost_now))
 
     # ------------------------------------------------------------------ internal
-
-    def _sync_hold(self, block: Block) -> None:
-        """Hold `block`'s key in the keyed store exactly while a sequence references the
-        block, the store has a copy of it (being written included) and it has no ready
-        GPU copy (module docstring)."""
-        holds = self._holds
-        if holds is None:
-            return
-        remote = block.copies.get(Tier.REMOTE)
-        wanted = (
-            block.ref_count > 0
-            and not block.lost
-            and remote is not None
-            and not remote.stale
-            and block.ready_copy(GPU_TIER) is None
-        )
-        if wanted is not block.remote_held:
-            block.remote_held = wanted
-            assert block.key is not None, "only full (keyed) blocks have a remote copy"
-            (holds.hold if wanted else holds.release)((block.key,))
 
     def _release(self, block: Block, tier: Tier, copy: Copy) -> None:
         """Give back what a copy held: its slot, or its place in the remote count."""
@@ -539,7 +516,4 @@ class BlockStore:
         references equal the tables that hold each block (`store_integrity`)."""
         check_store_integrity(self.tiers, self.blocks, self.sequences, self.num_remote_copies)
         self._policies.check_integrity()
-        for block in self.blocks.values():
-            held = block.remote_held
-            self._sync_hold(block)
-            assert block.remote_held is held, f"block {block.block_id}: hold out of step"
+        self._holds.check(self.blocks.values())

@@ -84,7 +84,7 @@ class Swapper:
         self.options = options
         self._clock_s = clock_s
         # Read-only to everyone but the swapper's parts (tests and exporters look).
-        self.store = BlockStore(layout, options, holds=remote_index)
+        self.store = BlockStore(layout, options, remote_index=remote_index)
         self.metrics = metrics if metrics is not None else KVMetrics()
         self.mover = Mover(
             self.store, engine, self.metrics, settings.block_bytes, self._arrived,
