@@ -7,7 +7,7 @@ ids in an assertion tell whose token is where.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Direction, Tier, TransferChunk
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction, TransferChunk
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 from tests.manual_engine import ManualCopyEngine
@@ -38,7 +38,7 @@ def computed(plan: StepPlan) -> list[tuple[int, tuple[int, ...], int]]:
 def placement(scheduler: Scheduler, seq_id: int) -> list[str]:
     """Where each block of the sequence has a ready copy, e.g. ["gpu+cpu", "cpu"]."""
     return [
-        "+".join(tier.value for tier in Tier if block.ready_copy(tier) is not None)
+        "+".join(tier.value for tier in BUILT_IN_TIERS if block.ready_copy(tier) is not None)
         for block in scheduler.swapper.store.sequence_blocks(seq_id)
     ]
 

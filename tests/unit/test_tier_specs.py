@@ -1,13 +1,11 @@
-"""The tiers described once: what the control plane derives from `TIER_SPECS`."""
+"""The tiers described once: each `Tier` carries its facts, and the directions follow."""
 
 from __future__ import annotations
 
 from kvswap.base.transfer import (
-    LOCAL_TIERS,
+    BUILT_IN_TIERS,
     REMOTE_DIRECTIONS,
     SLOT_TIERS,
-    TIER_SPECS,
-    TIERS_BELOW,
     Addressing,
     Direction,
     Tier,
@@ -18,9 +16,9 @@ from kvswap.control.blocks import Block, Copy
 def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:
     for direction in Direction:
         src, dst = direction.src_tier, direction.dst_tier
-        assert src.spec.above is dst or dst.spec.above is src
+        assert src.above is dst or dst.above is src
         # Upward: towards the GPU, what a step waits for (swap-in chunks on HIGH).
-        assert direction.upward == (src.spec.above is dst)
+        assert direction.upward == (src.above is dst)
     # A pair of tiers names one direction.
     pairs = [(d.src_tier, d.dst_tier) for d in Direction]
     assert len(set(pairs)) == len(pairs)
@@ -31,17 +29,33 @@ def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:
 
 def test_addressing_decides_slots_and_keyed_chunks() -> None:
     assert SLOT_TIERS == (Tier.GPU, Tier.CPU, Tier.NVME)
-    assert LOCAL_TIERS == SLOT_TIERS
-    assert Tier.REMOTE.spec.addressing is Addressing.KEYS
+    assert [t for t in BUILT_IN_TIERS if t.local] == list(SLOT_TIERS)
+    assert Tier.REMOTE.addressing is Addressing.KEYS
     assert {Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU} == REMOTE_DIRECTIONS
     # Reads checked on the slab (CRC) and the store (value check), not in memory.
-    assert [t for t, spec in TIER_SPECS.items() if spec.checked_reads] == [Tier.NVME, Tier.REMOTE]
+    assert [t for t in BUILT_IN_TIERS if t.checked_reads] == [Tier.NVME, Tier.REMOTE]
 
 
-def test_slower_tiers_follow_the_order_of_the_specs() -> None:
-    assert TIERS_BELOW[Tier.GPU] == (Tier.CPU, Tier.NVME, Tier.REMOTE)
-    assert TIERS_BELOW[Tier.NVME] == (Tier.REMOTE,)
-    assert TIERS_BELOW[Tier.REMOTE] == ()
+def test_the_built_in_tiers_are_ranked_fastest_first_and_compare_by_identity() -> None:
+    assert [t.rank for t in BUILT_IN_TIERS] == [0, 1, 2, 3]
+    assert [t.value for t in BUILT_IN_TIERS] == ["gpu", "cpu", "nvme", "remote"]
+    twin = Tier("gpu", 0, Addressing.SLOTS, checked_reads=False, local=True, above=None)
+    assert twin != Tier.GPU and len({Tier.GPU, twin}) == 2  # a tier is itself, not its facts
+
+
+def test_a_copy_below_is_one_on_a_slower_tier_and_local_ones_are_this_process() -> None:
+    block = Block(block_id=1, parent_key=b"root")
+    block.copies[Tier.GPU] = Copy(slot=0)
+    block.copies[Tier.REMOTE] = Copy(slot=None)
+    assert block.has_ready_copy_below(Tier.GPU) and block.has_ready_copy_below(Tier.NVME)
+    assert not block.has_ready_copy_below(Tier.GPU, local=True)
+    assert not block.has_ready_copy_below(Tier.REMOTE)
+    block.copies[Tier.NVME] = Copy(slot=2, ready=False)  # being written: not yet a copy
+    assert not block.has_ready_copy_below(Tier.CPU, local=True)
+    block.copies[Tier.NVME].ready = True
+    assert block.has_ready_copy_below(Tier.CPU, local=True)
+    del block.copies[Tier.GPU], block.copies[Tier.NVME]
+    assert not block.has_local_copy()
 
 
 def test_a_hit_is_served_from_the_fastest_ready_copy_else_the_one_on_its_way() -> None:

@@ -1,4 +1,4 @@
-"""Transfers as the control plane sees them: ids, slots, directions, priorities.
+"""Tiers and transfers as the control plane sees them: ids, slots, directions, priorities.
 
 The control plane never touches bytes. It hands a `TransferChunk` to a
 `CopyEngine` (the real one in `kvswap.data.copy_engine`, a modelled one in the
@@ -16,26 +16,10 @@ until its `TransferResult` has been polled.
 from __future__ import annotations
 
 import enum
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-
-
-class Tier(enum.Enum):
-    """Where a copy of a block can live, fastest first."""
-
-    GPU = "gpu"
-    CPU = "cpu"
-    NVME = "nvme"
-    REMOTE = "remote"  # a shared store (Redis protocol), addressed by block key
-
-    # Members are singletons compared by identity, so the identity hash is a valid
-    # hash; Enum's default hashes the member's name in Python, and tiers key every
-    # block's copies, which made it a top cost of large simulations.
-    __hash__ = object.__hash__
-
-    @property
-    def spec(self) -> TierSpec:
-        return TIER_SPECS[self]
+from typing import ClassVar
 
 
 class Addressing(enum.Enum):
@@ -45,48 +29,56 @@ class Addressing(enum.Enum):
     KEYS = "keys"  # by block key, in a store shared between processes (no slots here)
 
 
-@dataclass(frozen=True)
-class TierSpec:
-    """A tier, described once: everything the control plane treats differently per
-    tier reads it from here (its capacity comes with the store's layout)."""
+@dataclass(frozen=True, eq=False, slots=True)
+class Tier:
+    """Where a copy of a block can live: a tier is what the control plane treats
+    differently about it, described here once (its capacity comes with the store's
+    layout). Tiers compare by identity; `Tier.GPU`, `Tier.CPU`, `Tier.NVME` and
+    `Tier.REMOTE` are the built-in ones (`BUILT_IN_TIERS`).
 
-    tier: Tier
+        value          the tier's name, as metrics and summaries label it
+        rank           its place in the order of speed, fastest (the GPU, 0) first:
+                       a copy on a tier of higher rank is a copy below
+        addressing     by slots this process hands out, or by block key
+        checked_reads  a failed read means the copy itself is bad (a CRC or value
+                       check failed, the key vanished), not only that transfer: the
+                       copy is never read again
+        local          in this process (memory or a slab it owns): a copy worth
+                       remembering a block for; a block known only in a shared
+                       store is found again by a lookup
+        above          the tier a copy moves through to reach this one (None: the
+                       GPU, where KV is computed): every direction moves a chunk
+                       between a tier and the one above it
+    """
+
+    value: str
+    rank: int
     addressing: Addressing
-    # A failed read means the copy itself is bad (a CRC or value check failed, the key
-    # vanished), not only that transfer: the copy is never read again.
     checked_reads: bool
-    # In this process (memory or a slab it owns): a copy worth remembering a block for.
-    # A block known only in a shared store is found again by a lookup.
     local: bool
-    # The tier a copy moves through to reach this one (None: the GPU, where KV is
-    # computed). Every direction is a pair of a tier and this one.
     above: Tier | None
 
+    GPU: ClassVar[Tier]
+    CPU: ClassVar[Tier]
+    NVME: ClassVar[Tier]
+    REMOTE: ClassVar[Tier]
 
-#: Fastest first: the order is the tiers' speed.
+    def __repr__(self) -> str:
+        return f"Tier({self.value!r})"
+
+
 _SLOTS, _KEYS = Addressing.SLOTS, Addressing.KEYS
-TIER_SPECS: dict[Tier, TierSpec] = {
-    Tier.GPU: TierSpec(Tier.GPU, _SLOTS, checked_reads=False, local=True, above=None),
-    Tier.CPU: TierSpec(Tier.CPU, _SLOTS, checked_reads=False, local=True, above=Tier.GPU),
-    Tier.NVME: TierSpec(Tier.NVME, _SLOTS, checked_reads=True, local=True, above=Tier.CPU),
-    Tier.REMOTE: TierSpec(Tier.REMOTE, _KEYS, checked_reads=True, local=False, above=Tier.CPU),
-}
-#: The tiers slower than each tier, fastest first: a ready copy on one of them makes
-#: that tier's copy free to drop.
-TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
-    tier: tuple(TIER_SPECS)[position + 1 :] for position, tier in enumerate(TIER_SPECS)
-}
-#: The tiers of this process slower than each tier, fastest first.
-LOCAL_TIERS_BELOW: dict[Tier, tuple[Tier, ...]] = {
-    tier: tuple(lower for lower in below if TIER_SPECS[lower].local)
-    for tier, below in TIERS_BELOW.items()
-}
-#: The tiers whose copies take a slot of this process (each has a `TierSlots`).
-SLOT_TIERS: tuple[Tier, ...] = tuple(
-    spec.tier for spec in TIER_SPECS.values() if spec.addressing is Addressing.SLOTS
-)
-#: The tiers of this process (a block with a copy on one is remembered).
-LOCAL_TIERS: tuple[Tier, ...] = tuple(spec.tier for spec in TIER_SPECS.values() if spec.local)
+Tier.GPU = Tier("gpu", 0, _SLOTS, checked_reads=False, local=True, above=None)
+Tier.CPU = Tier("cpu", 1, _SLOTS, checked_reads=False, local=True, above=Tier.GPU)
+Tier.NVME = Tier("nvme", 2, _SLOTS, checked_reads=True, local=True, above=Tier.CPU)
+# A store shared between processes (the Redis protocol), addressed by block key.
+Tier.REMOTE = Tier("remote", 3, _KEYS, checked_reads=True, local=False, above=Tier.CPU)
+#: A tier's rank: the key that orders tiers fastest first.
+tier_rank = operator.attrgetter("rank")
+#: The built-in tiers, fastest first.
+BUILT_IN_TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE)
+#: The built-in tiers whose copies take a slot of this process (each has a `TierSlots`).
+SLOT_TIERS: tuple[Tier, ...] = tuple(t for t in BUILT_IN_TIERS if t.addressing is _SLOTS)
 
 
 class Direction(enum.Enum):
@@ -99,7 +91,10 @@ class Direction(enum.Enum):
     CPU_TO_REMOTE = "cpu_to_remote"
     REMOTE_TO_CPU = "remote_to_cpu"
 
-    __hash__ = object.__hash__  # as for Tier
+    # Members are singletons compared by identity, so the identity hash is a valid
+    # hash; Enum's default hashes the member's name in Python, and directions key
+    # every chunk's bookkeeping.
+    __hash__ = object.__hash__
 
     @property
     def src_tier(self) -> Tier:
@@ -126,8 +121,8 @@ _DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
 
 # Every direction is a tier and the one above it, one way or the other.
 for _direction, (_src, _dst) in _DIRECTION_TIERS.items():
-    assert _src.spec.above is _dst or _dst.spec.above is _src, _direction
-_UPWARD = frozenset(d for d, (src, dst) in _DIRECTION_TIERS.items() if src.spec.above is dst)
+    assert _src.above is _dst or _dst.above is _src, _direction
+_UPWARD = frozenset(d for d, (src, dst) in _DIRECTION_TIERS.items() if src.above is dst)
 _DIRECTION_OF = {tiers: direction for direction, tiers in _DIRECTION_TIERS.items()}
 
 
@@ -143,7 +138,7 @@ def direction_between(src: Tier, dst: Tier) -> Direction:
 #: the chunk's `keys` (its slots are the positions 0..n-1 of `keys`).
 REMOTE_DIRECTIONS = frozenset(
     d for d, (src, dst) in _DIRECTION_TIERS.items()
-    if Addressing.KEYS in (src.spec.addressing, dst.spec.addressing)
+    if Addressing.KEYS in (src.addressing, dst.addressing)
 )  # fmt: skip
 
 
@@ -154,9 +149,10 @@ class Priority(enum.IntEnum):
     LOW = 1
 
 
-# The members as module constants, for code that runs per block or per chunk: in
-# Python 3.11 a member read off its Enum class (`Tier.GPU`) takes the metaclass's
-# slow attribute path (~0.2-0.4 us); a name imported from here is a plain global.
+# Tiers and members as module constants, for code that runs per block or per chunk:
+# in Python 3.11 a member read off its Enum class (`Priority.HIGH`) takes the
+# metaclass's slow attribute path (~0.2-0.4 us); a name imported from here is a
+# plain global (and a global read is cheaper than a class attribute's).
 GPU_TIER, CPU_TIER, NVME_TIER, REMOTE_TIER = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
 HIGH_PRIORITY = Priority.HIGH
 CPU_TO_GPU, NVME_TO_CPU = Direction.CPU_TO_GPU, Direction.NVME_TO_CPU

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import LOCAL_TIERS, LOCAL_TIERS_BELOW, TIER_SPECS, TIERS_BELOW, Tier
+from kvswap.base.transfer import Tier, tier_rank
 
 
 @dataclass(slots=True)
@@ -91,29 +91,27 @@ class Block:
         the fastest with one being written (its bytes are on the way); None when every
         copy went stale."""
         for ready_only in (True, False):
-            for tier in TIER_SPECS:  # fastest first
-                copy = self.copies.get(tier)
-                if copy is not None and not copy.stale and (copy.ready or not ready_only):
-                    return tier
+            found = [tier for tier, copy in self.copies.items()
+                     if not copy.stale and (copy.ready or not ready_only)]  # fmt: skip
+            if found:
+                return min(found, key=tier_rank)
         return None
 
     def has_local_copy(self) -> bool:
         """A copy on a tier of this process (any state): what keeps an unreferenced
         block worth remembering. A block known only remotely is found again by a lookup."""
-        copies = self.copies
-        for tier in LOCAL_TIERS:  # noqa: SIM110 - a loop: called on every drop
-            if tier in copies:
+        for tier in self.copies:  # noqa: SIM110 - a loop: called on every drop
+            if tier.local:
                 return True
         return False
 
     def has_ready_copy_below(self, tier: Tier, *, local: bool = False) -> bool:
         """A ready copy on a tier slower than `tier` (so `tier`'s copy can be dropped);
         `local`: on a tier of this process. Called for every re-rank: written as a
-        plain loop over a precomputed tuple."""
-        copies = self.copies
-        for lower in (LOCAL_TIERS_BELOW if local else TIERS_BELOW)[tier]:
-            copy = copies.get(lower)
-            if copy is not None and copy.ready and not copy.stale:
+        plain loop over the block's few copies."""
+        rank = tier.rank
+        for lower, copy in self.copies.items():
+            if lower.rank > rank and copy.ready and not copy.stale and (lower.local or not local):
                 return True
         return False
 

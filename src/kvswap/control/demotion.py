@@ -1,7 +1,7 @@
 """Demotion: past a tier's high watermark its coldest copies move to the tier below.
 
 One demoter walks the pairs of adjacent tiers addressed by slots, fastest first
-(`tier_pairs`: each tier and the one its `TierSpec.above` names):
+(`tier_pairs`: each tier and the one its `Tier.above` names):
 
     GPU -> CPU    swap_out_high_watermark .. swap_out_low_watermark    (swap-out)
     CPU -> NVMe   cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
@@ -35,7 +35,7 @@ victims when it holds at least half the GPU tier's blocks
 of a referenced block never leaves.
 
 With a remote tier written `on_demote`, every block the tier above the store
-(`TierSpec.above` of `Tier.REMOTE`: the pinned pool) lets go is written to the
+(`Tier.REMOTE.above`: the pinned pool) lets go is written to the
 store first, unless the store has it: alongside its NVMe demotion, or instead
 of a free drop (the CPU copy then goes once the write succeeded). Without an
 NVMe tier the store is where cold blocks go: written, then dropped; once the
@@ -104,7 +104,7 @@ def tier_pairs(settings: SwapSettings, num_slots: Mapping[Tier, int]) -> tuple[T
     }
     pairs: list[TierPair] = []
     for lower in SLOT_TIERS:
-        upper = lower.spec.above
+        upper = lower.above
         if upper is None or upper not in SLOT_TIERS:
             continue
         gpu = upper is Tier.GPU
@@ -276,7 +276,7 @@ class Demoter:
         """The writes a pass out of `pair.upper` makes, when the store is written on
         demotion and sits below that tier."""
         remote = self.remote
-        if remote is None or not remote.demotes or Tier.REMOTE.spec.above is not pair.upper:
+        if remote is None or not remote.demotes or Tier.REMOTE.above is not pair.upper:
             return None
         return _Writes(remote, remote.write_room_blocks())
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction, Tier
 
 
 @dataclass
@@ -73,8 +73,12 @@ class KVMetrics:
             prefetch_hits=self.prefetch_hits,
             prefetch_misses=self.prefetch_misses,
             lost_blocks=self.lost_blocks,
-            prefix_hit_blocks_by_tier={t.value: self.prefix_hit_blocks_by_tier[t] for t in Tier},
-            peak_used_blocks_by_tier={t.value: self.peak_used_blocks_by_tier[t] for t in Tier},
+            prefix_hit_blocks_by_tier={
+                t.value: self.prefix_hit_blocks_by_tier[t] for t in BUILT_IN_TIERS
+            },
+            peak_used_blocks_by_tier={
+                t.value: self.peak_used_blocks_by_tier[t] for t in BUILT_IN_TIERS
+            },
             remote_lookups=self.remote_lookups,
             remote_lookup_misses=self.remote_lookup_misses,
             remote_lookup_blocks=self.remote_lookup_blocks,

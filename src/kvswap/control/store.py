@@ -21,7 +21,7 @@ arrival and its failure are store calls (`reserve_source`, `release_source`,
 `finish_transfer`), so the policies hear every change from here and no caller
 asks for a re-rank.
 
-Tiers are described once (`TIER_SPECS`). A tier addressed by slots gets a
+Each tier is described once (`Tier`: its rank, addressing, ...). A tier addressed by slots gets a
 `TierSlots`; one addressed by key (`Tier.REMOTE`) takes no slot: the shared
 store addresses its copies by block key. An unreferenced block left with no
 local copy is forgotten (the store is asked again by the next lookup), so what
@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from kvswap.base import identity
 from kvswap.base.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, TIER_SPECS, TIERS_BELOW, Addressing, Tier
+from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, Addressing, Tier, tier_rank
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_holds import key_holds
@@ -51,11 +51,6 @@ from kvswap.control.tiers import TierSlots
 from kvswap.errors import KvSwapError
 from kvswap.units import ceil_div
 
-# Read per copy placed or transfer finished: module constants, since a property
-# (`tier.spec`) costs several dict lookups in Python 3.11.
-_BELOW_GPU = TIERS_BELOW[Tier.GPU]
-_KEYED_TIERS = frozenset(t for t, spec in TIER_SPECS.items() if spec.addressing is Addressing.KEYS)
-_CHECKED_READS = frozenset(t for t, spec in TIER_SPECS.items() if spec.checked_reads)
 # TransferOutcome is a NamedTuple: built without its Python-level __new__ (one per block moved).
 _new_outcome = tuple.__new__
 
@@ -350,7 +345,7 @@ class BlockStore:
         addressed by key takes no slot: the store has room for it as far as the control
         plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
-        if tier in _KEYED_TIERS:
+        if tier.addressing is Addressing.KEYS:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
@@ -388,11 +383,13 @@ class BlockStore:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
         copies = block.copies
+        lower = [tier for tier in copies if tier is not GPU_TIER]
+        if not lower:  # most calls: a partial block on the GPU alone
+            return
+        lower.sort(key=tier_rank)  # fastest first
         marked = False
-        for tier in _BELOW_GPU:
-            copy = copies.get(tier)
-            if copy is None:
-                continue
+        for tier in lower:
+            copy = copies[tier]
             if copy.is_busy:
                 copy.stale = True
                 marked = True
@@ -452,7 +449,7 @@ class BlockStore:
             dst.ready = True
             self._holds.sync(block)  # on the GPU again: released
         else:
-            if src_tier in _CHECKED_READS and not intact:
+            if src_tier.checked_reads and not intact:
                 src.stale = True
             # May forget the block (nobody references it, only a remote copy is left).
             self.drop_copy(block, dst_tier)

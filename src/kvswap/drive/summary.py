@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction, Tier
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.percentiles import percentiles_ms
@@ -216,7 +216,9 @@ class RunSummary:
                 "pinned_pool_utilization_peak": self.pinned_pool_utilization_peak,
                 "sync_stalls": self.sync_stalls,
                 "preemptions": self.preemptions,
-                "prefix_hit_tokens": {t.value: self.prefix_hit_tokens.get(t, 0) for t in Tier},
+                "prefix_hit_tokens": {
+                    t.value: self.prefix_hit_tokens.get(t, 0) for t in BUILT_IN_TIERS
+                },
                 "recomputed_tokens": self.recomputed_tokens,
                 "protected_block_saves": self.protected_block_saves,
                 "prefetch_hits": self.prefetch_hits,
@@ -310,7 +312,7 @@ def build_summary(
         sync_stalls=metrics.sync_stalls,
         preemptions=scheduler.num_preemptions,
         prefix_hit_tokens={
-            tier: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in Tier
+            tier: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in BUILT_IN_TIERS
         },
         recomputed_tokens=sum(r.recomputed_tokens for r in runs),
         protected_block_saves=metrics.protected_block_saves,

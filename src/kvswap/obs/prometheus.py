@@ -75,7 +75,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction
 from kvswap.control.metrics import KVMetrics
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or
@@ -94,7 +94,7 @@ TPOT_BUCKETS_S = (
     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
 )  # fmt: skip
 DIRECTIONS = tuple(d.value for d in Direction)
-TIERS = tuple(t.value for t in Tier)
+TIERS = tuple(t.value for t in BUILT_IN_TIERS)
 #: The data plane's remote counters (the summary's `remote` keys) -> `event` label.
 REMOTE_STORE_EVENTS = {
     "corrupt": "corrupt",
@@ -342,7 +342,7 @@ class PrometheusExporter(StepObserver):
         self._total(self.prefetch_misses, metrics.prefetch_misses)
         self._total(self.failed_transfers, metrics.failed_transfers)
         self._total(self.lost_blocks, metrics.lost_blocks)
-        for tier in Tier:
+        for tier in BUILT_IN_TIERS:
             hits = metrics.prefix_hit_blocks_by_tier[tier] * self.block_tokens
             self._total(self.prefix_hits, hits, tier.value)
         self._remote(

@@ -23,14 +23,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction
 from kvswap.obs.jsonvalues import as_mapping, float_map, int_map, integer_or, lookup, number_or
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.tail import TailLatencies, TailRecorder
 
 DIRECTIONS: tuple[str, ...] = tuple(d.value for d in Direction)
-TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
+TIERS: tuple[str, ...] = tuple(t.value for t in BUILT_IN_TIERS)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction
 from kvswap.config import KvSwapConfig
 from kvswap.drive.summary import RunSummary, outputs_digest
 from kvswap.percentiles import percentiles_ms
@@ -107,7 +107,7 @@ class MultiRun:
             "tpot_ms": percentiles_ms(tpot_s),
             "prefix_hit_tokens": {
                 tier.value: sum(s.prefix_hit_tokens.get(tier, 0) for s in summaries)
-                for tier in Tier
+                for tier in BUILT_IN_TIERS
             },
             "recomputed_tokens": sum(s.recomputed_tokens for s in summaries),
             "prefill_tokens_computed": sum(e.prefill_tokens_computed for e in self.engines),

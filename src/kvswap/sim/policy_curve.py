@@ -51,7 +51,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Tier
+from kvswap.base.transfer import BUILT_IN_TIERS
 from kvswap.config import KvSwapConfig
 from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import SequenceRun
@@ -159,7 +159,7 @@ def simulate_policy(
     summary = simulator.run(workload)
     runs = list(simulator.scheduler.runs.values())
     prompt_tokens = sum(len(run.prompt_ids) for run in runs)
-    hits = {tier.value: summary.prefix_hit_tokens.get(tier, 0) for tier in Tier}
+    hits = {tier.value: summary.prefix_hit_tokens.get(tier, 0) for tier in BUILT_IN_TIERS}
     hit_tokens = sum(hits.values())
     capacity_tokens = host_blocks * shape.block_tokens
     point = HitRatePoint(

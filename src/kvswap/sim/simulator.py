@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Direction, Tier, TransferChunk
+from kvswap.base.transfer import BUILT_IN_TIERS, Direction, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
@@ -259,7 +259,7 @@ class Simulator(Backend):
                 tier.value: round(hits[tier] * block_tokens / prompt_tokens, 6)
                 if prompt_tokens
                 else 0.0
-                for tier in Tier
+                for tier in BUILT_IN_TIERS
             },
             "link_utilization": {
                 name: round(seconds / duration_s, 6) if duration_s > 0 else 0.0
