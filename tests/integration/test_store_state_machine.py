@@ -30,7 +30,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import (
-    REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,
     Tier,
@@ -95,7 +94,7 @@ class RemoteCopyEngine(CopyEngine):
         self.results: dict[int, TransferResult] = {}
 
     def submit(self, chunk: TransferChunk) -> None:
-        if chunk.direction not in REMOTE_DIRECTIONS:
+        if not chunk.direction.keyed:
             self.local.submit(chunk)
             return
         failed: list[int] = []

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvswap.base.transfer import (
-    REMOTE_DIRECTIONS,
+    BUILT_IN_DIRECTIONS,
     Direction,
     Priority,
     Tier,
@@ -49,7 +49,7 @@ from .copy_engine_support import (
 
 # --- round trips --------------------------------------------------------------
 
-LOCAL_DIRECTIONS = [d for d in Direction if d not in REMOTE_DIRECTIONS]
+LOCAL_DIRECTIONS = [d for d in BUILT_IN_DIRECTIONS if not d.keyed]
 
 
 def test_bytes_round_trip_through_every_direction(

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvswap.base.transfer import (
+    BUILT_IN_DIRECTIONS,
     BUILT_IN_TIERS,
-    REMOTE_DIRECTIONS,
     SLOT_TIERS,
     Addressing,
     Direction,
     Tier,
+    direction_between,
 )
 from kvswap.control.blocks import Block, Copy
 
 
 def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:
-    for direction in Direction:
+    for direction in BUILT_IN_DIRECTIONS:
         src, dst = direction.src_tier, direction.dst_tier
         assert src.above is dst or dst.above is src
         # Upward: towards the GPU, what a step waits for (swap-in chunks on HIGH).
         assert direction.upward == (src.above is dst)
     # A pair of tiers names one direction.
-    pairs = [(d.src_tier, d.dst_tier) for d in Direction]
+    pairs = [(d.src_tier, d.dst_tier) for d in BUILT_IN_DIRECTIONS]
     assert len(set(pairs)) == len(pairs)
-    assert {d for d in Direction if d.upward} == {
+    assert {d for d in BUILT_IN_DIRECTIONS if d.upward} == {
         Direction.CPU_TO_GPU, Direction.NVME_TO_CPU, Direction.REMOTE_TO_CPU
     }  # fmt: skip
 
@@ -31,7 +34,10 @@ def test_addressing_decides_slots_and_keyed_chunks() -> None:
     assert SLOT_TIERS == (Tier.GPU, Tier.CPU, Tier.NVME)
     assert [t for t in BUILT_IN_TIERS if t.local] == list(SLOT_TIERS)
     assert Tier.REMOTE.addressing is Addressing.KEYS
-    assert {Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU} == REMOTE_DIRECTIONS
+    assert [d for d in BUILT_IN_DIRECTIONS if d.keyed] == [
+        Direction.CPU_TO_REMOTE,
+        Direction.REMOTE_TO_CPU,
+    ]
     # Reads checked on the slab (CRC) and the store (value check), not in memory.
     assert [t for t in BUILT_IN_TIERS if t.checked_reads] == [Tier.NVME, Tier.REMOTE]
 
@@ -41,6 +47,17 @@ def test_the_built_in_tiers_are_ranked_fastest_first_and_compare_by_identity() -
     assert [t.value for t in BUILT_IN_TIERS] == ["gpu", "cpu", "nvme", "remote"]
     twin = Tier("gpu", 0, Addressing.SLOTS, checked_reads=False, local=True, above=None)
     assert twin != Tier.GPU and len({Tier.GPU, twin}) == 2  # a tier is itself, not its facts
+
+
+def test_a_direction_is_one_object_per_pair_of_adjacent_tiers() -> None:
+    assert direction_between(Tier.CPU, Tier.NVME) is Direction.CPU_TO_NVME
+    assert Direction.CPU_TO_NVME.value == "cpu_to_nvme" and not Direction.CPU_TO_NVME.upward
+    shelf = Tier("shelf", 4, Addressing.KEYS, checked_reads=True, local=False, above=Tier.CPU)
+    down, up = direction_between(Tier.CPU, shelf), direction_between(shelf, Tier.CPU)
+    assert down is direction_between(Tier.CPU, shelf) and down.value == "cpu_to_shelf"
+    assert down.keyed and up.keyed and up.upward and not down.upward
+    with pytest.raises(ValueError, match="no direction from gpu to shelf: tiers not adjacent"):
+        direction_between(Tier.GPU, shelf)
 
 
 def test_a_copy_below_is_one_on_a_slower_tier_and_local_ones_are_this_process() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import operator
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 
@@ -81,64 +81,66 @@ BUILT_IN_TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE)
 SLOT_TIERS: tuple[Tier, ...] = tuple(t for t in BUILT_IN_TIERS if t.addressing is _SLOTS)
 
 
-class Direction(enum.Enum):
-    """Which way a chunk moves; the value is the metric label."""
+@dataclass(frozen=True, eq=False, slots=True)
+class Direction:
+    """Which way a chunk moves: between a tier and the one above it (`Tier.above`),
+    one way or the other. One object per pair of tiers (`direction_between` makes
+    and keeps it), compared by identity; `Direction.GPU_TO_CPU` and the others
+    between built-in tiers are `BUILT_IN_DIRECTIONS`.
 
-    GPU_TO_CPU = "gpu_to_cpu"
-    CPU_TO_GPU = "cpu_to_gpu"
-    CPU_TO_NVME = "cpu_to_nvme"
-    NVME_TO_CPU = "nvme_to_cpu"
-    CPU_TO_REMOTE = "cpu_to_remote"
-    REMOTE_TO_CPU = "remote_to_cpu"
+        value    the metric label: "<src>_to_<dst>" ("cpu_to_nvme")
+        upward   towards the GPU (a swap-in or its first hop): what a step may wait for
+        keyed    one side is addressed by key: that side is addressed by the chunk's
+                 `keys` (its slots are the positions 0..n-1 of `keys`)
+    """
 
-    # Members are singletons compared by identity, so the identity hash is a valid
-    # hash; Enum's default hashes the member's name in Python, and directions key
-    # every chunk's bookkeeping.
-    __hash__ = object.__hash__
+    src_tier: Tier
+    dst_tier: Tier
+    value: str = field(init=False)
+    upward: bool = field(init=False)
+    keyed: bool = field(init=False)
 
-    @property
-    def src_tier(self) -> Tier:
-        return _DIRECTION_TIERS[self][0]
+    GPU_TO_CPU: ClassVar[Direction]
+    CPU_TO_GPU: ClassVar[Direction]
+    CPU_TO_NVME: ClassVar[Direction]
+    NVME_TO_CPU: ClassVar[Direction]
+    CPU_TO_REMOTE: ClassVar[Direction]
+    REMOTE_TO_CPU: ClassVar[Direction]
 
-    @property
-    def dst_tier(self) -> Tier:
-        return _DIRECTION_TIERS[self][1]
+    def __post_init__(self) -> None:
+        src, dst = self.src_tier, self.dst_tier
+        if src.above is not dst and dst.above is not src:
+            raise ValueError(f"no direction from {src.value} to {dst.value}: tiers not adjacent")
+        object.__setattr__(self, "value", f"{src.value}_to_{dst.value}")
+        object.__setattr__(self, "upward", src.above is dst)
+        object.__setattr__(self, "keyed", _KEYS in (src.addressing, dst.addressing))
 
-    @property
-    def upward(self) -> bool:
-        """Towards the GPU (a swap-in or its first hop): what a step may wait for."""
-        return self in _UPWARD
+    def __repr__(self) -> str:
+        return f"Direction({self.value!r})"
 
 
-_DIRECTION_TIERS: dict[Direction, tuple[Tier, Tier]] = {
-    Direction.GPU_TO_CPU: (Tier.GPU, Tier.CPU),
-    Direction.CPU_TO_GPU: (Tier.CPU, Tier.GPU),
-    Direction.CPU_TO_NVME: (Tier.CPU, Tier.NVME),
-    Direction.NVME_TO_CPU: (Tier.NVME, Tier.CPU),
-    Direction.CPU_TO_REMOTE: (Tier.CPU, Tier.REMOTE),
-    Direction.REMOTE_TO_CPU: (Tier.REMOTE, Tier.CPU),
-}
-
-# Every direction is a tier and the one above it, one way or the other.
-for _direction, (_src, _dst) in _DIRECTION_TIERS.items():
-    assert _src.above is _dst or _dst.above is _src, _direction
-_UPWARD = frozenset(d for d, (src, dst) in _DIRECTION_TIERS.items() if src.above is dst)
-_DIRECTION_OF = {tiers: direction for direction, tiers in _DIRECTION_TIERS.items()}
+_DIRECTIONS: dict[tuple[Tier, Tier], Direction] = {}
 
 
 def direction_between(src: Tier, dst: Tier) -> Direction:
-    """The direction a chunk from `src` to `dst` moves (adjacent tiers only)."""
-    direction = _DIRECTION_OF.get((src, dst))
+    """The direction a chunk from `src` to `dst` moves (adjacent tiers only: ValueError
+    otherwise); the same object for the same pair of tiers."""
+    direction = _DIRECTIONS.get((src, dst))
     if direction is None:
-        raise ValueError(f"no direction from {src.value} to {dst.value}: tiers not adjacent")
+        direction = _DIRECTIONS[(src, dst)] = Direction(src, dst)
     return direction
 
 
-#: Directions whose one side is a store addressed by key: that side is addressed by
-#: the chunk's `keys` (its slots are the positions 0..n-1 of `keys`).
-REMOTE_DIRECTIONS = frozenset(
-    d for d, (src, dst) in _DIRECTION_TIERS.items()
-    if Addressing.KEYS in (src.addressing, dst.addressing)
+Direction.GPU_TO_CPU = direction_between(Tier.GPU, Tier.CPU)
+Direction.CPU_TO_GPU = direction_between(Tier.CPU, Tier.GPU)
+Direction.CPU_TO_NVME = direction_between(Tier.CPU, Tier.NVME)
+Direction.NVME_TO_CPU = direction_between(Tier.NVME, Tier.CPU)
+Direction.CPU_TO_REMOTE = direction_between(Tier.CPU, Tier.REMOTE)
+Direction.REMOTE_TO_CPU = direction_between(Tier.REMOTE, Tier.CPU)
+#: The directions between built-in tiers, in the order reports list them.
+BUILT_IN_DIRECTIONS: tuple[Direction, ...] = (
+    Direction.GPU_TO_CPU, Direction.CPU_TO_GPU, Direction.CPU_TO_NVME, Direction.NVME_TO_CPU,
+    Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU,
 )  # fmt: skip
 
 
@@ -165,7 +167,7 @@ class TransferChunk:
 
     Invariant: len(src_slots) == len(dst_slots) >= 1 and every slot appears
     once per side. `num_bytes` = len(src_slots) * block bytes. A remote chunk
-    (`REMOTE_DIRECTIONS`) also names each block's key: `keys[i]` is the block
+    (`Direction.keyed`) also names each block's key: `keys[i]` is the block
     copied by slot pair i, and the remote side's slots are 0..n-1.
     """
 

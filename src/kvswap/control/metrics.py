@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction, Tier
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS, Direction, Tier
 
 
 @dataclass
@@ -24,7 +24,7 @@ class KVMetrics:
     # count every chunk tried.
     bytes_by_direction: Counter[Direction] = field(default_factory=Counter)
     seconds_by_direction: dict[Direction, float] = field(
-        default_factory=lambda: dict.fromkeys(Direction, 0.0)
+        default_factory=lambda: dict.fromkeys(BUILT_IN_DIRECTIONS, 0.0)
     )
     transfers_by_direction: Counter[Direction] = field(default_factory=Counter)
     failed_transfers: int = 0  # not remote writes: those are remote_write_failures
@@ -60,7 +60,7 @@ class KVMetrics:
     def snapshot(self) -> dict[str, object]:
         """Plain values keyed by metric name, for JSON and exporters."""
         out: dict[str, object] = {}
-        for direction in Direction:
+        for direction in BUILT_IN_DIRECTIONS:
             out[f"bytes_{direction.value}"] = self.bytes_by_direction[direction]
             out[f"seconds_{direction.value}"] = round(self.seconds_by_direction[direction], 9)
             out[f"transfers_{direction.value}"] = self.transfers_by_direction[direction]

@@ -14,7 +14,7 @@ into `TransferChunk`s and, when results come back, into copy state:
 The mover changes no copy itself: the store owns copy state and tells the
 policies. A slot is never reused while a transfer reads or writes it.
 
-A chunk to or from a tier addressed by key (`REMOTE_DIRECTIONS`) names its
+A chunk to or from a tier addressed by key (`Direction.keyed`) names its
 blocks by key; that side's slots are the positions 0..n-1. A failed or corrupt
 read from a tier with checked reads (NVMe, the remote store) marks that source
 copy stale: it is never read again, and a block left with no copy is lost (its
@@ -32,7 +32,6 @@ from kvswap.base.transfer import (
     CPU_TO_REMOTE,
     GPU_TIER,
     HIGH_PRIORITY,
-    REMOTE_DIRECTIONS,
     REMOTE_TO_CPU,
     CopyEngine,
     Direction,
@@ -118,7 +117,7 @@ class Mover:
         in chunks of at most `chunk_blocks(direction, priority)`. Returns the transfer
         ids. Sources are already reserved (`reserve`) when they were planned."""
         chunk_blocks = self.chunk_blocks(direction, priority)
-        remote = direction in REMOTE_DIRECTIONS
+        remote = direction.keyed
         src_tier, dst_tier = direction.src_tier, direction.dst_tier  # properties: read once
         writing = self.writing
         ids: list[int] = []

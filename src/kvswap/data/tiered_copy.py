@@ -1,6 +1,6 @@
 """One copy engine over the local tiers and the remote one, routed by direction.
 
-    submit(chunk) --- REMOTE_DIRECTIONS ---> remote engine (RemoteCopyEngine)
+    submit(chunk) --- keyed directions ----> remote engine (RemoteCopyEngine)
                   \\-- every other one -----> local engine  (LocalCopyEngine)
     poll()        both engines' results, merged in order of end time
     wait(id)      the engine the id was submitted to
@@ -14,7 +14,7 @@ by id alone.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import REMOTE_DIRECTIONS, CopyEngine, TransferChunk, TransferResult
+from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
 
 
 class TieredCopyEngine(CopyEngine):
@@ -34,7 +34,7 @@ class TieredCopyEngine(CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         if chunk.transfer_id in self._engine_of:
             raise ValueError(f"transfer {chunk.transfer_id}: id already in use by a pending chunk")
-        engine = self.remote if chunk.direction in REMOTE_DIRECTIONS else self.local
+        engine = self.remote if chunk.direction.keyed else self.local
         engine.submit(chunk)  # raises for a bad chunk before it is recorded
         self._engine_of[chunk.transfer_id] = engine
 

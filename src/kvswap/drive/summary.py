@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction, Tier
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS, Direction, Tier
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.percentiles import percentiles_ms
@@ -207,7 +207,7 @@ class RunSummary:
             "swap_wait_s": self.swap_wait_s,
             "swap_wait_share": self.swap_wait_share,
         }
-        for direction in Direction:
+        for direction in BUILT_IN_DIRECTIONS:
             out[f"bytes_{direction.value}"] = self.bytes_by_direction.get(direction, 0)
         for direction in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU):
             out[f"{direction.value}_gb_per_s"] = self.gb_per_s_by_direction.get(direction, 0.0)
@@ -304,8 +304,8 @@ def build_summary(
         num_steps=steps.num_steps,
         swap_wait_s=round(steps.swap_wait_s, 6),
         swap_wait_share=round(steps.swap_wait_s / steps.step_s, 6) if steps.step_s else 0.0,
-        bytes_by_direction={d: metrics.bytes_by_direction[d] for d in Direction},
-        gb_per_s_by_direction={d: round(metrics.gb_per_s(d), 3) for d in Direction},
+        bytes_by_direction={d: metrics.bytes_by_direction[d] for d in BUILT_IN_DIRECTIONS},
+        gb_per_s_by_direction={d: round(metrics.gb_per_s(d), 3) for d in BUILT_IN_DIRECTIONS},
         pinned_pool_utilization_peak=(
             round(cpu.peak_used_blocks / cpu.num_blocks, 4) if cpu.num_blocks else 0.0
         ),

@@ -12,7 +12,7 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Tier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 
@@ -99,8 +99,10 @@ def sample_step(
         recomputed_tokens=scheduler.recomputed_tokens,
         used_blocks_by_tier={t.value: slots.num_used_slots for t, slots in store.tiers.items()},
         capacity_blocks_by_tier={t.value: slots.num_slots for t, slots in store.tiers.items()},
-        bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in Direction},
-        seconds_by_direction={d.value: metrics.seconds_by_direction[d] for d in Direction},
+        bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in BUILT_IN_DIRECTIONS},
+        seconds_by_direction={
+            d.value: metrics.seconds_by_direction[d] for d in BUILT_IN_DIRECTIONS
+        },
         swap_wait_total_s=swap_wait_total_s,
         step_total_s=step_total_s,
         sync_stalls=metrics.sync_stalls,

@@ -75,7 +75,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS
 from kvswap.control.metrics import KVMetrics
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or
@@ -93,7 +93,7 @@ TPOT_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
 )  # fmt: skip
-DIRECTIONS = tuple(d.value for d in Direction)
+DIRECTIONS = tuple(d.value for d in BUILT_IN_DIRECTIONS)
 TIERS = tuple(t.value for t in BUILT_IN_TIERS)
 #: The data plane's remote counters (the summary's `remote` keys) -> `event` label.
 REMOTE_STORE_EVENTS = {
@@ -332,7 +332,7 @@ class PrometheusExporter(StepObserver):
         self.pinned_usage.set(used.get("cpu", 0) / cpu_slots if cpu_slots else 0.0)
 
     def _swapper_counters(self, metrics: KVMetrics) -> None:
-        for direction in Direction:
+        for direction in BUILT_IN_DIRECTIONS:
             count = metrics.transfers_by_direction[direction]
             self._total(self.transfers, count, direction.value)
         for reason, count in metrics.evictions_by_reason.items():

@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS
 from kvswap.obs.jsonvalues import as_mapping, float_map, int_map, integer_or, lookup, number_or
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram
 from kvswap.obs.tail import TailLatencies, TailRecorder
 
-DIRECTIONS: tuple[str, ...] = tuple(d.value for d in Direction)
+DIRECTIONS: tuple[str, ...] = tuple(d.value for d in BUILT_IN_DIRECTIONS)
 TIERS: tuple[str, ...] = tuple(t.value for t in BUILT_IN_TIERS)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import random
 
 from kvswap.base.transfer import (
-    REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,
     TransferChunk,
@@ -106,7 +105,7 @@ class ModelledCopyEngine(CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         if chunk.transfer_id in self._jobs or chunk.transfer_id in self._done:
             raise ValueError(f"transfer {chunk.transfer_id}: id already in use")
-        if chunk.direction in REMOTE_DIRECTIONS and self.remote is None:
+        if chunk.direction.keyed and self.remote is None:
             raise ValueError(
                 f"transfer {chunk.transfer_id}: {chunk.direction.value} but no remote store "
                 "is modelled"
@@ -159,7 +158,7 @@ class ModelledCopyEngine(CopyEngine):
             return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gb_per_s * GB)
         if direction is Direction.NVME_TO_CPU:
             return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gb_per_s * GB)
-        if direction in REMOTE_DIRECTIONS:
+        if direction.keyed:
             return hw.remote_rtt_ms / 1e3, num_bytes / (hw.remote_gb_per_s * GB)
         gb_per_s = hw.d2h_gb_per_s if direction is Direction.GPU_TO_CPU else hw.h2d_gb_per_s
         if not self.pinned_host:
@@ -216,7 +215,7 @@ class ModelledCopyEngine(CopyEngine):
     def _remote_outcome(self, chunk: TransferChunk, end_s: float) -> tuple[int, ...]:
         """The destination slots of a remote chunk the store failed (none for others)."""
         remote = self.remote
-        if remote is None or chunk.direction not in REMOTE_DIRECTIONS:
+        if remote is None or not chunk.direction.keyed:
             return ()
         if chunk.direction is Direction.REMOTE_TO_CPU:
             positions = remote.read(chunk.keys, end_s)

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import (
-    REMOTE_DIRECTIONS,
     CopyEngine,
     Direction,
     TransferChunk,
@@ -140,7 +139,7 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
             raise ValueError(f"transfer {tid}: the remote copy engine is closed")
         if tid in self._pending:
             raise ValueError(f"transfer {tid}: id already in use by a pending chunk")
-        if chunk.direction not in REMOTE_DIRECTIONS:
+        if not chunk.direction.keyed:
             raise ValueError(f"transfer {tid}: {chunk.direction} is not a remote direction")
         n = chunk.num_blocks
         if n < 1 or len(chunk.dst_slots) != n or len(chunk.keys) != n:

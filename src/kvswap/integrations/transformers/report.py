@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvswap.base.transfer import Direction
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction
 from kvswap.control.metrics import KVMetrics
 from kvswap.percentiles import percentiles_ms
 
@@ -74,8 +74,10 @@ class ReportWindow:
 
     def take(self, now_s: float, pinned_peak_usage: float) -> CacheReport:
         metrics, starts = self._metrics, self._step_starts_s
-        moved = {d: metrics.bytes_by_direction[d] - self._bytes[d] for d in Direction}
-        seconds = {d: metrics.seconds_by_direction[d] - self._seconds[d] for d in Direction}
+        moved = {d: metrics.bytes_by_direction[d] - self._bytes[d] for d in BUILT_IN_DIRECTIONS}
+        seconds = {
+            d: metrics.seconds_by_direction[d] - self._seconds[d] for d in BUILT_IN_DIRECTIONS
+        }
         span_s = now_s - starts[0] if starts else 0.0
         report = CacheReport(
             num_steps=len(starts),
