@@ -323,7 +323,7 @@ def test_the_tiered_engine_routes_by_direction(
     device.byte_view(0).copy_(original)
     remote = make_engine(redis_server.url, host, engines)
     keys = block_keys(1)
-    with TieredCopyEngine(LocalCopyEngine(device, host), remote) as tiered:
+    with TieredCopyEngine(LocalCopyEngine(device, host), [remote]) as tiered:
         out = TransferChunk(1, Direction.GPU_TO_CPU, Priority.LOW, (0,), (2,), BLOCK_BYTES)
         tiered.submit(out)
         assert tiered.wait(1).success

@@ -38,6 +38,7 @@ from kvswap.base.transfer import (
 )
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
@@ -228,8 +229,9 @@ class TieredStoreMachine(RuleBasedStateMachine):
             ),
             self.engine,
             clock_s=time.perf_counter,
-            remote_index=None if remote is None else self.store,
-            remote=None if remote is None else RemoteSettings("test", remote, 4, 2),
+            keyed=[] if remote is None else [
+                KeyedTier(self.store, RemoteSettings("test", remote, 4, 2))
+            ],
         )  # fmt: skip
         self.step = 0
         self.next_seq = 0

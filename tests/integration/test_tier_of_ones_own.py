@@ -1,11 +1,11 @@
 """A secondary tier of one's own, through the `SecondaryTier` interface alone.
 
 `DictTier` (`tests/unit/dict_tier_support.py`: a dict of bytes, jobs done at
-submit) is all a user writes: the adapter makes it the control plane's remote tier
+submit) is all a user writes: the adapter makes it a keyed tier of the control plane
 (`TierCopyEngine`), and the engine takes it as its key-addressed tier, or as one more
-tier below the Redis store (`EngineOptions.secondary_tiers`, a `TierList`). No module
-of `kvswap.control` knows it exists. Exact mode, tiny model: outputs are compared digest for digest
-with a run that offloads nothing.
+tier below the Redis store (`EngineOptions.secondary_tiers`: each tier of the list its
+own). No module of `kvswap.control` knows it exists. Exact mode, tiny model: outputs
+are compared digest for digest with a run that offloads nothing.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ def test_a_tier_built_over_other_slots_is_refused_in_one_line() -> None:
 @pytest.mark.skipif(redis_server_missing() is not None, reason="no redis-server")
 def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path) -> None:
     """The tier list of the engine: `DictTier` appended below the Redis store (and the
-    NVMe slab, the pinned pool and the device above). Every stored block reaches both
-    keyed tiers; once the store is emptied, a new engine's prefix misses there and
-    comes from the tier below. No module of `kvswap.control` changed for it."""
+    NVMe slab, the pinned pool and the device above), a keyed tier of its own
+    (`remote2`). Every stored block reaches both keyed tiers; once the store is
+    emptied, a new engine's prefix misses there and comes from the tier below. No
+    module of `kvswap.control` changed for it."""
     reference = run(None, gpu_kv_capacity_blocks=64, cpu_kv_capacity_blocks=0)
     values: dict[bytes, bytes] = {}
     nvme = {"nvme_dir": str(tmp_path), "nvme_kv_capacity_blocks": 32, "cpu_kv_capacity_blocks": 8}
@@ -158,10 +159,16 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
         second = run(values, remote_url=server.url, **nvme)
     assert first["preemptions"] > 0 and first["bytes_cpu_to_nvme"] > 0  # every tier in use
     assert list(tmp_path.glob("kvswap-*")) == []  # each engine's NVMe slab went at close
-    assert second["prefix_hit_tokens"]["remote"] >= len(SYSTEM)
+    # Each keyed tier is a tier of the control plane: the hits are the one below's.
+    hits = second["prefix_hit_tokens"]
+    assert hits["remote"] == 0 and hits["remote2"] >= len(SYSTEM)
+    assert second["bytes_remote2_to_cpu"] > 0 and second["bytes_remote_to_cpu"] == 0
     remote = second["remote"]
-    assert remote["tier0_hits_blocks"] == 0 and remote["tier0_misses_blocks"] > 0
+    # Read only from the tier that holds each block (the store is never asked to load
+    # what its lookup lacked), and the prefix goes back to the store at finish.
+    assert remote["tier0_hits_blocks"] == remote["tier0_misses_blocks"] == 0
     assert remote["tier1_loaded_blocks"] == remote["loaded_blocks"] > 0
+    assert remote["tier0_written_blocks"] >= len(SYSTEM) // 8
     for summary in (first, second):
         assert summary["outputs_digest"] == reference["outputs_digest"]
         assert summary["requests_completed"] == 4
@@ -183,6 +190,70 @@ def test_a_tier_that_raises_stops_the_engine_in_one_line_naming_it() -> None:
     assert str(stopped.value) == (
         "secondary_tiers[0] (RaisingTier).submit_load raised OSError: the archive went away; "
         "a tier reports a failure as a failed key, never an exception (kvswap.data.tiers.base)"
+    )
+
+
+# --- each keyed tier written by the policy it asks for ---------------------------------------
+
+
+class _PoolExtension(DictTier):
+    """A tier that asks for what the pinned pool lets go only (`write_policy`)."""
+
+    policy: str | None = "on_demote"
+
+    @property
+    def write_policy(self) -> str | None:
+        return self.policy
+
+
+def stored_keys(tier: DictTier) -> list[bytes]:
+    return [key for job in tier.jobs_seen if not job.is_load for key in job.keys]
+
+
+def run_two_tiers(**settings: object) -> tuple[dict[str, Any], DictTier, DictTier]:
+    """A `DictTier` written as configured (on_finish), then a `_PoolExtension` below it."""
+    built: list[DictTier] = []
+
+    def shared(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+        built.append(DictTier(host_slots, {}))
+        return built[-1]
+
+    def extension(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+        built.append(_PoolExtension(host_slots, {}))
+        return built[-1]
+
+    config = load_config(environ={}, overrides={**BASE, **settings})
+    options = EngineOptions(model="tiny", secondary_tiers=(shared, extension))
+    with Engine(engine_settings(config, options)) as engine:
+        summary = engine.run(workload()).to_json()
+    return summary, built[0], built[1]
+
+
+def test_each_keyed_tier_is_written_by_the_policy_it_asks_for() -> None:
+    """With a pinned pool that never fills, the tier asking for `on_demote` is never
+    written while the one above it gets every finished block; with a small pool it
+    gets what the pool lets go."""
+    reference = run(None, gpu_kv_capacity_blocks=64, cpu_kv_capacity_blocks=0)
+    roomy, shared, extension = run_two_tiers(cpu_kv_capacity_blocks=64)
+    assert stored_keys(extension) == [] and len(stored_keys(shared)) > 0
+    assert roomy["preemptions"] > 0 and roomy["bytes_cpu_to_remote2"] == 0
+    tight, shared, extension = run_two_tiers(cpu_kv_capacity_blocks=8)
+    assert len(stored_keys(shared)) > 0 and len(stored_keys(extension)) > 0
+    assert tight["bytes_cpu_to_remote2"] == len(stored_keys(extension)) * tight["block_bytes"]
+    for summary in (roomy, tight):
+        assert summary["outputs_digest"] == reference["outputs_digest"]
+
+
+def test_a_write_policy_a_tier_cannot_ask_for_is_one_line() -> None:
+    _PoolExtension.policy = "sometimes"
+    try:
+        with pytest.raises(KvSwapError) as refused:
+            run_two_tiers()
+    finally:
+        _PoolExtension.policy = "on_demote"
+    assert str(refused.value) == (
+        "secondary_tiers[1] (_PoolExtension).write_policy = 'sometimes'; allowed: None (as "
+        "tiers.remote_write_policy says), on_finish, on_demote, off"
     )
 
 

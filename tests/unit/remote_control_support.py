@@ -3,20 +3,23 @@
 The store is a small in-memory fake shared by "processes" (each a scheduler
 with its own pools and copy engine, as two engines on two machines would be).
 `FakeStore` is the `RemoteIndex`; `RemoteEngine` is the manual copy engine of
-the other scenario tests plus the store: a remote chunk's outcome is decided
-when the test finishes it (a key gone means that block's slot failed; a store
-that is down fails every slot). Blocks are 2 tokens; the "model" samples
-`1000 + 100 * seq_id + i` (scheduler_support.py).
+the other scenario tests plus the store (and any keyed tier below it, each a
+`FakeStore` too): a keyed chunk's outcome is decided when the test finishes it (a
+key gone means that block's slot failed; a store that is down fails every slot).
+Blocks are 2 tokens; the "model" samples `1000 + 100 * seq_id + i`
+(scheduler_support.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvswap.base.identity import KeyNamespace
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import Direction, TransferChunk, TransferResult
+from kvswap.base.transfer import TransferChunk, TransferResult, keyed_tier
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import SchedulerSettings
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
@@ -41,6 +44,7 @@ class FakeStore(RemoteIndex):
         self.up = True
         self.down_after_lookup = False  # an outage right after the next lookup answers
         self.lookups: list[tuple[bytes, ...]] = []
+        self.written: list[bytes] = []  # every key a write chunk stored, in order
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         self.lookups.append(tuple(keys))
@@ -59,9 +63,12 @@ class FakeStore(RemoteIndex):
 
 
 class RemoteEngine(ManualCopyEngine):
-    def __init__(self, store: FakeStore) -> None:
+    """`stores[i]` is the keyed tier `keyed_tier(i)` (the first: `Tier.REMOTE`)."""
+
+    def __init__(self, *stores: FakeStore) -> None:
         super().__init__()
-        self.store = store
+        self.store = stores[0]
+        self.stores = {keyed_tier(position): store for position, store in enumerate(stores)}
 
     def _result(self, chunk: TransferChunk) -> TransferResult:
         def result(success: bool, failed: tuple[int, ...], error: str | None) -> TransferResult:
@@ -69,19 +76,24 @@ class RemoteEngine(ManualCopyEngine):
                 chunk.transfer_id, success, chunk.num_bytes, 0.0, 0.001, error, failed
             )
 
-        if chunk.direction is Direction.REMOTE_TO_CPU:
-            if not self.store.up:
+        direction = chunk.direction
+        if not direction.keyed:
+            return super()._result(chunk)
+        store = self.stores[direction.src_tier if direction.upward else direction.dst_tier]
+        if direction.upward:
+            if not store.up:
                 return result(False, chunk.dst_slots, "store down")
             pairs = zip(chunk.dst_slots, chunk.keys, strict=True)
-            return result(True, tuple(s for s, key in pairs if key not in self.store.keys), None)
-        if chunk.direction is Direction.CPU_TO_REMOTE:
-            if not self.store.up or chunk.transfer_id in self.fail_ids:
-                return result(False, chunk.dst_slots, "skipped")  # a skipped write
-            pairs = list(zip(chunk.dst_slots, chunk.keys, strict=True))
-            self.store.keys.update(key for _, key in pairs if key not in self.store.refused)
-            refused = tuple(slot for slot, key in pairs if key in self.store.refused)
-            if refused:
-                return result(True, refused, "refused")
+            return result(True, tuple(s for s, key in pairs if key not in store.keys), None)
+        if not store.up or chunk.transfer_id in self.fail_ids:
+            return result(False, chunk.dst_slots, "skipped")  # a skipped write
+        pairs = list(zip(chunk.dst_slots, chunk.keys, strict=True))
+        stored = [key for _, key in pairs if key not in store.refused]
+        store.keys.update(stored)
+        store.written += stored
+        refused = tuple(slot for slot, key in pairs if key in store.refused)
+        if refused:
+            return result(True, refused, "refused")
         return super()._result(chunk)
 
 
@@ -99,10 +111,12 @@ def make_process(
     cpu_demote_high_watermark: float = 1.0,
     cpu_demote_low_watermark: float = 0.99,
     remote: bool = True,
+    below: Sequence[tuple[FakeStore, RemoteWritePolicy]] = (),
 ) -> tuple[Scheduler, RemoteEngine]:
-    """One process: its own pools and copy engine, the shared `store`. Watermarks at
-    1.0: nothing is swapped out or demoted ahead of need unless a test asks."""
-    engine = RemoteEngine(store)
+    """One process: its own pools and copy engine, the shared `store` (and the keyed
+    tiers `below` it, each written by its own policy). Watermarks at 1.0: nothing is
+    swapped out or demoted ahead of need unless a test asks."""
+    engine = RemoteEngine(store, *(each for each, _ in below))
     layout = StoreLayout(BT, num_gpu_blocks, num_cpu_blocks, num_nvme_blocks, 0, NAMESPACE)
     swap = SwapSettings(
         block_bytes=64, swap_out_high_watermark=1.0, swap_out_low_watermark=0.99,
@@ -113,7 +127,10 @@ def make_process(
     settings = RemoteSettings("model-a", write_policy, max_lookup_blocks, max_inflight_write_chunks)
     swapper = Swapper(
         layout, PolicyOptions(sink_protection=False, min_residency_steps=0), swap, engine,
-        clock_s=lambda: 0.0, remote_index=store if remote else None, remote=settings,
+        clock_s=lambda: 0.0,
+        keyed=[KeyedTier(store, settings),
+               *(KeyedTier(each, replace(settings, write_policy=policy)) for each, policy in below)]
+        if remote else [],
     )  # fmt: skip
     return Scheduler(swapper, SchedulerSettings(max_num_seqs=8, max_num_batched_tokens=64)), engine
 

@@ -7,7 +7,7 @@ ids in an assertion tell whose token is where.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction, TransferChunk
+from kvswap.base.transfer import Direction, TransferChunk, tier_rank
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 from tests.manual_engine import ManualCopyEngine
@@ -37,10 +37,10 @@ def computed(plan: StepPlan) -> list[tuple[int, tuple[int, ...], int]]:
 
 def placement(scheduler: Scheduler, seq_id: int) -> list[str]:
     """Where each block of the sequence has a ready copy, e.g. ["gpu+cpu", "cpu"]."""
-    return [
-        "+".join(tier.value for tier in BUILT_IN_TIERS if block.ready_copy(tier) is not None)
-        for block in scheduler.swapper.store.sequence_blocks(seq_id)
-    ]
+    blocks = scheduler.swapper.store.sequence_blocks(seq_id)
+    ready = [[t for t in sorted(b.copies, key=tier_rank) if b.ready_copy(t) is not None]
+             for b in blocks]  # fmt: skip
+    return ["+".join(tier.value for tier in tiers) for tiers in ready]
 
 
 def chunks(engine: ManualCopyEngine, direction: Direction) -> list[TransferChunk]:

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvswap.base.identity import chain_key
-from kvswap.base.transfer import Direction, Priority, Tier
+from kvswap.base.transfer import Direction, Priority, Tier, direction_between, keyed_tier
 from kvswap.config_load import load_config
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
-from kvswap.drive.assembly import build_control_plane
+from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import StepTotals, build_summary
 from kvswap.errors import KvSwapError
@@ -210,7 +211,77 @@ def test_without_a_remote_index_there_is_no_remote_tier() -> None:
     run_step(a)
     between_steps(a, engine, 2)
     assert store.lookups == [] and store.keys == set()
-    assert a.swapper.remote is None
+    assert a.swapper.remotes == ()
+
+
+# ------------------------------------------------------- several keyed tiers, one list
+
+
+def keys_of(*blocks: list[int]) -> list[bytes]:
+    """The keys of a prompt's first blocks (each given by its tokens), in order."""
+    keys, parent = [], NAMESPACE.root_key()
+    for tokens in blocks:
+        parent = chain_key(parent, tokens)
+        keys.append(parent)
+    return keys
+
+
+def test_each_keyed_tier_is_asked_for_what_follows_and_read_from_where_it_is() -> None:
+    """The store holds blocks 0, 1 and 4 of a prompt, the tier below it 2 and 3: the
+    store is asked first, the tier below for what follows, the store again past
+    that; every block is fetched from the tier that holds it, and each tier's hits
+    are its own."""
+    store, below = FakeStore(), FakeStore()
+    k = keys_of([1, 2], [3, 4], [5, 6], [7, 8], [9, 10])
+    store.keys.update((k[0], k[1], k[4]))
+    below.keys.update((k[2], k[3]))
+    b, engine = make_process(store, below=[(below, RemoteWritePolicy.ON_FINISH)])
+    b.add_request(7, list(range(1, 12)), 2, 0.0)
+    plan, _ = run_step(b)
+    assert [len(keys) for keys in store.lookups] == [5, 1]  # then only what follows
+    assert [len(keys) for keys in below.lookups] == [3]
+    assert computed(plan) == [(7, (11,), 10)]  # five blocks hit, none recomputed
+    second = keyed_tier(1)
+    assert second.value == "remote2" and second.rank == Tier.REMOTE.rank + 1
+    [from_store] = chunks(engine, Direction.REMOTE_TO_CPU)
+    [from_below] = chunks(engine, direction_between(second, Tier.CPU))
+    assert from_store.keys == (k[0], k[1], k[4]) and from_below.keys == (k[2], k[3])
+    hits = b.swapper.metrics.prefix_hit_blocks_by_tier
+    assert (hits[Tier.REMOTE], hits[second]) == (3, 2)
+    assert placement(b, 7)[:5] == ["gpu+cpu+remote"] * 2 + ["gpu+cpu+remote2"] * 2 + [
+        "gpu+cpu+remote"
+    ]
+    # A block both hold comes from the faster, the store.
+    c, engine_c = make_process(store, below=[(below, RemoteWritePolicy.ON_FINISH)])
+    store.keys.add(k[2])
+    c.add_request(8, [1, 2, 3, 4, 5, 6, 0], 1, 0.0)
+    run_step(c)
+    [fetch] = chunks(engine_c, Direction.REMOTE_TO_CPU)
+    assert fetch.keys == tuple(k[:3]) and chunks(engine_c, from_below.direction) == []
+
+
+def test_each_keyed_tier_is_written_by_its_own_policy_and_never_twice() -> None:
+    """The store is written when a sequence finishes (on_finish), the tier below when a
+    block leaves the pinned pool (on_demote): each tier gets each block once."""
+    store, below = FakeStore(), FakeStore()
+    a, engine = make_process(
+        store, num_cpu_blocks=4, below=[(below, RemoteWritePolicy.ON_DEMOTE)],
+        cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.25,
+    )  # fmt: skip
+    a.add_request(1, list(range(1, 10)), 1, 0.0)  # four full blocks and a partial one
+    _, finished = run_step(a)
+    assert finished == [1]
+    for step in range(2, 6):
+        between_steps(a, engine, step)
+    blocks = keys_of([1, 2], [3, 4], [5, 6], [7, 8])
+    assert sorted(store.written) == sorted(blocks)  # at finish: every full block, once
+    # The pinned pool (4 slots) demotes down to its low watermark (1): three blocks
+    # leave it, each written to the tier below, once, and then dropped.
+    assert len(below.written) == len(set(below.written)) == 3
+    assert set(below.written) <= set(blocks)
+    assert a.swapper.store.tiers[Tier.CPU].num_used_slots == 1
+    demoted = direction_between(Tier.CPU, keyed_tier(1))
+    assert a.swapper.metrics.bytes_by_direction[demoted] == 3 * 64
 
 
 # ------------------------------------------------------------------ settings, summary
@@ -241,10 +312,17 @@ def test_control_settings_read_the_remote_tier_and_name_its_namespace() -> None:
     remote = control_settings(named, capacities, block_bytes=1024, model_fingerprint="fp").remote
     assert remote is not None and remote.namespace == "team-a"
     # The plane is built with the index the edge hands it, or without a remote tier.
-    plane = build_control_plane(settings, ManualCopyEngine(), lambda: 0.0, FakeStore())
-    assert plane.swapper.remote is not None
-    assert plane.swapper.remote.settings.write_policy is RemoteWritePolicy.ON_DEMOTE
-    assert build_control_plane(settings, ManualCopyEngine(), lambda: 0.0).swapper.remote is None
+    plane = build_control_plane(
+        settings, ManualCopyEngine(), lambda: 0.0, keyed_tiers(settings, [FakeStore()])
+    )
+    (remote,) = plane.swapper.remotes
+    assert remote.tier is Tier.REMOTE
+    assert remote.settings.write_policy is RemoteWritePolicy.ON_DEMOTE
+    assert build_control_plane(settings, ManualCopyEngine(), lambda: 0.0).swapper.remotes == ()
+    # Each keyed tier may be written by its own policy; the next ones are tiers of their own.
+    first, second = keyed_tiers(settings, [FakeStore(), FakeStore()], [None, "on_finish"])
+    assert first.settings.write_policy is RemoteWritePolicy.ON_DEMOTE
+    assert second.settings == replace(settings.remote, write_policy=RemoteWritePolicy.ON_FINISH)
 
 
 def test_remote_settings_refuse_what_cannot_work() -> None:

@@ -57,11 +57,15 @@ class Tier:
     checked_reads: bool
     local: bool
     above: Tier | None
+    keyed: bool = field(init=False)  # addressed by key (read per copy placed: a field)
 
     GPU: ClassVar[Tier]
     CPU: ClassVar[Tier]
     NVME: ClassVar[Tier]
     REMOTE: ClassVar[Tier]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keyed", self.addressing is Addressing.KEYS)
 
     def __repr__(self) -> str:
         return f"Tier({self.value!r})"
@@ -79,6 +83,22 @@ tier_rank = operator.attrgetter("rank")
 BUILT_IN_TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE)
 #: The built-in tiers whose copies take a slot of this process (each has a `TierSlots`).
 SLOT_TIERS: tuple[Tier, ...] = tuple(t for t in BUILT_IN_TIERS if t.addressing is _SLOTS)
+_KEYED_TIERS: list[Tier] = [Tier.REMOTE]
+
+
+def keyed_tier(position: int) -> Tier:
+    """The tier at `position` (0 first) of the list of keyed tiers below the pinned
+    pool, fastest first: `Tier.REMOTE` (the list's first, the shared store when one is
+    configured), then "remote2", "remote3", ... Made once for each position: every
+    store of the process names the same tier by the same object."""
+    if position < 0:
+        raise ValueError(f"a keyed tier's position is >= 0, got {position}")
+    while len(_KEYED_TIERS) <= position:
+        name = f"remote{len(_KEYED_TIERS) + 1}"
+        rank = Tier.REMOTE.rank + len(_KEYED_TIERS)
+        _KEYED_TIERS.append(Tier(name, rank, _KEYS, checked_reads=True, local=False,
+                                 above=Tier.CPU))  # fmt: skip
+    return _KEYED_TIERS[position]
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -113,7 +133,7 @@ class Direction:
             raise ValueError(f"no direction from {src.value} to {dst.value}: tiers not adjacent")
         object.__setattr__(self, "value", f"{src.value}_to_{dst.value}")
         object.__setattr__(self, "upward", src.above is dst)
-        object.__setattr__(self, "keyed", _KEYS in (src.addressing, dst.addressing))
+        object.__setattr__(self, "keyed", src.keyed or dst.keyed)
 
     def __repr__(self) -> str:
         return f"Direction({self.value!r})"

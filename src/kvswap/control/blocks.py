@@ -110,8 +110,13 @@ class Block:
         `local`: on a tier of this process. Called for every re-rank: written as a
         plain loop over the block's few copies."""
         rank = tier.rank
+        if local:
+            for lower, copy in self.copies.items():
+                if lower.rank > rank and lower.local and copy.ready and not copy.stale:
+                    return True
+            return False
         for lower, copy in self.copies.items():
-            if lower.rank > rank and copy.ready and not copy.stale and (lower.local or not local):
+            if lower.rank > rank and copy.ready and not copy.stale:
                 return True
         return False
 

@@ -34,19 +34,19 @@ victims when it holds at least half the GPU tier's blocks
 (`DISPLACING_POOL_FRACTION`; a smaller pool keeps what it holds); the only copy
 of a referenced block never leaves.
 
-With a remote tier written `on_demote`, every block the tier above the store
-(`Tier.REMOTE.above`: the pinned pool) lets go is written to the
-store first, unless the store has it: alongside its NVMe demotion, or instead
-of a free drop (the CPU copy then goes once the write succeeded). Without an
-NVMe tier the store is where cold blocks go: written, then dropped; once the
-store's room for writes in flight is used up, nothing below has room and the
-pass stops (each write that lands makes room for the next pass).
+With keyed tiers written `on_demote`, every block the tier above them
+(`Tier.above` of a keyed tier: the pinned pool) lets go is written to each of
+them first, unless it has it: alongside its NVMe demotion, or instead of a free
+drop (the CPU copy then goes once every write succeeded). Without an NVMe tier
+the keyed tiers are where cold blocks go: written, then dropped; once their room
+for writes in flight is used up, nothing below has room and the pass stops (each
+write that lands makes room for the next pass).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.transfer import SLOT_TIERS, Direction, Priority, Tier, direction_between
@@ -135,7 +135,7 @@ class Demoter:
         mover: Mover,
         metrics: KVMetrics,
         settings: SwapSettings,
-        remote: RemoteTier | None = None,
+        remotes: Sequence[RemoteTier] = (),
     ):
         self.store = store
         self.mover = mover
@@ -144,7 +144,7 @@ class Demoter:
             settings, {tier: slots.num_slots for tier, slots in store.tiers.items()}
         )
         self.pair_below = {pair.upper: pair for pair in self.pairs}
-        self.remote = remote
+        self.remotes = tuple(remotes)
 
     def demote_past_watermarks(self) -> None:
         """One pass per pair, fastest first (what the GPU lets go may push the pinned
@@ -161,7 +161,7 @@ class Demoter:
         with self.store.victims(pair.upper) as chosen:
             for block in victims:
                 chosen.take(block)
-                self._place(pair, block, reason, moves, None)
+                self._place(pair, block, reason, moves, ())
         self.mover.submit(pair.direction, priority, moves, evict=True)
 
     def make_room_now(self, tier: Tier, num_blocks: int) -> None:
@@ -183,7 +183,7 @@ class Demoter:
         past the high watermark, down to the low one)."""
         upper = self.store.tiers[pair.upper]
         writes = self._remote_writes(pair)
-        no_room_below = self.store.tiers[pair.lower].num_slots == 0 and writes is None
+        no_room_below = self.store.tiers[pair.lower].num_slots == 0 and not writes
         if upper.num_slots == 0 or (no_room_below and not pair.discard_when_full):
             return  # nothing could leave but by a discard, which this pair never makes
         used = upper.num_used_slots - self._leaving(pair.upper)
@@ -203,9 +203,9 @@ class Demoter:
                 if outcome is _Outcome.LEFT or pair.stayers_count:
                     used -= 1
         self.mover.submit(pair.direction, priority, moves, evict=True)
-        if writes is not None:
-            # With evict both ways: the copy is freed by whichever lands last, successfully.
-            writes.remote.submit_writes(writes.planned, evict=True)
+        for tier_writes in writes:
+            # With evict every way: the copy is freed by whichever lands last, successfully.
+            tier_writes.remote.submit_writes(tier_writes.planned, evict=True)
 
     def _place(
         self,
@@ -213,10 +213,12 @@ class Demoter:
         block: Block,
         reason: str,
         moves: list[tuple[Block, Copy]],
-        writes: _Writes | None,
+        writes: Sequence[_Writes],
     ) -> _Outcome:
         """One victim of `pair.upper`: where it goes (`moves`, `writes`), or that it stays."""
-        written = writes is not None and writes.plan(block)
+        written = False
+        for tier_writes in writes:  # each keyed tier that lacks it, not only the first
+            written = tier_writes.plan(block) or written
         if written:
             self.metrics.evictions_by_reason[f"{reason}_remote"] += 1
         if block.has_ready_copy_below(pair.upper):
@@ -230,7 +232,7 @@ class Demoter:
             self.store.drop_copy(block, pair.upper)
             self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
             return _Outcome.LEFT
-        no_tier_below = writes is not None and self.store.tiers[pair.lower].num_slots == 0
+        no_tier_below = bool(writes) and self.store.tiers[pair.lower].num_slots == 0
         if pair.lower in block.copies or no_tier_below:
             # A copy below still in flight (a stale one still read, an older one still
             # written): the block gets no second copy there and stays until it lands.
@@ -239,7 +241,7 @@ class Demoter:
             # (looking past every victim of the tier would only rank them all again).
             if written:
                 return _Outcome.LEFT
-            if not no_tier_below or writes is None or writes.room_blocks > 0:
+            if not no_tier_below or any(tier_writes.room_blocks > 0 for tier_writes in writes):
                 return _Outcome.STAYS
         elif self._move(pair, block, reason, moves):
             return _Outcome.LEFT
@@ -272,17 +274,18 @@ class Demoter:
         they land). The pinned pool counts its demotions in flight as used until then."""
         return self.mover.num_gpu_evictions_pending if tier is Tier.GPU else 0
 
-    def _remote_writes(self, pair: TierPair) -> _Writes | None:
-        """The writes a pass out of `pair.upper` makes, when the store is written on
-        demotion and sits below that tier."""
-        remote = self.remote
-        if remote is None or not remote.demotes or Tier.REMOTE.above is not pair.upper:
-            return None
-        return _Writes(remote, remote.write_room_blocks())
+    def _remote_writes(self, pair: TierPair) -> list[_Writes]:
+        """The writes a pass out of `pair.upper` makes: to each keyed tier written on
+        demotion that sits below that tier."""
+        return [
+            _Writes(remote, remote.write_room_blocks())
+            for remote in self.remotes
+            if remote.demotes and remote.tier.above is pair.upper
+        ]
 
 
 class _Writes:
-    """A pass's remote writes, bounded by the store's room for writes in flight."""
+    """A pass's writes to one keyed tier, bounded by its room for writes in flight."""
 
     def __init__(self, remote: RemoteTier, room_blocks: int):
         self.remote = remote
@@ -290,7 +293,7 @@ class _Writes:
         self.planned: list[tuple[Block, Copy]] = []
 
     def plan(self, block: Block) -> bool:
-        """Plan `block`'s write if there is room and the store lacks it; True if planned."""
+        """Plan `block`'s write if there is room and the tier lacks it; True if planned."""
         if self.room_blocks <= 0:
             return False
         write = self.remote.plan_write(block)

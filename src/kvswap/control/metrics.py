@@ -14,7 +14,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS, Direction, Tier
+from kvswap.base.transfer import (
+    BUILT_IN_DIRECTIONS,
+    BUILT_IN_TIERS,
+    CPU_TIER,
+    Direction,
+    Tier,
+    direction_between,
+)
 
 
 @dataclass
@@ -46,23 +53,43 @@ class KVMetrics:
     remote_writes: int = 0  # blocks written
     remote_write_failures: int = 0  # blocks whose write failed or the store skipped
     remote_writes_skipped: int = 0  # blocks due for a write never sent (store down, copy gone)
+    # The keyed tiers past the first (`keyed_tier(1)`, ...), reported beside the
+    # built-in tiers: set by the swapper that has them.
+    extra_tiers: tuple[Tier, ...] = ()
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers reported, fastest first: the built-in ones, then `extra_tiers`."""
+        return BUILT_IN_TIERS + self.extra_tiers
+
+    @property
+    def directions(self) -> tuple[Direction, ...]:
+        """The directions reported: the built-in ones, then each extra tier's two."""
+        return BUILT_IN_DIRECTIONS + tuple(
+            direction
+            for tier in self.extra_tiers
+            for direction in (direction_between(CPU_TIER, tier), direction_between(tier, CPU_TIER))
+        )
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float) -> None:
         self.bytes_by_direction[direction] += num_bytes
-        self.seconds_by_direction[direction] += seconds
+        self.seconds_by_direction[direction] = (
+            self.seconds_by_direction.get(direction, 0.0) + seconds
+        )
         self.transfers_by_direction[direction] += 1
 
     def gb_per_s(self, direction: Direction) -> float:
         """Mean throughput while transfers in `direction` were running (GB/s, 1e9 B/s)."""
-        seconds = self.seconds_by_direction[direction]
+        seconds = self.seconds_by_direction.get(direction, 0.0)
         return self.bytes_by_direction[direction] / seconds / 1e9 if seconds > 0 else 0.0
 
     def snapshot(self) -> dict[str, object]:
         """Plain values keyed by metric name, for JSON and exporters."""
         out: dict[str, object] = {}
-        for direction in BUILT_IN_DIRECTIONS:
+        for direction in self.directions:
             out[f"bytes_{direction.value}"] = self.bytes_by_direction[direction]
-            out[f"seconds_{direction.value}"] = round(self.seconds_by_direction[direction], 9)
+            seconds = self.seconds_by_direction.get(direction, 0.0)
+            out[f"seconds_{direction.value}"] = round(seconds, 9)
             out[f"transfers_{direction.value}"] = self.transfers_by_direction[direction]
         out.update(
             failed_transfers=self.failed_transfers,
@@ -74,10 +101,10 @@ class KVMetrics:
             prefetch_misses=self.prefetch_misses,
             lost_blocks=self.lost_blocks,
             prefix_hit_blocks_by_tier={
-                t.value: self.prefix_hit_blocks_by_tier[t] for t in BUILT_IN_TIERS
+                t.value: self.prefix_hit_blocks_by_tier[t] for t in self.tiers
             },
             peak_used_blocks_by_tier={
-                t.value: self.peak_used_blocks_by_tier[t] for t in BUILT_IN_TIERS
+                t.value: self.peak_used_blocks_by_tier[t] for t in self.tiers
             },
             remote_lookups=self.remote_lookups,
             remote_lookup_misses=self.remote_lookup_misses,

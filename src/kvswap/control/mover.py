@@ -29,10 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.transfer import (
-    CPU_TO_REMOTE,
     GPU_TIER,
     HIGH_PRIORITY,
-    REMOTE_TO_CPU,
     CopyEngine,
     Direction,
     Priority,
@@ -63,7 +61,7 @@ class Mover:
         engine: CopyEngine,
         metrics: KVMetrics,
         block_bytes: int,
-        on_arrival: Callable[[Block, Tier], None],
+        on_arrival: Callable[[Block, Tier, Tier], None],
         *,
         swap_in_chunk_blocks: int,
         swap_out_chunk_blocks: int,
@@ -175,14 +173,15 @@ class Mover:
         self.num_inflight_by_direction[direction] -= 1
         failed = set(result.failed_dst_slots)
         num_bytes = result.num_bytes
-        if direction is CPU_TO_REMOTE:
+        keyed_write = direction.keyed and not direction.upward
+        if keyed_write:
             # Only the blocks the store took count as bytes to it: a write skipped
             # (never sent) or refused moved nothing there. (A local read that failed
             # its CRC did read its bytes; those directions count the chunk.)
             num_stored = 0 if not result.success else sum(s not in failed for s in chunk.dst_slots)
             num_bytes = num_stored * self.block_bytes
         self.metrics.record_transfer(direction, num_bytes, result.duration_s)
-        if not result.success and direction is not CPU_TO_REMOTE:
+        if not result.success and not keyed_write:
             # A write the store failed or skipped loses nothing: it is counted as such.
             self.metrics.failed_transfers += 1
         num_ok = num_bad = 0
@@ -203,12 +202,12 @@ class Mover:
             outcome = finish(block, src_tier, dst_tier, intact=not bad, evict=evict)
             metrics.lost_blocks += outcome.lost_now
             if outcome.arrived:
-                self._on_arrival(block, dst_tier)
+                self._on_arrival(block, dst_tier, src_tier)
             num_ok += outcome.ready
-        if direction is CPU_TO_REMOTE:
+        if keyed_write:
             self.metrics.remote_writes += num_ok
             self.metrics.remote_write_failures += num_bad
-        elif direction is REMOTE_TO_CPU:
+        elif direction.keyed:
             self.metrics.remote_fetch_failures += num_bad
 
 

@@ -1,4 +1,11 @@
-"""The remote tier in the control plane: prefix lookups, and the write-behind.
+"""A keyed tier in the control plane: prefix lookups, and the write-behind.
+
+Each tier addressed by key below the pinned pool (the shared store, a tier of
+one's own, fastest first: `keyed_tier(position)`) is one `RemoteTier` here, with
+its own `RemoteIndex`, write policy and bound on writes in flight; a block's
+copies say which of them hold it. The swapper asks them in order for a prompt's
+next blocks (`Swapper.open_sequence`), and swap-in reads a block from the fastest
+that holds it.
 
 Reads. When a prompt's prefix misses on every local tier, the keys of its next
 full blocks (never the block holding the last prompt token) are asked of the
@@ -21,17 +28,18 @@ queue in swap-out chunks, and hold that CPU slot until the result is polled:
     completion  written: the block has a ready remote copy (a CPU drop loses nothing)
                 failed or skipped by the store: no remote copy
 
-A block with a remote copy (ready, or being written) is never written again.
-While `RemoteIndex.available` is False nothing is looked up or written.
+A block with a copy on this tier (ready, or being written) is never written to
+it again. While `RemoteIndex.available` is False nothing is looked up or written.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import Direction, Priority, Tier
+from kvswap.base.transfer import Priority, Tier, direction_between
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
@@ -39,20 +47,27 @@ from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
 from kvswap.control.store import BlockStore
 
 
+@dataclass(frozen=True)
+class KeyedTier:
+    """A tier addressed by key, as the control plane is handed it: its presence index
+    (the engine's over a `SecondaryTier`, the simulator's over a modelled store) and
+    how it is used."""
+
+    index: RemoteIndex
+    settings: RemoteSettings
+
+
 class RemoteTier:
     def __init__(
-        self,
-        store: BlockStore,
-        mover: Mover,
-        metrics: KVMetrics,
-        settings: RemoteSettings,
-        index: RemoteIndex,
+        self, store: BlockStore, mover: Mover, metrics: KVMetrics, keyed: KeyedTier, tier: Tier
     ):
         self.store = store
         self.mover = mover
         self.metrics = metrics
-        self.settings = settings
-        self.index = index
+        self.settings = keyed.settings
+        self.index = keyed.index
+        self.tier = tier
+        self._down = direction_between(Tier.CPU, tier)
         # Blocks to write, oldest first; each had a ready CPU copy when queued (checked
         # again at flush: nothing is reserved while queued, so a CPU drop may win). An
         # OrderedDict: `flush` takes from the front, which a dict does in time growing
@@ -64,8 +79,9 @@ class RemoteTier:
     # ------------------------------------------------------------------- reads
 
     def extend_prefix(self, seq_id: int, prompt_ids: Sequence[int]) -> list[Block]:
-        """After the local prefix hits of a sequence just opened: the blocks the store
-        holds next, attached to it (empty when it holds none or is down)."""
+        """The blocks this tier holds next after the sequence's table (the local prefix
+        hits, and what other tiers served), attached to it (empty when it holds none or
+        is down). It lacks the block after them, if any."""
         if not self.index.available or self.store.tiers[Tier.CPU].num_slots == 0:
             return []  # a fetch lands in a CPU slot: without a pinned pool, no reads
         attached: list[Block] = []
@@ -82,7 +98,7 @@ class RemoteTier:
             if num_found == 0:
                 self.metrics.remote_lookup_misses += 1
                 return attached
-            attached += self.store.attach_remote_blocks(seq_id, candidates[:num_found])
+            attached += self.store.attach_remote_blocks(seq_id, candidates[:num_found], self.tier)
             if num_found < len(candidates):
                 return attached
 
@@ -141,9 +157,9 @@ class RemoteTier:
 
     def write_room_blocks(self) -> int:
         """Blocks that may still be sent now: the in-flight bound less what is in flight."""
-        inflight = self.mover.num_inflight_by_direction[Direction.CPU_TO_REMOTE]
+        inflight = self.mover.num_inflight_by_direction[self._down]
         room_chunks = max(0, self.settings.max_inflight_write_chunks - inflight)
-        return room_chunks * self.mover.chunk_blocks(Direction.CPU_TO_REMOTE, Priority.LOW)
+        return room_chunks * self.mover.chunk_blocks(self._down, Priority.LOW)
 
     def plan_write(self, block: Block) -> tuple[Block, Copy] | None:
         """Reserve `block`'s ready CPU copy and give it a remote copy being written;
@@ -151,13 +167,13 @@ class RemoteTier:
         cpu = block.ready_copy(Tier.CPU)
         if cpu is None or not self._due(block):
             return None
-        remote = self.store.place(block, Tier.REMOTE, ready=False)
+        remote = self.store.place(block, self.tier, ready=False)
         assert remote is not None, "a remote copy takes no slot"
         return self.mover.reserve(block, Tier.CPU, remote)
 
     def submit_writes(self, pairs: Sequence[tuple[Block, Copy]], *, evict: bool) -> None:
         """Send planned writes; `evict`: free each CPU copy once its write succeeded."""
-        self.mover.submit(Direction.CPU_TO_REMOTE, Priority.LOW, pairs, evict=evict)
+        self.mover.submit(self._down, Priority.LOW, pairs, evict=evict)
 
     @property
     def num_queued_blocks(self) -> int:
@@ -166,12 +182,12 @@ class RemoteTier:
     # ---------------------------------------------------------------- internal
 
     def _due(self, block: Block) -> bool:
-        """Whether `block` is one to write: alive, full, and not known to the store."""
+        """Whether `block` is one to write: alive, full, and not known to this tier."""
         return (
             block.block_id in self.store.blocks
             and block.key is not None
             and not block.lost
-            and Tier.REMOTE not in block.copies
+            and self.tier not in block.copies
         )
 
     def _forget_gone(self) -> None:

@@ -22,7 +22,7 @@ arrival and its failure are store calls (`reserve_source`, `release_source`,
 asks for a re-rank.
 
 Each tier is described once (`Tier`: its rank, addressing, ...). A tier addressed by slots gets a
-`TierSlots`; one addressed by key (`Tier.REMOTE`) takes no slot: the shared
+`TierSlots`; one addressed by key (`Tier.REMOTE`, `keyed_tier`) takes no slot: the
 store addresses its copies by block key. An unreferenced block left with no
 local copy is forgotten (the store is asked again by the next lookup), so what
 this process remembers stays bounded by its own tiers and the tables that
@@ -35,12 +35,12 @@ whether a block's key is held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvswap.base import identity
 from kvswap.base.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, Addressing, Tier, tier_rank
+from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, Tier, tier_rank
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_holds import key_holds
@@ -61,9 +61,10 @@ class BlockStore:
         layout: StoreLayout,
         options: PolicyOptions,
         *,
-        remote_index: RemoteIndex | None = None,
+        keyed_indexes: Mapping[Tier, RemoteIndex] | None = None,
     ):
-        """`remote_index`: the keyed store, asked to hold keys when it can (`store_holds`)."""
+        """`keyed_indexes`: the keyed tiers' indexes by tier, each asked to hold keys
+        when it can (`store_holds`)."""
         self.layout = layout
         self.block_tokens = layout.block_tokens
         self.namespace = layout.key_namespace()
@@ -89,7 +90,7 @@ class BlockStore:
         # scan of every table when (as almost always) none is.
         self._lost_referenced: set[int] = set()
         self.num_remote_copies = 0  # copies known (or being written) in the remote store
-        self._holds = key_holds(remote_index)
+        self._holds = key_holds(keyed_indexes or {})
 
     # ----------------------------------------------------------------- sequences
 
@@ -195,10 +196,10 @@ class BlockStore:
         return candidates
 
     def attach_remote_blocks(
-        self, seq_id: int, found: Sequence[tuple[bytes, list[int]]]
+        self, seq_id: int, found: Sequence[tuple[bytes, list[int]]], tier: Tier
     ) -> list[Block]:
-        """Append blocks the remote store holds (`next_prompt_blocks` candidates, in
-        order) to the sequence: full, keyed, with a ready remote copy and no local one.
+        """Append blocks the keyed `tier` holds (`next_prompt_blocks` candidates, in
+        order) to the sequence: full, keyed, with a ready copy there and no local one.
         They are indexed at once: their KV exists, so a sequence admitted in the same
         step shares them (and their fetch) instead of asking the store again."""
         state = self.sequences[seq_id]
@@ -210,7 +211,7 @@ class BlockStore:
             assert identity.chain_key(block.parent_key, block.token_ids) == key
             self._attach(state, block)
             state.num_tokens += self.block_tokens
-            self.place(block, Tier.REMOTE, ready=True)  # held until it reaches the GPU
+            self.place(block, tier, ready=True)  # held until it reaches the GPU
             self.index.insert(block)
             attached.append(block)
         return attached
@@ -345,7 +346,7 @@ class BlockStore:
         addressed by key takes no slot: the store has room for it as far as the control
         plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
-        if tier.addressing is Addressing.KEYS:
+        if tier.keyed:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
@@ -383,9 +384,9 @@ class BlockStore:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
         copies = block.copies
-        lower = [tier for tier in copies if tier is not GPU_TIER]
-        if not lower:  # most calls: a partial block on the GPU alone
+        if len(copies) == 1 and GPU_TIER in copies:  # most calls: on the GPU alone
             return
+        lower = [tier for tier in copies if tier is not GPU_TIER]
         lower.sort(key=tier_rank)  # fastest first
         marked = False
         for tier in lower:

@@ -54,9 +54,9 @@ def tier_facts(
     """The facts of each of `block`'s copies, as each tier's policy sees it:
 
         tier   clean (a ready copy below)      ready_above
-        GPU    CPU, NVMe or remote              -
-        CPU    NVMe or remote                   GPU
-        NVMe   remote                           CPU or GPU
+        GPU    CPU, NVMe or a keyed tier        -
+        CPU    NVMe or a keyed tier             GPU
+        NVMe   a keyed tier                     CPU or GPU
 
     `brought_back`: the GPU copy just arrived from a slower tier. `skip` / `only`:
     no facts (None) for that tier / for the others, when the caller needs none.
@@ -74,6 +74,10 @@ def tier_facts(
         on_cpu = cpu is not None and cpu.ready and not cpu.stale
         on_nvme = nvme is not None and nvme.ready and not nvme.stale
         on_remote = remote is not None and remote.ready and not remote.stale
+        if not on_remote and len(copies) > (
+            (gpu is not None) + (cpu is not None) + (nvme is not None) + (remote is not None)
+        ):  # a copy on a keyed tier after the first
+            on_remote = block.has_ready_copy_below(NVME_TIER)
     referenced = block.ref_count > 0
     lost = block.lost
     key = block.key

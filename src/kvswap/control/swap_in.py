@@ -1,9 +1,9 @@
 """Swap-in: prefetch ahead of need, and the wait a step makes for what is missing.
 
 Swap-in is the expensive direction (a decode step waits for it), so it runs
-on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on NVMe or in the
-remote store comes up in two hops: NVMe (or remote) -> CPU, then CPU -> GPU as
-soon as it arrives (`arrived`); NVMe is read first when a block is in both.
+on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on NVMe or on a
+keyed tier comes up in two hops: that tier -> CPU, then CPU -> GPU as soon as it
+arrives (`arrived`); the fastest tier that holds it is read (NVMe first).
 Time spent in `wait_ready` is the step's swap wait.
 """
 
@@ -17,11 +17,9 @@ from kvswap.base.transfer import (
     CPU_TO_GPU,
     GPU_TIER,
     HIGH_PRIORITY,
-    NVME_TIER,
-    NVME_TO_CPU,
-    REMOTE_TIER,
-    REMOTE_TO_CPU,
     Tier,
+    direction_between,
+    tier_rank,
 )
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.eviction import Evictor
@@ -121,7 +119,7 @@ class SwapIn:
 
     def _fetch(self, seq_ids: Iterable[int], *, sync: bool) -> None:
         to_gpu: list[tuple[Block, Copy]] = []
-        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {NVME_TIER: [], REMOTE_TIER: []}
+        to_cpu: dict[Tier, list[tuple[Block, Copy]]] = {}
         for seq_id in seq_ids:
             for block in self.store.sequence_blocks(seq_id):
                 if block.lost or GPU_TIER in block.copies:
@@ -140,14 +138,16 @@ class SwapIn:
                 elif CPU_TIER not in block.copies and (source := _below_cpu(block)) is not None:
                     cpu = self.evictor.cpu_slot(block)
                     if cpu is not None:
-                        to_cpu[source].append(self.mover.reserve(block, source, cpu))
+                        pair = self.mover.reserve(block, source, cpu)
+                        to_cpu.setdefault(source, []).append(pair)
                         self._wanted_on_gpu.add(block.block_id)
                         self._note_fetch(block, sync)
                 elif CPU_TIER in block.copies:
                     self._wanted_on_gpu.add(block.block_id)  # on its way up to the CPU
         self.mover.submit(CPU_TO_GPU, HIGH_PRIORITY, to_gpu, evict=False)
-        self.mover.submit(NVME_TO_CPU, HIGH_PRIORITY, to_cpu[NVME_TIER], evict=False)
-        self.mover.submit(REMOTE_TO_CPU, HIGH_PRIORITY, to_cpu[REMOTE_TIER], evict=False)
+        for source in sorted(to_cpu, key=tier_rank):  # NVMe's chunks first, as they were
+            direction = direction_between(source, CPU_TIER)
+            self.mover.submit(direction, HIGH_PRIORITY, to_cpu[source], evict=False)
 
     def _note_fetch(self, block: Block, sync: bool) -> None:
         if sync:
@@ -169,8 +169,15 @@ class SwapIn:
 
 
 def _below_cpu(block: Block) -> Tier | None:
-    """The tier to bring `block` up from when it has no CPU copy: NVMe (local) first."""
-    for tier in (NVME_TIER, REMOTE_TIER):
-        if block.ready_copy(tier) is not None:
-            return tier
-    return None
+    """The tier to bring `block` up from when it has no CPU copy: the fastest below
+    the pinned pool with a ready copy (NVMe, local, first)."""
+    fastest: Tier | None = None
+    for tier, copy in block.copies.items():
+        if (
+            tier.rank > CPU_TIER.rank
+            and copy.ready
+            and not copy.stale
+            and (fastest is None or tier.rank < fastest.rank)
+        ):
+            fastest = tier
+    return fastest

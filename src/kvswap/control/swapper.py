@@ -16,8 +16,9 @@ Called by the scheduler (engine or simulator), once per step, in this order:
 The work is split by concept: `SwapIn` (swap_in.py: prefetch and waits),
 `Demoter` (demotion.py: each pair of adjacent tiers' watermarks, one rule for
 every victim), `Evictor` (eviction.py: synchronous eviction, CPU slots),
-`RemoteTier` (remote_tier.py: lookups of prefixes that missed locally, the
-write-behind; only with a `RemoteIndex`), all planning through the one `Mover`
+`RemoteTier` (remote_tier.py: one per keyed tier below the pinned pool, fastest
+first: lookups of prefixes that missed locally, the write-behind), all planning
+through the one `Mover`
 (mover.py), which reserves sources and applies completions. The scheduler asks
 questions here (is it resident, how much room, what is in flight) and never
 reaches into the store or the mover.
@@ -31,29 +32,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.eviction_policy import PolicyOptions
-from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import (
     CPU_TIER,
     GPU_TIER,
-    REMOTE_TIER,
     CopyEngine,
     Direction,
     Priority,
     Tier,
+    keyed_tier,
 )
 from kvswap.control.blocks import Block
 from kvswap.control.demotion import Demoter
 from kvswap.control.eviction import Evictor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover, SubmitHook
-from kvswap.control.remote_tier import RemoteTier
-from kvswap.control.settings import RemoteSettings, SwapSettings
+from kvswap.control.remote_tier import KeyedTier, RemoteTier
+from kvswap.control.settings import SwapSettings
 from kvswap.control.store import BlockStore
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swap_in import SwapIn, WaitResult
-
-#: The directions a pinned-pool copy leaves by for a tier below it.
-_DOWN_FROM_CPU = frozenset({Direction.CPU_TO_NVME, Direction.CPU_TO_REMOTE})
 
 
 @dataclass(frozen=True)
@@ -73,35 +70,38 @@ class Swapper:
         clock_s: Callable[[], float],
         metrics: KVMetrics | None = None,
         *,
-        remote_index: RemoteIndex | None = None,
-        remote: RemoteSettings | None = None,
+        keyed: Sequence[KeyedTier] = (),
         on_submit: SubmitHook | None = None,
     ):
-        """`remote_index`: the shared store's presence index; without one there is no
-        remote tier. `remote`: how it is used (default: the default settings).
-        `on_submit`: sees each chunk and its blocks as it is submitted."""
+        """`keyed`: the tiers addressed by key below the pinned pool, fastest first
+        (`keyed_tier(i)` names the i-th); none: no keyed tier. `on_submit`: sees each
+        chunk and its blocks as it is submitted."""
         self.settings = settings
         self.options = options
         self._clock_s = clock_s
         # Read-only to everyone but the swapper's parts (tests and exporters look).
-        self.store = BlockStore(layout, options, remote_index=remote_index)
+        tiers = [keyed_tier(position) for position in range(len(keyed))]
+        self.store = BlockStore(
+            layout, options,
+            keyed_indexes={tier: each.index for tier, each in zip(tiers, keyed, strict=True)},
+        )  # fmt: skip
         self.metrics = metrics if metrics is not None else KVMetrics()
+        self.metrics.extra_tiers = tuple(tiers[1:])
         self.mover = Mover(
             self.store, engine, self.metrics, settings.block_bytes, self._arrived,
             swap_in_chunk_blocks=settings.swap_in_chunk_blocks,
             swap_out_chunk_blocks=settings.swap_out_chunk_blocks, on_submit=on_submit,
         )  # fmt: skip
-        self.remote: RemoteTier | None = None
-        if remote_index is not None:
-            remote_settings = remote if remote is not None else RemoteSettings("unnamed")
-            self.remote = RemoteTier(
-                self.store, self.mover, self.metrics, remote_settings, remote_index
-            )
-        self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remote)
+        self.remotes = tuple(
+            RemoteTier(self.store, self.mover, self.metrics, each, tier)
+            for tier, each in zip(tiers, keyed, strict=True)
+        )
+        self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remotes)
         self.evictor = Evictor(self.store, self.mover, self.metrics, self.demoter, clock_s)
         self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)
-        # Blocks prefixes found only in the remote store, not yet fetched: block id ->
-        # the sequences that hit it (each counts as a hit once its fetch lands).
+        # Blocks of prefixes found only on a keyed tier, not yet fetched: block id ->
+        # the sequences that hit it (each counts as a hit once its fetch lands, for the
+        # tier it came from).
         self._remote_hits_due: Counter[int] = Counter()
 
     # ------------------------------------------------------------ step bracket
@@ -115,8 +115,8 @@ class Swapper:
         self.store.publish_computed()
         self.mover.poll()
         self.demoter.demote_past_watermarks()
-        if self.remote is not None:
-            self.remote.flush()
+        for remote in self.remotes:
+            remote.flush()
         for tier, slots in self.store.tiers.items():
             peak = self.metrics.peak_used_blocks_by_tier
             peak[tier] = max(peak[tier], slots.peak_used_slots)
@@ -126,8 +126,8 @@ class Swapper:
         write-behind they queued, so an idle server still writes its finished
         prefixes to the remote store."""
         self.mover.poll()
-        if self.remote is not None:
-            self.remote.flush()
+        for remote in self.remotes:
+            remote.flush()
 
     # ------------------------------------------------------------- sequences
 
@@ -135,23 +135,30 @@ class Swapper:
         self, seq_id: int, prompt_ids: Sequence[int], *, cache_salt: str | None = None
     ) -> int:
         """Start a sequence; returns how many prompt tokens its prefix hits cover.
-        Past the local hits, the remote store is asked for the next blocks, and past
-        those the local tiers again (a run of blocks here may follow one only the
-        store still holds), until neither has the next block."""
+        Past the local hits, the keyed tiers are asked in order for the next blocks,
+        each for what follows what the others served, and past those the local tiers
+        again (a run of blocks here may follow one only a keyed tier still holds),
+        until none has the next block. A tier is not asked twice at the same place:
+        its last answer ended where it lacks the next block."""
         hits = self.store.open_sequence(seq_id, prompt_ids, cache_salt=cache_salt)
-        while self.remote is not None:
-            served = self.remote.extend_prefix(seq_id, prompt_ids)
+        table = self.store.sequences[seq_id].block_ids
+        lacks_at: dict[int, int] = {}  # keyed tier (position) -> table length it lacks at
+        while True:
+            served = False
+            for position, remote in enumerate(self.remotes):
+                if lacks_at.get(position) == len(table):
+                    continue
+                found = remote.extend_prefix(seq_id, prompt_ids)
+                lacks_at[position] = len(table)
+                hits += found
+                served = served or bool(found)
             if not served:
                 break
-            hits += served
-            local = self.store.attach_indexed_prefix(seq_id, prompt_ids)
-            if not local:
-                break
-            hits += local
+            hits += self.store.attach_indexed_prefix(seq_id, prompt_ids)
         for block in hits:
             tier = block.fastest_copy_tier()
             assert tier is not None, "the prefix index holds no lost block"
-            if tier is REMOTE_TIER:
+            if tier.keyed:
                 # Counted once its fetch lands: a fetch that fails is recomputed.
                 self._remote_hits_due[block.block_id] += 1
             else:
@@ -213,8 +220,8 @@ class Swapper:
         # first, so the head is the most recent on the CPU: a chain leaves the pinned
         # pool (and NVMe after it) from its tail, and what stays is a usable prefix.
         self.mover.submit(Direction.GPU_TO_CPU, Priority.LOW, pairs[::-1], evict=False)
-        if self.remote is not None:
-            self.remote.finished(table)
+        for remote in self.remotes:
+            remote.finished(table)
 
     def swap_out_sequence(self, seq_id: int) -> None:
         """Preempt by swapping: pause the sequence and move its unprotected GPU
@@ -265,7 +272,8 @@ class Swapper:
             for transfer_id, record in list(self.mover.inflight.items()):
                 if cpu.num_free_slots >= wanted:
                     break
-                if record.evict and record.chunk.direction in _DOWN_FROM_CPU:
+                direction = record.chunk.direction
+                if record.evict and direction.src_tier is CPU_TIER and not direction.upward:
                     self.mover.wait(transfer_id)
             landing = [
                 transfer_id
@@ -279,13 +287,13 @@ class Swapper:
         self.metrics.swap_wait_s += self._clock_s() - start_s
         return max(0, cpu.num_free_slots - free_before)
 
-    def _arrived(self, block: Block, tier: Tier) -> None:
+    def _arrived(self, block: Block, tier: Tier, source: Tier) -> None:
         if tier is CPU_TIER and block.block_id in self._remote_hits_due:
             hits = self._remote_hits_due.pop(block.block_id)
-            self.metrics.prefix_hit_blocks_by_tier[REMOTE_TIER] += hits
+            self.metrics.prefix_hit_blocks_by_tier[source] += hits
         self.swap_in.arrived(block, tier)
-        if self.remote is not None:
-            self.remote.arrived(block, tier)
+        for remote in self.remotes:
+            remote.arrived(block, tier)
 
     # ------------------------------------------------------------- questions
 
@@ -373,8 +381,9 @@ class Swapper:
         to the remote store first, so a process that ends leaves its finished
         prefixes to the next one."""
         self.mover.wait_all()
-        while self.remote is not None and self.remote.num_queued_blocks:
-            self.remote.flush()  # the queue shrinks each time: nothing is in flight here
+        while any(remote.num_queued_blocks for remote in self.remotes):
+            for remote in self.remotes:
+                remote.flush()  # the queue shrinks each time: nothing is in flight here
             self.mover.wait_all()
 
     def check_integrity(self) -> None:

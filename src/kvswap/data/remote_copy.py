@@ -6,9 +6,10 @@ control plane's remote chunks become the tier's jobs, its lookups the tier's
 writes and counters are `RedisTier`'s (`kvswap.data.tiers.redis_tier`).
 
 `open_store_tier` opens the store of the `tiers.remote_*` settings over a host
-pool (`open_remote_tier`: it alone, as the remote tier); `keyed_tiers` stacks it
-with tiers of one's own (`TierList`; each a `UserTier`) for the engine and the
-transformers cache;
+pool (`open_remote_tier`: it alone, as the remote tier); `open_keyed_tiers` lists
+it with tiers of one's own (each a `UserTier`), each its own `TierCopyEngine`,
+for the engine and the transformers cache (the control plane keeps one keyed
+tier per entry: `kvswap.control.remote_tier`);
 `host_slot_bytes` is the bridge from the torch-side `HostPool` to the byte view
 every `SecondaryTier` is built over.
 """
@@ -36,7 +37,6 @@ from kvswap.data.tiers.redis_tier import (
     RemoteStats,
     open_redis_tier,
 )
-from kvswap.data.tiers.tier_list import TierList
 from kvswap.data.tiers.user_tier import UserTier
 from kvswap.errors import KvSwapError
 from kvswap.import_path import one_line
@@ -51,7 +51,7 @@ __all__ = [
     "RemoteStats",
     "TierFactory",
     "host_slot_bytes",
-    "keyed_tiers",
+    "open_keyed_tiers",
     "open_remote_tier",
     "open_store_tier",
 ]
@@ -146,14 +146,14 @@ def open_remote_tier(
     ))  # fmt: skip
 
 
-def keyed_tiers(
+def open_keyed_tiers(
     store: SecondaryTier | None, own: Sequence[TierFactory], host_pool: HostPool
-) -> TierCopyEngine:
-    """The control plane's key-addressed tier over `host_pool`: the `store` (opened by
-    the caller, or None), then a tier from each factory of `own`, fastest first; more
-    than one as a `TierList`. A factory that fails, or builds no tier over the pool's
-    slots, is one line naming its entry (`secondary_tiers[i]`), and what was built is
-    closed; so is a call of such a tier that raises (`UserTier`)."""
+) -> tuple[TierCopyEngine, ...]:
+    """The control plane's key-addressed tiers over `host_pool`, fastest first: the
+    `store` (opened by the caller, or None), then a tier from each factory of `own`,
+    each as its own `TierCopyEngine`. A factory that fails, or builds no tier over the
+    pool's slots, is one line naming its entry (`secondary_tiers[i]`), and what was
+    built is closed; so is a call of such a tier that raises (`UserTier`)."""
     tiers: list[SecondaryTier] = [] if store is None else [store]
     try:
         for index, factory in enumerate(own):
@@ -163,8 +163,8 @@ def keyed_tiers(
             tier.close()
         raise
     if not tiers:
-        raise ValueError("keyed_tiers needs a store or a factory")
-    return TierCopyEngine(tiers[0] if len(tiers) == 1 else TierList(tiers))
+        raise ValueError("open_keyed_tiers needs a store or a factory")
+    return tuple(TierCopyEngine(tier) for tier in tiers)
 
 
 def _own_tier(factory: TierFactory, index: int, host_pool: HostPool) -> SecondaryTier:

@@ -1,28 +1,35 @@
-"""One copy engine over the local tiers and the remote one, routed by direction.
+"""One copy engine over the local tiers and the keyed ones, routed by direction.
 
-    submit(chunk) --- keyed directions ----> remote engine (RemoteCopyEngine)
+    submit(chunk) --- keyed directions ----> that keyed tier's engine (`TierCopyEngine`;
+                  |                          `keyed_tier(i)` is the i-th of `keyed`)
                   \\-- every other one -----> local engine  (LocalCopyEngine)
-    poll()        both engines' results, merged in order of end time
+    poll()        every engine's results, merged in order of end time
     wait(id)      the engine the id was submitted to
-    wait_all(), close()   both (close: the remote one first, so no read lane
+    wait_all(), close()   every engine (close: the keyed ones first, so no read lane
                           copies into the host pool the local engine's owner frees)
 
-The swapper sees one `CopyEngine`, as before a remote tier existed. Transfer
-ids are unique across both engines (checked at submit): a result is looked up
-by id alone.
+The swapper sees one `CopyEngine`, as without a keyed tier. Transfer ids are
+unique across the engines (checked at submit): a result is looked up by id alone.
 """
 
 from __future__ import annotations
 
-from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+from kvswap.base.transfer import CopyEngine, Tier, TransferChunk, TransferResult, keyed_tier
 
 
 class TieredCopyEngine(CopyEngine):
-    """Routes remote chunks to `remote`, the rest to `local`; owns and closes both."""
+    """Routes each keyed tier's chunks to its engine in `keyed` (fastest first), the
+    rest to `local`; owns and closes them all."""
 
-    def __init__(self, local: CopyEngine, remote: CopyEngine) -> None:
+    def __init__(self, local: CopyEngine, keyed: Sequence[CopyEngine]) -> None:
         self.local = local
-        self.remote = remote
+        self.keyed: dict[Tier, CopyEngine] = {
+            keyed_tier(position): engine for position, engine in enumerate(keyed)
+        }
+        self._engines = (local, *self.keyed.values())
         # Submitted and not yet reported: id -> the engine that runs it.
         self._engine_of: dict[int, CopyEngine] = {}
         self._closed = False
@@ -34,12 +41,22 @@ class TieredCopyEngine(CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         if chunk.transfer_id in self._engine_of:
             raise ValueError(f"transfer {chunk.transfer_id}: id already in use by a pending chunk")
-        engine = self.remote if chunk.direction.keyed else self.local
+        direction = chunk.direction
+        engine = self.local
+        if direction.keyed:
+            tier = direction.src_tier if direction.upward else direction.dst_tier
+            found = self.keyed.get(tier)
+            if found is None:
+                raise ValueError(
+                    f"transfer {chunk.transfer_id}: {direction.value} but no engine for the "
+                    f"{tier.value} tier"
+                )
+            engine = found
         engine.submit(chunk)  # raises for a bad chunk before it is recorded
         self._engine_of[chunk.transfer_id] = engine
 
     def poll(self) -> list[TransferResult]:
-        return self._reported(self.local.poll() + self.remote.poll())
+        return self._reported([result for engine in self._engines for result in engine.poll()])
 
     def wait(self, transfer_id: int) -> TransferResult:
         engine = self._engine_of.get(transfer_id)
@@ -52,16 +69,16 @@ class TieredCopyEngine(CopyEngine):
         return result
 
     def wait_all(self) -> list[TransferResult]:
-        return self._reported(self.local.wait_all() + self.remote.wait_all())
+        return self._reported([result for engine in self._engines for result in engine.wait_all()])
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.remote.close()
-        finally:
-            self.local.close()
+        with ExitStack() as closing:  # each closed whatever the others raise: local last
+            closing.callback(self.local.close)
+            for engine in self.keyed.values():
+                closing.callback(engine.close)
 
     def __enter__(self) -> TieredCopyEngine:
         return self

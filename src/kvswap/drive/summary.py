@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS, Direction, Tier
+from kvswap.base.transfer import Direction, Tier
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.percentiles import percentiles_ms
@@ -207,8 +207,8 @@ class RunSummary:
             "swap_wait_s": self.swap_wait_s,
             "swap_wait_share": self.swap_wait_share,
         }
-        for direction in BUILT_IN_DIRECTIONS:
-            out[f"bytes_{direction.value}"] = self.bytes_by_direction.get(direction, 0)
+        for direction, num_bytes in self.bytes_by_direction.items():
+            out[f"bytes_{direction.value}"] = num_bytes
         for direction in (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU):
             out[f"{direction.value}_gb_per_s"] = self.gb_per_s_by_direction.get(direction, 0.0)
         out.update(
@@ -217,7 +217,7 @@ class RunSummary:
                 "sync_stalls": self.sync_stalls,
                 "preemptions": self.preemptions,
                 "prefix_hit_tokens": {
-                    t.value: self.prefix_hit_tokens.get(t, 0) for t in BUILT_IN_TIERS
+                    t.value: num_tokens for t, num_tokens in self.prefix_hit_tokens.items()
                 },
                 "recomputed_tokens": self.recomputed_tokens,
                 "protected_block_saves": self.protected_block_saves,
@@ -283,7 +283,7 @@ def build_summary(
     remote_counters = extras.pop("remote", None)
     remote = RemoteSummary.from_metrics(
         metrics,
-        enabled=scheduler.swapper.remote is not None,
+        enabled=bool(scheduler.swapper.remotes),
         block_tokens=block_tokens,
         data_plane=remote_counters if isinstance(remote_counters, Mapping) else None,
     )
@@ -304,15 +304,15 @@ def build_summary(
         num_steps=steps.num_steps,
         swap_wait_s=round(steps.swap_wait_s, 6),
         swap_wait_share=round(steps.swap_wait_s / steps.step_s, 6) if steps.step_s else 0.0,
-        bytes_by_direction={d: metrics.bytes_by_direction[d] for d in BUILT_IN_DIRECTIONS},
-        gb_per_s_by_direction={d: round(metrics.gb_per_s(d), 3) for d in BUILT_IN_DIRECTIONS},
+        bytes_by_direction={d: metrics.bytes_by_direction[d] for d in metrics.directions},
+        gb_per_s_by_direction={d: round(metrics.gb_per_s(d), 3) for d in metrics.directions},
         pinned_pool_utilization_peak=(
             round(cpu.peak_used_blocks / cpu.num_blocks, 4) if cpu.num_blocks else 0.0
         ),
         sync_stalls=metrics.sync_stalls,
         preemptions=scheduler.num_preemptions,
         prefix_hit_tokens={
-            tier: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in BUILT_IN_TIERS
+            tier: metrics.prefix_hit_blocks_by_tier[tier] * block_tokens for tier in metrics.tiers
         },
         recomputed_tokens=sum(r.recomputed_tokens for r in runs),
         protected_block_saves=metrics.protected_block_saves,

@@ -28,10 +28,11 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.remote_copy import keyed_tiers, open_store_tier
+from kvswap.data.remote_copy import open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
-from kvswap.drive.assembly import build_control_plane
+from kvswap.data.tiers.tier_list import merged_counters
+from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import drive
 from kvswap.drive.summary import RunSummary
@@ -63,7 +64,7 @@ class Engine(Backend):
         self.disk_pool: DiskPool | None = None
         self.device_pool: DevicePool | None = None
         self.copy_engine: CopyEngine | None = None
-        self.remote: TierCopyEngine | None = None
+        self.keyed: tuple[TierCopyEngine, ...] = ()  # the keyed tiers, fastest first
         try:
             self._allocate()
         except BaseException as exc:
@@ -102,18 +103,21 @@ class Engine(Backend):
         self.copy_engine = local
         copy_engine: CopyEngine = local
         if settings.control.remote is not None:
-            self.remote = self._open_remote()
-            copy_engine = self.copy_engine = TieredCopyEngine(local, self.remote)
+            self.keyed = self._open_keyed()
+            copy_engine = self.copy_engine = TieredCopyEngine(local, self.keyed)
+        keyed = keyed_tiers(
+            settings.control, self.keyed, [engine.tier.write_policy for engine in self.keyed]
+        )
         self.control = build_control_plane(
-            settings.control, copy_engine, time.perf_counter, remote_index=self.remote
+            settings.control, copy_engine, time.perf_counter, keyed=keyed
         )
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
         self.runner = ModelRunner(model, device_pool.kv)
 
-    def _open_remote(self) -> TierCopyEngine:
+    def _open_keyed(self) -> tuple[TierCopyEngine, ...]:
         """The key-addressed tiers, fastest first, over the pinned pool: the shared store
         (tiers.remote_*), then the tiers of one's own (`tiers.secondary_tiers`, then
-        `options.secondary_tiers`); more than one go as a `TierList`. A store that is
+        `options.secondary_tiers`), each a keyed tier of the control plane. A store that is
         unusable is one line and exit 2 if `remote_required`, else a warning and that
         tier off until the store answers."""
         own = self.settings.secondary_tiers
@@ -130,12 +134,13 @@ class Engine(Backend):
                 timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
                 max_inflight_chunks=store.max_inflight_chunks, required=store.required,
             )  # fmt: skip
-        return keyed_tiers(opened, own, self.host_pool)
+        return open_keyed_tiers(opened, own, self.host_pool)
 
     def remote_counters(self) -> Mapping[str, int]:
-        """The remote data plane's counters (corrupt, skipped writes, outages, ...);
-        empty without a remote tier. For exporters, read at every step."""
-        return self.remote.tier.counters() if self.remote is not None else {}
+        """The keyed tiers' data-plane counters (corrupt, skipped writes, outages, ...),
+        as one record (`merged_counters`); empty without a keyed tier. For exporters,
+        read at every step."""
+        return merged_counters([engine.tier for engine in self.keyed]) if self.keyed else {}
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -198,7 +203,7 @@ class Engine(Backend):
             "block_bytes": self.layout.block_bytes,
             "batch_invariant": self.settings.batch_invariant,
             **self._pool_sizes(),
-            **({"remote": self.remote_counters()} if self.remote is not None else {}),
+            **({"remote": self.remote_counters()} if self.keyed else {}),
         }
 
     def _pool_sizes(self) -> dict[str, object]:
@@ -218,9 +223,10 @@ class Engine(Backend):
         if self.copy_engine is not None:
             self.copy_engine.close()  # first: no worker may touch a pool being released
             self.copy_engine = None
-        elif self.remote is not None:
-            self.remote.close()  # opened, but the tiered engine was never built
-        self.remote = None
+        else:
+            for engine in self.keyed:
+                engine.close()  # opened, but the tiered engine was never built
+        self.keyed = ()
         if self.host_pool is not None:
             self.host_pool.close()
             released.append(f"released the pinned pool ({self.host_pool.configured_bytes} bytes)")

@@ -30,13 +30,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction, TransferChunk
+from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
-from kvswap.drive.assembly import build_control_plane
+from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver, drive
 from kvswap.drive.settings import control_settings
@@ -170,8 +170,9 @@ class Simulator(Backend):
             model_fingerprint=fingerprint, policy=options.policy,
             shared_store=self.remote is not None,
         )  # fmt: skip
+        keyed = keyed_tiers(settings, [self.remote] if self.remote is not None else [])
         self.control = build_control_plane(
-            settings, self.copy_engine, self.clock, remote_index=self.remote, on_submit=self.tap
+            settings, self.copy_engine, self.clock, keyed=keyed, on_submit=self.tap
         )
         self._request_ids = tuple(request_ids) if request_ids is not None else None
         self.tokens_computed = 0  # every token of every step's forward pass
@@ -259,7 +260,7 @@ class Simulator(Backend):
                 tier.value: round(hits[tier] * block_tokens / prompt_tokens, 6)
                 if prompt_tokens
                 else 0.0
-                for tier in BUILT_IN_TIERS
+                for tier in self.swapper.metrics.tiers
             },
             "link_utilization": {
                 name: round(seconds / duration_s, 6) if duration_s > 0 else 0.0

@@ -27,6 +27,7 @@ scheduler); every call but `wait` and `drain` returns at once:
     wait(job_id)          block until that job finished; its result (not reported again)
     drain()               block until every submitted job finished; their results
                           come with the next `get_finished_jobs()`
+    write_policy          when the engine writes to it (None: the configured policy)
     hold(keys)            keep `keys` from being evicted until as many `release(keys)`:
     release(keys)         the only copy of a paused sequence's blocks (`holds_keys`:
                           whether the tier can; a store shared with other processes,
@@ -59,6 +60,8 @@ import numpy.typing as npt
 
 from kvswap.base.identity import KEY_BYTES
 
+#: What a tier's `write_policy` may say (None aside: the configured policy).
+WRITE_POLICIES = ("on_finish", "on_demote", "off")
 #: The host pool as a tier sees it: [num_host_slots, block_bytes] uint8, rows contiguous.
 HostSlots = npt.NDArray[np.uint8]
 
@@ -208,6 +211,15 @@ class SecondaryTier(ABC):
     def release(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - as `hold`
         """End one `hold` of each of `keys`: it may be evicted again once no hold is
         left. ValueError for a key not held. Default: nothing."""
+
+    @property
+    def write_policy(self) -> str | None:
+        """When kvswap's engine writes blocks to this tier: "on_finish" (a finished
+        sequence's full blocks, early: what other processes may ask for), "on_demote"
+        (a block leaving the pinned pool: a tier that extends the pool) or "off" (read
+        only). Default None: as `tiers.remote_write_policy` says. (Inside vLLM its
+        tiering manager decides.)"""
+        return None
 
     def counters(self) -> Mapping[str, int]:
         """The tier's counts by name (hits, corrupt values, skipped stores, ...), for a

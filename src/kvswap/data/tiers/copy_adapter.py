@@ -1,12 +1,12 @@
 """Any secondary tier as the control plane's remote tier: a CopyEngine and a RemoteIndex.
 
-The control plane moves key-addressed blocks as `TransferChunk`s of the two
-remote directions and asks presence through `RemoteIndex`; a `SecondaryTier`
+The control plane moves key-addressed blocks as `TransferChunk`s of a keyed
+tier's two directions and asks presence through `RemoteIndex`; a `SecondaryTier`
 moves `TransferJob`s. `TierCopyEngine` translates, one job per chunk, the
 job id being the transfer id:
 
-    REMOTE_TO_CPU chunk (keys, src 0..n-1, dst host slots) -> submit_load(job: keys, dst)
-    CPU_TO_REMOTE chunk (keys, src host slots, dst 0..n-1) -> submit_store(job: keys, src)
+    upward chunk   (keys, src 0..n-1, dst host slots) -> submit_load(job: keys, dst)
+    downward chunk (keys, src host slots, dst 0..n-1) -> submit_store(job: keys, src)
     poll() / wait(id) / wait_all()   get_finished_jobs() / wait(id) / drain() + get_finished_jobs()
     lookup(keys), available          the tier's
     holds_keys, hold, release        the tier's
@@ -16,11 +16,12 @@ job id being the transfer id:
                                      as the control plane reads it (only the listed
                                      slots are untrusted)
 
-The engine's remote tier is `TierCopyEngine(RedisTier(...))`
-(`kvswap.data.remote_copy`); any other tier plugs in the same way and no module
-of `kvswap.control` changes. Chunks are checked here, whatever the tier: a
-wrong chunk (a local direction, slots or keys that do not match, a reused id,
-a chunk after close) raises ValueError. Torch-free.
+The engine's store is `TierCopyEngine(RedisTier(...))`
+(`kvswap.data.remote_copy`); any other tier plugs in the same way, each keyed
+tier its own engine, and no module of `kvswap.control` changes. Chunks are
+checked here, whatever the tier: a wrong chunk (a local direction, slots or keys
+that do not match, a reused id, a chunk after close) raises ValueError.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -28,12 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import (
-    CopyEngine,
-    Direction,
-    TransferChunk,
-    TransferResult,
-)
+from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
 from kvswap.data.tiers.base import JobResult, SecondaryTier, TransferJob
 
 
@@ -75,7 +71,7 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
 
     def submit(self, chunk: TransferChunk) -> None:
         self._validate(chunk)
-        loading = chunk.direction is Direction.REMOTE_TO_CPU
+        loading = chunk.direction.upward
         host_slots = chunk.dst_slots if loading else chunk.src_slots
         job = TransferJob(chunk.transfer_id, chunk.keys, host_slots, is_load=loading)
         self.tier.check_job(job)  # here too: a tier of one's own need not check
@@ -151,7 +147,7 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
             raise ValueError(
                 f"transfer {tid}: num_bytes {chunk.num_bytes} != {n} blocks x {self.block_bytes}"
             )
-        loading = chunk.direction is Direction.REMOTE_TO_CPU
+        loading = chunk.direction.upward
         remote_slots = chunk.src_slots if loading else chunk.dst_slots
         if remote_slots != tuple(range(n)):
             raise ValueError(f"transfer {tid}: the remote side's slots must be 0..{n - 1}")

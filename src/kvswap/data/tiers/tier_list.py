@@ -169,12 +169,7 @@ class TierList(SecondaryTier):
                 tier.release(keys)
 
     def counters(self) -> Mapping[str, int]:
-        total: dict[str, int] = {}
-        for index, tier in enumerate(self.tiers):
-            for name, count in tier.counters().items():
-                total[name] = total.get(name, 0) + count
-                total[f"tier{index}_{name}"] = count
-        return total
+        return merged_counters(self.tiers)
 
     # --- bookkeeping ------------------------------------------------------------------
 
@@ -237,3 +232,16 @@ class TierList(SecondaryTier):
             job, failed, transfer_bytes=entry.transfer_bytes, start_s=entry.start_s,
             end_s=entry.end_s, error=error if failed else None,
         )  # fmt: skip
+
+
+def merged_counters(tiers: Sequence[SecondaryTier]) -> dict[str, int]:
+    """The counters of `tiers` as one record: one tier's as they are; several tiers'
+    each name summed over them, and each tier's own as `tier<i>_<name>` (tier 0 first)."""
+    if len(tiers) == 1:
+        return dict(tiers[0].counters())
+    total: dict[str, int] = {}
+    for index, tier in enumerate(tiers):
+        for name, count in tier.counters().items():
+            total[name] = total.get(name, 0) + count
+            total[f"tier{index}_{name}"] = count
+    return total

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from kvswap.data.tiers.base import JobResult, SecondaryTier, TransferJob
-from kvswap.errors import StopRun
+from kvswap.data.tiers.base import WRITE_POLICIES, JobResult, SecondaryTier, TransferJob
+from kvswap.errors import KvSwapError, StopRun
 from kvswap.import_path import one_line
 
 _T = TypeVar("_T")
@@ -65,6 +65,16 @@ class UserTier(SecondaryTier):
 
     def release(self, keys: Sequence[bytes]) -> None:
         self._call("release", lambda: self.tier.release(keys))
+
+    @property
+    def write_policy(self) -> str | None:
+        policy = self._call("write_policy", lambda: self.tier.write_policy)
+        if policy is not None and policy not in WRITE_POLICIES:
+            raise KvSwapError(
+                f"{self.name} ({type(self.tier).__name__}).write_policy = {policy!r}; allowed: "
+                f"None (as tiers.remote_write_policy says), {', '.join(WRITE_POLICIES)}"
+            )
+        return policy
 
     def counters(self) -> Mapping[str, int]:
         return self._call("counters", self.tier.counters)

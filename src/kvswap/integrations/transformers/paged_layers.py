@@ -39,6 +39,7 @@ import torch
 
 from kvswap.base.transfer import CopyEngine, Tier
 from kvswap.control.metrics import KVMetrics
+from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
@@ -47,7 +48,7 @@ from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import K_INDEX, V_INDEX, KVLayout
-from kvswap.data.remote_copy import keyed_tiers, open_store_tier
+from kvswap.data.remote_copy import open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.errors import KvSwapError
@@ -110,8 +111,8 @@ class PagedLayers:
         )
         engine: CopyEngine = local
         namespace = identity.namespace()
-        remote: TierCopyEngine | None = None
-        remote_settings: RemoteSettings | None = None
+        keyed: tuple[TierCopyEngine, ...] = ()
+        keyed_uses: tuple[KeyedTier, ...] = ()
         if settings.has_keyed_tiers:
             store_namespace = f"kvswap-hf:{identity.fingerprint()}"
             store = None
@@ -120,14 +121,17 @@ class PagedLayers:
                     settings.remote_url, host_pool, namespace=store_namespace,
                     timeout_ms=settings.remote_timeout_ms,
                 )  # fmt: skip
-            remote = keyed_tiers(store, settings.secondary_tiers, host_pool)
-            # Cold blocks leave the pinned pool for the store (this cache's blocks are
-            # its own: keys salted per cache, so nothing is read back but what it wrote).
-            remote_settings = RemoteSettings(store_namespace, RemoteWritePolicy.ON_DEMOTE)
-            engine = TieredCopyEngine(local, remote)
-            self._resources.callback(remote.close)
-        self.remote = remote
-        self._has_tier_below = disk_pool is not None or remote is not None
+            keyed = open_keyed_tiers(store, settings.secondary_tiers, host_pool)
+            for each in keyed:
+                self._resources.callback(each.close)
+            # Cold blocks leave the pinned pool for the keyed tiers (this cache's blocks
+            # are its own: keys salted per cache, so nothing is read back but what it
+            # wrote), whatever a tier asks for.
+            uses = RemoteSettings(store_namespace, RemoteWritePolicy.ON_DEMOTE)
+            keyed_uses = tuple(KeyedTier(each, uses) for each in keyed)
+            engine = TieredCopyEngine(local, keyed)
+        self.keyed = keyed
+        self._has_tier_below = disk_pool is not None or bool(keyed)
         self.copy_engine = engine
         self.swapper = Swapper(
             StoreLayout(
@@ -142,8 +146,7 @@ class PagedLayers:
             SwapSettings(block_bytes=layout.block_bytes),
             engine,
             time.perf_counter,
-            remote_index=remote,
-            remote=remote_settings,
+            keyed=keyed_uses,
         )
         # Transfers end before the engine closes (close() runs these last-made first).
         self._resources.callback(self.swapper.drain)
