@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.hardware import hardware_preset, with_remote_link
+from kvswap.sim.keyed_tier import KeyedLink, ModelledKeyedTier
 from kvswap.sim.multi import VOLATILE_KEYS, simulate_engines
 from kvswap.sim.remote_store import SharedRemoteStore, StoreCounters
 from kvswap.sim.routing import Route, route_requests, split_workload
@@ -38,7 +40,8 @@ def remote_engine(
 ) -> ModelledCopyEngine:
     clock = clock if clock is not None else VirtualClock()
     view = store.view(clock, lookup_rtt_s=RTT_S)
-    return ModelledCopyEngine(hardware_preset("h200"), clock, remote=view)
+    hardware = hardware_preset("h200")
+    return ModelledCopyEngine(hardware, clock, keyed=[(view, KeyedLink.remote(hardware))])
 
 
 def remote_chunk(
@@ -97,7 +100,7 @@ def test_keys_the_store_does_not_hold_come_back_as_failed_destination_slots() ->
 def test_without_a_store_there_is_no_remote_link() -> None:
     copies = ModelledCopyEngine(hardware_preset("h200"), VirtualClock())
     assert "cpu_to_remote" not in copies.busy_s_by_link()  # one engine's summary is unchanged
-    with pytest.raises(ValueError, match="no remote store"):
+    with pytest.raises(ValueError, match="no such keyed tier is modelled"):
         copies.submit(remote_chunk(1, Direction.REMOTE_TO_CPU, KEYS[:1]))
 
 
@@ -317,6 +320,52 @@ def test_a_store_that_holds_keys_keeps_every_paused_sequences_blocks() -> None:
     assert held_store.counters.read_hit_keys > plain_store.counters.read_hit_keys
     assert held_store.counters.write_failed_keys > 0 and held_store.num_held_keys == 0
     assert held["lost_blocks"] == 0 and held["outputs_digest"] == plain["outputs_digest"]
+
+
+def test_a_list_of_keyed_tiers_each_reached_over_its_link_and_written_by_its_policy() -> None:
+    """A keyed NVMe slab of the engine's own (on_demote, the drive's one link, holding
+    paused sequences' keys) in front of a shared store (on_finish, the network's two):
+    each tier is written by its own policy, read from where the block is, reported
+    as a tier of its own; the tokens are those of the run without either."""
+    rng = random.Random(1)
+    requests = tuple(
+        request(i, i * 0.002, tuple(rng.randrange(32_000) for _ in range(rng.randrange(100, 300))),
+                rng.randrange(60, 200))
+        for i in range(24)
+    )  # fmt: skip
+    workload = Workload(requests, "paused", 32_000)
+    settings = {"cpu_kv_capacity_blocks": 20, "max_num_seqs": 16, "min_residency_steps": 0}
+    config = load_config(None, overrides={**SMALL, **settings})
+    hardware = hardware_preset("article-40gb")
+    plain = Simulator(config, hardware)
+    block_bytes = plain.control.settings.swap.block_bytes
+    reference = plain.run(workload).to_json()
+    slab = SharedRemoteStore(capacity_bytes=60 * block_bytes, holds_keys=True)
+    shared = SharedRemoteStore()
+    keyed = (ModelledKeyedTier(slab, KeyedLink.nvme(hardware), "on_demote"),
+             ModelledKeyedTier(shared, write_policy="on_finish"))  # fmt: skip
+    simulator = Simulator(config, hardware, keyed=keyed)
+    out = simulator.run(workload).to_json()
+    simulator.control.swapper.check_integrity()
+    assert out["outputs_digest"] == reference["outputs_digest"] and out["lost_blocks"] == 0
+    assert out["preemptions"] > 10  # paused sequences' blocks went down to the slab
+    assert slab.counters.read_hit_keys > 0 and slab.counters.read_miss_keys == 0
+    assert slab.counters.written_keys * block_bytes == out["bytes_cpu_to_remote"]
+    assert shared.counters.written_keys * block_bytes == out["bytes_cpu_to_remote2"] > 0
+    assert out["keyed_tiers"]["remote2"]["written_keys"] == shared.counters.written_keys
+    # The slab's one link both ways (a drive); the store's one link each way (a NIC).
+    assert {"remote", "cpu_to_remote2", "remote2_to_cpu"} <= set(out["link_utilization"])
+    # A second engine, with a slab of its own, finds the finished prefixes in the store
+    # (the same prompts, once the first engine's writes are visible on the clock).
+    later = out["duration_s"]
+    repeat = Workload(tuple(replace(r, arrival_s=later + r.arrival_s) for r in requests[:4]),
+                      "again", 32_000)  # fmt: skip
+    fresh = SharedRemoteStore(capacity_bytes=60 * block_bytes, holds_keys=True)
+    again = Simulator(config, hardware, keyed=(replace(keyed[0], store=fresh), keyed[1]))
+    hits = again.run(repeat).to_json()["prefix_hit_rate_by_tier"]
+    assert hits["remote2"] > 0.5 and hits["remote"] == 0.0
+    with pytest.raises(ValueError, match="allowed: None, on_finish, on_demote, off"):
+        ModelledKeyedTier(shared, write_policy="sometimes")
 
 
 def test_one_engine_without_a_store_is_the_plain_simulator() -> None:

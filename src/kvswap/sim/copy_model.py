@@ -5,8 +5,11 @@
     CPU_TO_GPU  --> "cpu_to_gpu" link             CPU_TO_GPU --+--> "pcie" link
     CPU_TO_NVME --> "nvme" link (one drive: reads and writes queue together)
     NVME_TO_CPU --> "nvme" link
-    CPU_TO_REMOTE --> "cpu_to_remote" link  } with a shared remote store only: the
-    REMOTE_TO_CPU --> "remote_to_cpu" link  } NIC is full duplex, one link per direction
+    CPU_TO_REMOTE --> "cpu_to_remote" link  } with a keyed tier only (the shared store:
+    REMOTE_TO_CPU --> "remote_to_cpu" link  } a NIC is full duplex, one link per
+                                              direction; a tier whose `KeyedLink` is not
+                                              duplex, one "<tier>" link both ways); each
+                                              keyed tier below has its own ("cpu_to_remote2")
 
 Each link has the two priority queues of the real engine (see `link.py`). On
 one shared engine a swap-in (HIGH) that arrives while a swap-out chunk (LOW)
@@ -14,8 +17,9 @@ is on the link waits for that whole chunk, however big: the seed article's first
 pitfall. With an engine per direction it never waits for a swap-out.
 A chunk's time on its link is overhead + bytes / bandwidth, where pageable
 host memory lowers the GPU legs' bandwidth and stretches each chunk by a
-seeded exponential jitter. A remote chunk takes rtt + bytes / bandwidth of
-the profile's remote link; when it ends, the store decides: a read of a key
+seeded exponential jitter. A keyed chunk takes its tier's latency + bytes /
+its rate (`KeyedLink`: the profile's remote link, by default); when it ends, the
+tier's store decides: a read of a key
 the store no longer holds (evicted, expired, never written) and a write the
 store cannot hold report those destination slots failed, the chunk itself a
 success (it ran; the other keys are good), so the control plane drops only
@@ -30,17 +34,23 @@ those copies and recomputes them. Times are on the simulator's `VirtualClock`:
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from kvswap.base.transfer import (
+    CPU_TIER,
     CopyEngine,
     Direction,
+    Tier,
     TransferChunk,
     TransferResult,
+    direction_between,
+    keyed_tier,
 )
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.hardware import HardwareProfile
+from kvswap.sim.keyed_tier import KeyedLink
 from kvswap.sim.link import Link, LinkJob
-from kvswap.sim.remote_store import RemoteStoreView
+from kvswap.sim.remote_store import RemoteStoreView, Settle
 
 GB = 1e9
 _GPU_LEGS = (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU)
@@ -55,9 +65,11 @@ class ModelledCopyEngine(CopyEngine):
         pinned_host: bool = True,
         prefetch_streams: int = 2,
         seed: int = 0,
-        remote: RemoteStoreView | None = None,
+        keyed: Sequence[tuple[RemoteStoreView, KeyedLink]] = (),
         remote_streams: int = 1,
     ):
+        """`keyed`: each keyed tier's view of its store and its link, fastest first
+        (`keyed_tier(i)` names the i-th)."""
         if prefetch_streams < 1:
             raise ValueError(f"prefetch_streams must be >= 1, got {prefetch_streams}")
         if remote_streams < 1:
@@ -65,7 +77,10 @@ class ModelledCopyEngine(CopyEngine):
         self.hardware = hardware
         self.clock = clock
         self.pinned_host = pinned_host
-        self.remote = remote
+        # The keyed tiers: each one's store view and link, by tier.
+        self.keyed: dict[Tier, tuple[RemoteStoreView, KeyedLink]] = {
+            keyed_tier(position): each for position, each in enumerate(keyed)
+        }
         self._rng = random.Random(f"kvswap-sim-copy:{seed}")
         yields = hardware.low_yields_per_block
 
@@ -81,14 +96,17 @@ class ModelledCopyEngine(CopyEngine):
             Direction.CPU_TO_NVME: nvme,
             Direction.NVME_TO_CPU: nvme,
         }
-        self._remote_write: Link | None = None
-        if remote is not None:
+        for tier, (view, keyed_link) in self.keyed.items():
+            down, up = direction_between(CPU_TIER, tier), direction_between(tier, CPU_TIER)
             # Requests pipelined on the connection overlap their round trips with the
             # previous chunk's data, as a second copy stream overlaps its launch.
-            self._remote_write = Link("cpu_to_remote", high_streams=remote_streams)
-            self.links[Direction.CPU_TO_REMOTE] = self._remote_write
-            self.links[Direction.REMOTE_TO_CPU] = Link("remote_to_cpu", high_streams=remote_streams)
-            remote.attach(self.settle_remote_writes)
+            if keyed_link.duplex:
+                write = Link(down.value, high_streams=remote_streams)
+                read = Link(up.value, high_streams=remote_streams)
+            else:  # one drive: reads and writes queue together
+                write = read = Link(tier.value, high_streams=remote_streams)
+            self.links[down], self.links[up] = write, read
+            view.attach(self._settler(write))
         self._all_links = list({id(link): link for link in self.links.values()}.values())
         self._jobs: dict[int, tuple[Link, LinkJob]] = {}
         self._done: dict[int, TransferResult] = {}
@@ -105,9 +123,9 @@ class ModelledCopyEngine(CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         if chunk.transfer_id in self._jobs or chunk.transfer_id in self._done:
             raise ValueError(f"transfer {chunk.transfer_id}: id already in use")
-        if chunk.direction.keyed and self.remote is None:
+        if chunk.direction not in self.links:
             raise ValueError(
-                f"transfer {chunk.transfer_id}: {chunk.direction.value} but no remote store "
+                f"transfer {chunk.transfer_id}: {chunk.direction.value} but no such keyed tier "
                 "is modelled"
             )
         link = self.links[chunk.direction]
@@ -159,7 +177,8 @@ class ModelledCopyEngine(CopyEngine):
         if direction is Direction.NVME_TO_CPU:
             return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gb_per_s * GB)
         if direction.keyed:
-            return hw.remote_rtt_ms / 1e3, num_bytes / (hw.remote_gb_per_s * GB)
+            tier = direction.src_tier if direction.upward else direction.dst_tier
+            return self.keyed[tier][1].chunk_time_s(num_bytes, load=direction.upward)
         gb_per_s = hw.d2h_gb_per_s if direction is Direction.GPU_TO_CPU else hw.h2d_gb_per_s
         if not self.pinned_host:
             gb_per_s *= hw.pageable_bandwidth_fraction
@@ -168,15 +187,16 @@ class ModelledCopyEngine(CopyEngine):
     def _jittered(self, direction: Direction) -> bool:
         return direction in _GPU_LEGS and not self.pinned_host and self.hardware.pageable_jitter > 0
 
-    def settle_remote_writes(self, t_s: float) -> None:
-        """Record in the store every write that ended by `t_s` (never past this
-        engine's clock: what it submits later cannot change those). Called by the
-        store before another engine looks up or reads."""
-        link = self._remote_write
-        if link is None:
-            return
-        link.advance(min(t_s, self.clock.now_s))
-        self._collect_link(link)
+    def _settler(self, write_link: Link) -> Settle:
+        """What a keyed tier's store calls before another engine looks up or reads:
+        record in it every write of `write_link` that ended by `t_s` (never past this
+        engine's clock: what it submits later cannot change those)."""
+
+        def settle(t_s: float) -> None:
+            write_link.advance(min(t_s, self.clock.now_s))
+            self._collect_link(write_link)
+
+        return settle
 
     def busy_s_by_link(self) -> dict[str, float]:
         """Seconds each link spent moving data (or paying overhead) so far."""
@@ -213,12 +233,13 @@ class ModelledCopyEngine(CopyEngine):
             )  # fmt: skip
 
     def _remote_outcome(self, chunk: TransferChunk, end_s: float) -> tuple[int, ...]:
-        """The destination slots of a remote chunk the store failed (none for others)."""
-        remote = self.remote
-        if remote is None or not chunk.direction.keyed:
+        """The destination slots of a keyed chunk its store failed (none for others)."""
+        direction = chunk.direction
+        if not direction.keyed:
             return ()
-        if chunk.direction is Direction.REMOTE_TO_CPU:
-            positions = remote.read(chunk.keys, end_s)
+        store = self.keyed[direction.src_tier if direction.upward else direction.dst_tier][0]
+        if direction.upward:
+            positions = store.read(chunk.keys, end_s)
         else:
-            positions = remote.write(chunk.keys, chunk.num_bytes // chunk.num_blocks, end_s)
+            positions = store.write(chunk.keys, chunk.num_bytes // chunk.num_blocks, end_s)
         return tuple(chunk.dst_slots[index] for index in positions)

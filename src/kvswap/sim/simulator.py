@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Direction, TransferChunk
+from kvswap.base.transfer import Direction, TransferChunk, keyed_tier
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
@@ -49,7 +49,8 @@ from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.cost import StepCostModel
 from kvswap.sim.hardware import HardwareProfile
-from kvswap.sim.remote_store import RemoteStoreView, SharedRemoteStore
+from kvswap.sim.keyed_tier import KeyedLink, ModelledKeyedTier
+from kvswap.sim.remote_store import SharedRemoteStore
 from kvswap.sim.setup import resolve_setup
 from kvswap.workload.arrivals import ArrivalQueue
 from kvswap.workload.request import Workload
@@ -136,10 +137,13 @@ class Simulator(Backend):
         shape: ModelDescription | None = None,
         options: SimOptions | None = None,
         remote_store: SharedRemoteStore | None = None,
+        keyed: Sequence[ModelledKeyedTier] = (),
         request_ids: Sequence[int] | None = None,
     ):
-        """`remote_store`: the shared store this engine's remote tier uses (None: no
-        remote tier, whatever `tiers.remote_url` says). `request_ids`: the
+        """`remote_store`: the shared store this engine's keyed tier uses, over the
+        profile's remote link (None: no keyed tier, whatever `tiers.remote_url` says).
+        `keyed`: the keyed tiers instead, fastest first, each with its store, link and
+        write policy (`kvswap.sim.keyed_tier`). `request_ids`: the
         workload-wide id of each of this engine's requests (its workload numbers
         them 0..n-1); placeholder tokens follow them, so engines that split a
         workload generate the tokens one engine would."""
@@ -149,14 +153,22 @@ class Simulator(Backend):
         self.setup = setup = resolve_setup(config, hardware, shape)
         self.clock = VirtualClock()
         self.tap = SwapInTap(options.ping_pong_window_steps)
-        self.remote: RemoteStoreView | None = None
         if remote_store is not None:
-            self.remote = remote_store.view(self.clock, lookup_rtt_s=hardware.remote_rtt_ms / 1e3)
+            if keyed:
+                raise ValueError("give remote_store or keyed tiers, not both")
+            keyed = (ModelledKeyedTier(remote_store),)
+        links = [each.link or KeyedLink.remote(hardware) for each in keyed]
+        # Each keyed tier's view of its store, on this engine's clock.
+        self.views = tuple(
+            each.store.view(self.clock, lookup_rtt_s=link.lookup_s)
+            for each, link in zip(keyed, links, strict=True)
+        )
+        self.remote = self.views[0] if self.views else None
         self.copy_engine = ModelledCopyEngine(
             hardware, self.clock, pinned_host=options.pinned_host,
             prefetch_streams=config.swap.prefetch_stream_count,
             seed=config.simulator.seed if options.seed is None else options.seed,
-            remote=self.remote,
+            keyed=list(zip(self.views, links, strict=True)),
             remote_streams=config.tiers.remote_max_inflight_chunks,
         )  # fmt: skip
         # No weights run here: the architecture (in the KV dtype) names the blocks.
@@ -170,10 +182,10 @@ class Simulator(Backend):
             model_fingerprint=fingerprint, policy=options.policy,
             shared_store=self.remote is not None,
         )  # fmt: skip
-        keyed = keyed_tiers(settings, [self.remote] if self.remote is not None else [])
         self.control = build_control_plane(
-            settings, self.copy_engine, self.clock, keyed=keyed, on_submit=self.tap
-        )
+            settings, self.copy_engine, self.clock, on_submit=self.tap,
+            keyed=keyed_tiers(settings, self.views, [each.write_policy for each in keyed]),
+        )  # fmt: skip
         self._request_ids = tuple(request_ids) if request_ids is not None else None
         self.tokens_computed = 0  # every token of every step's forward pass
         self.swapper, self.scheduler = self.control.swapper, self.control.scheduler
@@ -273,14 +285,20 @@ class Simulator(Backend):
             "wall_s": round(wall_s, 3),
             "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
         }
-        if self.remote is not None:
-            # The data plane's side of this engine's remote tier (the summary's `remote`
-            # object merges it with the control plane's figures).
-            counters = self.remote.counters
+        if self.views:
+            # The data plane's side of this engine's keyed tiers, summed (the summary's
+            # `remote` object merges it with the control plane's figures); each tier's
+            # own when there are several.
+            views = self.views
             extras["remote"] = {
-                "already_present": counters.already_present,
-                "evictions": counters.evictions,
-                "evicted_bytes": counters.evicted_bytes,
-                "lookup_wait_us": round(counters.lookup_wait_s * 1e6),
+                "already_present": sum(view.counters.already_present for view in views),
+                "evictions": sum(view.counters.evictions for view in views),
+                "evicted_bytes": sum(view.counters.evicted_bytes for view in views),
+                "lookup_wait_us": round(sum(view.counters.lookup_wait_s for view in views) * 1e6),
             }
+            if len(views) > 1:
+                extras["keyed_tiers"] = {
+                    keyed_tier(position).value: view.counters.to_json()
+                    for position, view in enumerate(views)
+                }
         return extras
