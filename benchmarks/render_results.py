@@ -208,10 +208,11 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "keyed_tier_parity": (
         "NVMe as a slot tier against a keyed tier in its place",
-        "sim_scale's trace and configuration three ways: the NVMe slot tier; no NVMe and a "
-        "keyed tier of its capacity in its place (written on demotion, holding paused "
-        "sequences' keys, the NVMe's write rate and latency both ways, 64 or 4 write chunks "
-        "in flight); ratios keyed / slot",
+        "sim_scale's trace and configuration five ways: the NVMe slot tier; a keyed NVMe "
+        "tier of its capacity in its place (written on demotion, holding paused sequences' "
+        "keys, over the drive's link; 64 or 4 write chunks in flight); each of the two with "
+        "a shared store of 50k blocks below, written on finish; ratios keyed / slot and "
+        "keyed_list / slot_and_store",
         (),
     ),
     "calibration": (

@@ -13,7 +13,6 @@ Blocks are 2 tokens; the "model" samples `1000 + 100 * seq_id + i`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from kvswap.base.identity import KeyNamespace
 from kvswap.base.remote_index import RemoteIndex
@@ -114,8 +113,9 @@ def make_process(
     below: Sequence[tuple[FakeStore, RemoteWritePolicy]] = (),
 ) -> tuple[Scheduler, RemoteEngine]:
     """One process: its own pools and copy engine, the shared `store` (and the keyed
-    tiers `below` it, each written by its own policy). Watermarks at 1.0: nothing is
-    swapped out or demoted ahead of need unless a test asks."""
+    tiers `below` it, each written by its own policy, with the default bound on writes
+    in flight). Watermarks at 1.0: nothing is swapped out or demoted ahead of need
+    unless a test asks."""
     engine = RemoteEngine(store, *(each for each, _ in below))
     layout = StoreLayout(BT, num_gpu_blocks, num_cpu_blocks, num_nvme_blocks, 0, NAMESPACE)
     swap = SwapSettings(
@@ -129,7 +129,8 @@ def make_process(
         layout, PolicyOptions(sink_protection=False, min_residency_steps=0), swap, engine,
         clock_s=lambda: 0.0,
         keyed=[KeyedTier(store, settings),
-               *(KeyedTier(each, replace(settings, write_policy=policy)) for each, policy in below)]
+               *(KeyedTier(each, RemoteSettings("model-a", policy, max_lookup_blocks))
+                 for each, policy in below)]
         if remote else [],
     )  # fmt: skip
     return Scheduler(swapper, SchedulerSettings(max_num_seqs=8, max_num_batched_tokens=64)), engine

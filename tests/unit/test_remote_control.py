@@ -284,6 +284,29 @@ def test_each_keyed_tier_is_written_by_its_own_policy_and_never_twice() -> None:
     assert a.swapper.metrics.bytes_by_direction[demoted] == 3 * 64
 
 
+def test_a_block_the_store_has_waits_for_a_faster_tier_written_on_demotion() -> None:
+    """A slab by key in front of the store: blocks the store took at finish still go to
+    the slab as they leave the pinned pool, one write at a time when the slab's room
+    for writes is one block, never dropped for the slower store's copy meanwhile."""
+    slab, store = FakeStore(), FakeStore()
+    a, engine = make_process(
+        slab, write_policy=RemoteWritePolicy.ON_DEMOTE, num_cpu_blocks=4,
+        max_inflight_write_chunks=1, swap_out_chunk_blocks=1,
+        below=[(store, RemoteWritePolicy.ON_FINISH)],
+        cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.25,
+    )  # fmt: skip
+    a.add_request(1, list(range(1, 10)), 1, 0.0)
+    run_step(a)
+    for step in range(2, 10):
+        between_steps(a, engine, step)
+    blocks = keys_of([1, 2], [3, 4], [5, 6], [7, 8])
+    assert sorted(store.written) == sorted(blocks)
+    # Down to the low watermark (one block): every block that left is on the slab.
+    left = [b.key for b in a.swapper.store.blocks.values() if Tier.CPU not in b.copies]
+    assert len(left) == 3 and set(left) <= set(slab.written)
+    assert len(slab.written) == len(set(slab.written)) == 3
+
+
 # ------------------------------------------------------------------ settings, summary
 
 

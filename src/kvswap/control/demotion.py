@@ -13,7 +13,10 @@ each victim meets the same rule (`Demoter.move_down`):
 
     a ready copy further down     -> the upper copy is dropped, free  (`{reason}_drop`);
                                      when only the shared store holds it, the tier
-                                     below takes it first if it has room
+                                     below takes it first if it has room; a faster
+                                     keyed tier written on demotion that lacks it and
+                                     has no room for writes now: it stays, and the
+                                     pass stops (as for a full tier below)
     a copy below still in flight  -> stays for a later pass
     room below (`room.make_room`) -> copied down; the upper copy is freed when it
                                      lands (`{reason}{moved_suffix}`)
@@ -224,6 +227,10 @@ class Demoter:
         if block.has_ready_copy_below(pair.upper):
             if written:
                 return _Outcome.LEFT  # the copy goes once the write succeeded
+            if _waits_for_faster_tier(block, pair.upper, writes):
+                # A faster keyed tier written on demotion lacks it and has no room for
+                # writes now: it stays for that tier, as it stays for a full slot tier.
+                return _Outcome.STOP
             # Only the shared store holds it: the tier below takes it first when it has
             # room (the store evicts by its own rules, and reads slower).
             local = block.has_ready_copy_below(pair.upper, local=True)
@@ -282,6 +289,22 @@ class Demoter:
             for remote in self.remotes
             if remote.demotes and remote.tier.above is pair.upper
         ]
+
+
+def _waits_for_faster_tier(block: Block, upper: Tier, writes: Sequence[_Writes]) -> bool:
+    """Whether a keyed tier of `writes` lacks `block`, has no room for writes now, and
+    is faster than every tier below `upper` with a ready copy of it (say the NVMe slab
+    by key, in front of a shared store that has the block)."""
+    waiting = [w.remote.tier.rank for w in writes
+               if w.room_blocks <= 0 and w.remote.tier not in block.copies]  # fmt: skip
+    if not waiting:
+        return False
+    fastest = min(
+        (tier.rank for tier, copy in block.copies.items()
+         if tier.rank > upper.rank and copy.ready and not copy.stale),
+        default=None,
+    )  # fmt: skip
+    return fastest is not None and min(waiting) < fastest
 
 
 class _Writes:
