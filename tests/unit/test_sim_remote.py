@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -240,17 +241,42 @@ def shared_prompt_workload() -> Workload:
     )  # fmt: skip
 
 
-def engines_run(num_engines: int, store: SharedRemoteStore | None) -> dict[str, object]:
+def engines_run(
+    num_engines: int,
+    store: SharedRemoteStore | None,
+    own_tiers: Callable[[], list[ModelledKeyedTier]] | None = None,
+) -> dict[str, object]:
     config = load_config(None, overrides=SMALL)
     result = simulate_engines(
         config, hardware_preset("article-40gb"), shared_prompt_workload(),
-        num_engines=num_engines, store=store,
+        num_engines=num_engines, store=store, own_tiers=own_tiers,
     )  # fmt: skip
     out = result.to_json()
     for engine in out["per_engine"]:  # type: ignore[attr-defined]
         for key in VOLATILE_KEYS:
             engine.pop(key)
     return out
+
+
+def test_engines_each_with_a_slab_of_its_own_in_front_of_the_shared_store() -> None:
+    """`own_tiers`: each engine gets keyed tiers of its own in front of the store (a
+    keyed NVMe slab); the second engine still finds the first one's prompt in the
+    store, as the store's second keyed tier, and the tokens are the same."""
+    slabs: list[SharedRemoteStore] = []
+
+    def slab() -> list[ModelledKeyedTier]:
+        slabs.append(SharedRemoteStore(holds_keys=True))
+        link = KeyedLink.nvme(hardware_preset("article-40gb"))
+        return [ModelledKeyedTier(slabs[-1], link, "on_demote")]
+
+    store = SharedRemoteStore(capacity_bytes=1 << 30)
+    listed = engines_run(2, store, slab)
+    plain = engines_run(2, SharedRemoteStore(capacity_bytes=1 << 30))
+    hits: Any = listed["combined"]
+    plain_hits: Any = plain["combined"]
+    assert len(slabs) == 2 and store.counters.read_hit_keys > 0
+    assert hits["prefix_hit_tokens"]["remote2"] == plain_hits["prefix_hit_tokens"]["remote"] > 0
+    assert hits["outputs_digest"] == plain_hits["outputs_digest"]
 
 
 def test_a_second_engine_finds_the_shared_prompt_in_the_store() -> None:

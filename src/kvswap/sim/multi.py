@@ -28,8 +28,9 @@ from kvswap.drive.summary import RunSummary, outputs_digest
 from kvswap.percentiles import percentiles_ms
 from kvswap.progress import RequestProgress
 from kvswap.sim.hardware import HardwareProfile
+from kvswap.sim.keyed_tier import ModelledKeyedTier
 from kvswap.sim.remote_store import SharedRemoteStore
-from kvswap.sim.routing import Route, split_workload
+from kvswap.sim.routing import EngineShare, Route, split_workload
 from kvswap.sim.simulator import SimOptions, Simulator
 from kvswap.workload.request import Workload
 
@@ -95,6 +96,13 @@ class MultiRun:
             if len(r.token_times_s) > 1
         ]
         summaries = [engine.summary for engine in self.engines]
+        # The built-in tiers and keyed directions, then any keyed tier's past the first.
+        tiers = dict.fromkeys(
+            [*BUILT_IN_TIERS, *(t for s in summaries for t in s.prefix_hit_tokens)]
+        )
+        keyed = dict.fromkeys([Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU, *(
+            d for s in summaries for d in s.bytes_by_direction if d.keyed
+        )])  # fmt: skip
         duration_s = max((s.duration_s for s in summaries), default=0.0)
         tokens = sum(s.tokens_generated for s in summaries)
         return {
@@ -107,7 +115,7 @@ class MultiRun:
             "tpot_ms": percentiles_ms(tpot_s),
             "prefix_hit_tokens": {
                 tier.value: sum(s.prefix_hit_tokens.get(tier, 0) for s in summaries)
-                for tier in BUILT_IN_TIERS
+                for tier in tiers
             },
             "recomputed_tokens": sum(s.recomputed_tokens for s in summaries),
             "prefill_tokens_computed": sum(e.prefill_tokens_computed for e in self.engines),
@@ -115,7 +123,7 @@ class MultiRun:
             "swap_wait_s": round(sum(s.swap_wait_s for s in summaries), 6),
             **{
                 f"bytes_{d.value}": sum(s.bytes_by_direction.get(d, 0) for s in summaries)
-                for d in (Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU)
+                for d in keyed
             },
             # Over workload-wide ids: equal to one engine's digest when every request ran.
             "outputs_digest": outputs_digest([(rid, r.output_ids) for rid, r in completed]),
@@ -139,19 +147,26 @@ def simulate_engines(
     num_engines: int,
     route: Route = Route.ROUND_ROBIN,
     store: SharedRemoteStore | None = None,
+    own_tiers: Callable[[], Sequence[ModelledKeyedTier]] | None = None,
     options: SimOptions | None = None,
     progress: RequestProgress | None = None,
 ) -> MultiRun:
-    """Serve `workload` on `num_engines` engines (sharing `store` when given)."""
+    """Serve `workload` on `num_engines` engines (sharing `store` when given, over the
+    profile's remote link). `own_tiers`: called once per engine for keyed tiers of its
+    own, in front of the store (a keyed NVMe slab: `kvswap.sim.keyed_tier`)."""
     if not 1 <= num_engines <= MAX_ENGINES:
         raise ValueError(f"num_engines = {num_engines}; allowed: 1..{MAX_ENGINES}")
     shares = split_workload(workload, num_engines, route, config.cache.kv_block_tokens)
-    simulators = [
-        Simulator(
-            config, hardware, options=options, remote_store=store, request_ids=share.request_ids
-        )
-        for share in shares
-    ]
+
+    def engine(share: EngineShare) -> Simulator:
+        if own_tiers is None:
+            return Simulator(config, hardware, options=options, remote_store=store,
+                             request_ids=share.request_ids)  # fmt: skip
+        keyed = [*own_tiers(), *([ModelledKeyedTier(store)] if store is not None else [])]
+        return Simulator(config, hardware, options=options, keyed=keyed,
+                         request_ids=share.request_ids)  # fmt: skip
+
+    simulators = [engine(share) for share in shares]
     finished = [0] * num_engines
 
     def engine_progress(index: int) -> RequestProgress:
