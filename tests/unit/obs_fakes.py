@@ -84,9 +84,9 @@ def samples(steps: Sequence[Step], capacity: dict[str, int] | None = None) -> li
         t_s += step.step_s
         wait_s += step.swap_wait_s
         total_s += step.step_s
-        for direction, num_bytes in step.moved.items():
-            moved[direction] += num_bytes
-            seconds[direction] += step.step_s / 2
+        for direction, num_bytes in step.moved.items():  # a keyed tier's past the first too
+            moved[direction] = moved.get(direction, 0) + num_bytes
+            seconds[direction] = seconds.get(direction, 0.0) + step.step_s / 2
         tokens += len(step.latencies_s) + len(step.ttfts_s)
         out.append(
             StepSample(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvswap.base.transfer import Tier
+from kvswap.base.transfer import Tier, direction_between, keyed_tier
 from kvswap.config_load import load_config
 from kvswap.control.metrics import KVMetrics
 from kvswap.engine.engine import Engine
@@ -224,3 +224,23 @@ def test_the_remote_tier_is_exported_live_and_brought_up_to_the_summary() -> Non
     final = scrape_now()
     assert value(final, "kvswap_remote_writes_total", result="written") == 7
     assert value(final, "kvswap_remote_store_events_total", event="corrupt") == 2
+
+
+def test_a_keyed_tier_past_the_first_is_exported_under_its_own_name() -> None:
+    """A tier of one's own below the store (`remote2`): its hits, bytes and transfers
+    are series of their own, live and in the final figures."""
+    kv = KVMetrics(extra_tiers=(keyed_tier(1),))
+    exporter = PrometheusExporter(
+        block_bytes=64, block_tokens=16, watermarks=Watermarks(), kv_metrics=kv
+    )
+    kv.prefix_hit_blocks_by_tier[keyed_tier(1)] = 2
+    kv.record_transfer(direction_between(keyed_tier(1), Tier.CPU), 128, 0.001)
+    record([Step(moved={"remote2_to_cpu": 128})], observers=[exporter])
+    live = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(exporter.exposition())
+        for s in f.samples
+    }
+    assert value(live, "kvswap_prefix_hit_tokens_total", tier="remote2") == 32
+    assert value(live, "kvswap_transfers_total", direction="remote2_to_cpu") == 1
+    assert value(live, "kvswap_transfer_bytes_total", direction="remote2_to_cpu") == 128

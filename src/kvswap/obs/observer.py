@@ -12,7 +12,7 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Tier
+from kvswap.base.transfer import Tier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 
@@ -99,9 +99,9 @@ def sample_step(
         recomputed_tokens=scheduler.recomputed_tokens,
         used_blocks_by_tier={t.value: slots.num_used_slots for t, slots in store.tiers.items()},
         capacity_blocks_by_tier={t.value: slots.num_slots for t, slots in store.tiers.items()},
-        bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in BUILT_IN_DIRECTIONS},
+        bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in metrics.directions},
         seconds_by_direction={
-            d.value: metrics.seconds_by_direction[d] for d in BUILT_IN_DIRECTIONS
+            d.value: metrics.seconds_by_direction.get(d, 0.0) for d in metrics.directions
         },
         swap_wait_total_s=swap_wait_total_s,
         step_total_s=step_total_s,

@@ -291,7 +291,7 @@ class PrometheusExporter(StepObserver):
         self.preempted.set(num_preempted)
 
     def on_step(self, sample: StepSample) -> None:
-        for direction in DIRECTIONS:
+        for direction in dict.fromkeys([*DIRECTIONS, *sample.bytes_by_direction]):
             self._total(self.transfer_bytes, sample.bytes_by_direction.get(direction, 0), direction)
             seconds = sample.seconds_by_direction.get(direction, 0.0)
             self._total(self.transfer_seconds, seconds, direction)
@@ -332,7 +332,7 @@ class PrometheusExporter(StepObserver):
         self.pinned_usage.set(used.get("cpu", 0) / cpu_slots if cpu_slots else 0.0)
 
     def _swapper_counters(self, metrics: KVMetrics) -> None:
-        for direction in BUILT_IN_DIRECTIONS:
+        for direction in metrics.directions:
             count = metrics.transfers_by_direction[direction]
             self._total(self.transfers, count, direction.value)
         for reason, count in metrics.evictions_by_reason.items():
@@ -342,7 +342,7 @@ class PrometheusExporter(StepObserver):
         self._total(self.prefetch_misses, metrics.prefetch_misses)
         self._total(self.failed_transfers, metrics.failed_transfers)
         self._total(self.lost_blocks, metrics.lost_blocks)
-        for tier in BUILT_IN_TIERS:
+        for tier in metrics.tiers:
             hits = metrics.prefix_hit_blocks_by_tier[tier] * self.block_tokens
             self._total(self.prefix_hits, hits, tier.value)
         self._remote(
@@ -379,7 +379,8 @@ class PrometheusExporter(StepObserver):
         step, counters with no per-step source) and zero the live rates."""
         if self.kv_metrics is not None:
             self._swapper_counters(self.kv_metrics)
-        for direction in DIRECTIONS:
+        keyed = [d.value for d in self.kv_metrics.directions] if self.kv_metrics else []
+        for direction in dict.fromkeys([*DIRECTIONS, *keyed]):
             self._total(self.transfer_bytes, integer_or(summary, f"bytes_{direction}"), direction)
             self.link_throughput.labels(direction).set(0.0)
         for reason, count in int_map(summary, "evictions_by_reason").items():
