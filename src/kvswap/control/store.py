@@ -21,12 +21,12 @@ arrival and its failure are store calls (`reserve_source`, `release_source`,
 `finish_transfer`), so the policies hear every change from here and no caller
 asks for a re-rank.
 
-Each tier is described once (`Tier`: its rank, addressing, ...). A tier addressed by slots gets a
-`TierSlots`; one addressed by key (`Tier.REMOTE`, `keyed_tier`) takes no slot: the
-store addresses its copies by block key. An unreferenced block left with no
-local copy is forgotten (the store is asked again by the next lookup), so what
-this process remembers stays bounded by its own tiers and the tables that
-reference blocks.
+Each tier is described once (`Tier`: its rank, addressing, ...). A tier
+addressed by slots gets a `TierSlots`; one addressed by key (`Tier.REMOTE`,
+`keyed_tier`) takes no slot: the store addresses its copies by block key. An
+unreferenced block left with no local copy is forgotten (the store is asked
+again by the next lookup), so what this process remembers stays bounded by its
+own tiers and the tables that reference blocks.
 
 A keyed store that can hold keys keeps a paused or waiting sequence's blocks
 (`store_holds`): the store tells its `KeyHolds` of every change that can alter

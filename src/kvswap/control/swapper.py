@@ -18,10 +18,9 @@ The work is split by concept: `SwapIn` (swap_in.py: prefetch and waits),
 every victim), `Evictor` (eviction.py: synchronous eviction, CPU slots),
 `RemoteTier` (remote_tier.py: one per keyed tier below the pinned pool, fastest
 first: lookups of prefixes that missed locally, the write-behind), all planning
-through the one `Mover`
-(mover.py), which reserves sources and applies completions. The scheduler asks
-questions here (is it resident, how much room, what is in flight) and never
-reaches into the store or the mover.
+through the one `Mover` (mover.py), which reserves sources and applies
+completions. The scheduler asks questions here (is it resident, how much room,
+what is in flight) and never reaches into the store or the mover.
 """
 
 from __future__ import annotations
