@@ -62,6 +62,16 @@ def test_windows_tile_the_run_and_keep_every_byte_and_second() -> None:
     assert series.itl.count == 1600 == sum(p.itl.count for p in points)
 
 
+def test_a_keyed_tier_past_the_first_keeps_its_bytes_through_the_windows() -> None:
+    steps = [Step(moved={"remote2_to_cpu": 100}) for _ in range(300)]
+    recorder = TimeSeriesRecorder(max_points=10, window_s=0.005)
+    for sample in samples(steps):
+        recorder.on_step(sample)
+    points = recorder.series().points
+    assert sum(p.bytes_by_direction["remote2_to_cpu"] for p in points) == 300 * 100
+    assert points[0].to_json()["gb_per_s_by_direction"]["remote2_to_cpu"] > 0  # type: ignore[index]
+
+
 def test_window_figures_throughput_share_and_occupancy() -> None:
     # Ten 10 ms steps, each moving 1 MB GPU->CPU and waiting 2 ms: 100 MB/s, 20% wait.
     steps = [

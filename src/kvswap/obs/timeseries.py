@@ -92,7 +92,7 @@ class SeriesPoint:
             swap_wait_s=self.swap_wait_s + later.swap_wait_s,
             bytes_by_direction={
                 d: self.bytes_by_direction.get(d, 0) + later.bytes_by_direction.get(d, 0)
-                for d in DIRECTIONS
+                for d in _directions(self.bytes_by_direction, later.bytes_by_direction)
             },
             usage_mean_by_tier={t: mean(t) for t in TIERS},
             usage_max_by_tier={
@@ -121,7 +121,9 @@ class SeriesPoint:
             "swap_wait_s": self.swap_wait_s,
             "swap_wait_share": round(self.swap_wait_share, 6),
             "bytes_by_direction": dict(self.bytes_by_direction),
-            "gb_per_s_by_direction": {d: round(self.gb_per_s(d), 6) for d in DIRECTIONS},
+            "gb_per_s_by_direction": {
+                d: round(self.gb_per_s(d), 6) for d in _directions(self.bytes_by_direction)
+            },
             "usage_mean_by_tier": dict(self.usage_mean_by_tier),
             "usage_max_by_tier": dict(self.usage_max_by_tier),
             "used_blocks_by_tier": dict(self.used_blocks_by_tier),
@@ -208,6 +210,12 @@ class _Remote:
     misses: int
 
 
+def _directions(*seen: Mapping[str, object]) -> list[str]:
+    """The built-in directions, then any other a sample names (a keyed tier's past the
+    first, "cpu_to_remote2"), in order of first sight."""
+    return list(dict.fromkeys([*DIRECTIONS, *(d for each in seen for d in each)]))
+
+
 class _Window:
     """The window being filled: totals at its start, sums since."""
 
@@ -246,7 +254,7 @@ class _Window:
             swap_wait_s=self.swap_wait_s,
             bytes_by_direction={
                 d: last.bytes_by_direction.get(d, 0) - self.start_bytes.get(d, 0)
-                for d in DIRECTIONS
+                for d in _directions(last.bytes_by_direction)
             },
             usage_mean_by_tier={t: self.usage_sum[t] / self.num_steps for t in TIERS},
             usage_max_by_tier=dict(self.usage_max),
