@@ -19,11 +19,11 @@ A chunk's time on its link is overhead + bytes / bandwidth, where pageable
 host memory lowers the GPU legs' bandwidth and stretches each chunk by a
 seeded exponential jitter. A keyed chunk takes its tier's latency + bytes /
 its rate (`KeyedLink`: the profile's remote link, by default); when it ends, the
-tier's store decides: a read of a key
-the store no longer holds (evicted, expired, never written) and a write the
-store cannot hold report those destination slots failed, the chunk itself a
-success (it ran; the other keys are good), so the control plane drops only
-those copies and recomputes them. Times are on the simulator's `VirtualClock`:
+tier's store decides: a read of a key the store no longer holds (evicted,
+expired, never written) and a write the store cannot hold report those
+destination slots failed, the chunk itself a success (it ran; the other keys
+are good), so the control plane drops only those copies and recomputes them.
+Times are on the simulator's `VirtualClock`:
 
 - `poll()` reports the chunks whose end time is <= now;
 - `wait(transfer_id)` jumps the clock to that chunk's end, which is how a
