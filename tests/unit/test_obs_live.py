@@ -15,6 +15,7 @@ from kvswap.config_load import load_config
 from kvswap.errors import KvSwapError
 from kvswap.obs.live import LivePanel, occupancy_bar
 from kvswap.obs.progress import ProgressBar
+from kvswap.obs.rates import format_rate
 from kvswap.obs.watermarks import Watermarks
 from kvswap.obs.wiring import add_monitoring_arguments, build_monitoring
 
@@ -240,3 +241,9 @@ def test_a_remote_tier_gets_its_own_row_and_nothing_without_one() -> None:
     [row] = [line for line in panel_lines(panel) if line.startswith("remote")]
     assert row.startswith("remote  hits 384 tok  misses 2  written 12 blk  known 40 blk  in ")
     assert panel.log_line().endswith("| remote hits 384 tok misses 2")
+    # Bytes from a keyed tier past the first (remote2) count as the row's "in".
+    panel = LivePanel(out, watermarks=Watermarks())
+    for sample in samples([Step(moved={"remote2_to_cpu": 10**6})] * 4):
+        panel.on_step(replace(sample, remote_enabled=True))
+    [row] = [line for line in panel_lines(panel) if line.startswith("remote")]
+    assert f"in {format_rate(0.0)}" not in row and f"out {format_rate(0.0)}" in row

@@ -263,11 +263,13 @@ class LivePanel(StepObserver):
 
     def _remote_text(self, sample: StepSample) -> str:
         rates = self._rate.per_s()
+        # Every keyed tier's ("remote", "remote2", ...): in from them, out to them.
+        keyed_in = sum(rate for label, rate in rates.items() if label.startswith("remote"))
+        keyed_out = sum(rate for label, rate in rates.items() if label.startswith("cpu_to_remote"))
         return (
             f"hits {sample.remote_hit_tokens} tok  misses {sample.remote_misses}  "
             f"written {sample.remote_writes} blk  known {sample.remote_known_blocks} blk  "
-            f"in {format_rate(rates.get('remote_to_cpu', 0.0))}  "
-            f"out {format_rate(rates.get('cpu_to_remote', 0.0))}"
+            f"in {format_rate(keyed_in)}  out {format_rate(keyed_out)}"
         )
 
     def _swap_wait_share(self) -> float | None:
