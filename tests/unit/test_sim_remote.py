@@ -313,23 +313,31 @@ def test_a_simulator_with_a_store_reads_the_remote_tier_settings_as_the_engine_d
     assert remote is not None and remote.namespace == "team-a"
 
 
-def paused_in_the_store(holds_keys: bool) -> tuple[dict[str, Any], SharedRemoteStore]:
-    """Sequences paused (preempted by swap) faster than a 20-block pinned pool holds
-    them: their blocks go on to a store of 20 blocks (written on demotion)."""
+#: A 20-block pinned pool that sequences are paused (preempted by swap) faster than it
+#: holds them (`paused_requests`).
+PAUSING = {**SMALL, "cpu_kv_capacity_blocks": 20, "max_num_seqs": 16, "min_residency_steps": 0}
+
+
+def paused_requests() -> tuple[Request, ...]:
+    """24 requests of 100-300 prompt tokens arriving 2 ms apart: on `PAUSING`'s pools,
+    many are paused and their blocks go below the pinned pool."""
     rng = random.Random(1)
-    requests = tuple(
+    return tuple(
         request(i, i * 0.002, tuple(rng.randrange(32_000) for _ in range(rng.randrange(100, 300))),
                 rng.randrange(60, 200))
         for i in range(24)
     )  # fmt: skip
-    config = load_config(None, overrides={**SMALL, "cpu_kv_capacity_blocks": 20,
-                                          "max_num_seqs": 16, "min_residency_steps": 0,
-                                          "remote_write_policy": "on_demote"})  # fmt: skip
+
+
+def paused_in_the_store(holds_keys: bool) -> tuple[dict[str, Any], SharedRemoteStore]:
+    """Sequences paused faster than a 20-block pinned pool holds them: their blocks go
+    on to a store of 20 blocks (written on demotion)."""
+    config = load_config(None, overrides={**PAUSING, "remote_write_policy": "on_demote"})
     hardware = hardware_preset("article-40gb")
     block_bytes = Simulator(config, hardware).control.settings.swap.block_bytes
     store = SharedRemoteStore(capacity_bytes=20 * block_bytes, holds_keys=holds_keys)
     simulator = Simulator(config, hardware, remote_store=store)
-    out = simulator.run(Workload(requests, "paused", 32_000)).to_json()
+    out = simulator.run(Workload(paused_requests(), "paused", 32_000)).to_json()
     simulator.control.swapper.check_integrity()  # every hold in step with its block
     return out, store
 
@@ -353,15 +361,9 @@ def test_a_list_of_keyed_tiers_each_reached_over_its_link_and_written_by_its_pol
     paused sequences' keys) in front of a shared store (on_finish, the network's two):
     each tier is written by its own policy, read from where the block is, reported
     as a tier of its own; the tokens are those of the run without either."""
-    rng = random.Random(1)
-    requests = tuple(
-        request(i, i * 0.002, tuple(rng.randrange(32_000) for _ in range(rng.randrange(100, 300))),
-                rng.randrange(60, 200))
-        for i in range(24)
-    )  # fmt: skip
+    requests = paused_requests()
     workload = Workload(requests, "paused", 32_000)
-    settings = {"cpu_kv_capacity_blocks": 20, "max_num_seqs": 16, "min_residency_steps": 0}
-    config = load_config(None, overrides={**SMALL, **settings})
+    config = load_config(None, overrides=PAUSING)
     hardware = hardware_preset("article-40gb")
     plain = Simulator(config, hardware)
     block_bytes = plain.control.settings.swap.block_bytes
