@@ -36,10 +36,11 @@ from kvswap.base.transfer import (
     TransferChunk,
     TransferResult,
 )
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote_tier import KeyedTier
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
+from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.data.copy_engine import LocalCopyEngine

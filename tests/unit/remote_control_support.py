@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from kvswap.base.identity import KeyNamespace
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import TransferChunk, TransferResult, keyed_tier
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import SchedulerSettings
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
+from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from tests.manual_engine import ManualCopyEngine

@@ -10,8 +10,9 @@ import pytest
 
 from kvswap.base.identity import chain_key
 from kvswap.base.transfer import Direction, Priority, Tier, direction_between, keyed_tier
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config_load import load_config
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
+from kvswap.control.settings import RemoteSettings
 from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.settings import control_settings
 from kvswap.drive.summary import StepTotals, build_summary

@@ -7,8 +7,8 @@ import pytest
 
 from kvswap.base.eviction_policy import BlockKey
 from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.scheduler import Scheduler
-from kvswap.control.settings import RemoteWritePolicy
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import (
     FakeStore,

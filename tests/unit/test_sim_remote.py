@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from kvswap.base.transfer import Direction, Priority, TransferChunk
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config_load import load_config
-from kvswap.control.settings import RemoteWritePolicy
 from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import Priority, Tier, direction_between
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
+from kvswap.control.settings import RemoteSettings
 from kvswap.control.store import BlockStore
 
 

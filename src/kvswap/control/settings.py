@@ -6,9 +6,9 @@ turns a validated `KvSwapConfig` into these frozen records once.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.errors import KvSwapError
 
 
@@ -23,14 +23,6 @@ class SwapSettings:
     swap_in_chunk_blocks: int = 4
     cpu_demote_high_watermark: float = 0.90
     cpu_demote_low_watermark: float = 0.80
-
-
-class RemoteWritePolicy(enum.Enum):
-    """When full blocks are written to the shared store (the value is the config's)."""
-
-    ON_FINISH = "on_finish"  # a finished sequence's full blocks, once they have a CPU copy
-    ON_DEMOTE = "on_demote"  # a block leaving the pinned pool (demoted, or dropped by demotion)
-    OFF = "off"  # read only
 
 
 #: Keys asked in one lookup call (one page) at most by default: one pipelined round

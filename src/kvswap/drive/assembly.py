@@ -13,11 +13,12 @@ from dataclasses import dataclass, replace
 
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.transfer import CopyEngine
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import SubmitHook
 from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.scheduler import Scheduler
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy
+from kvswap.control.settings import RemoteSettings
 from kvswap.control.swapper import Swapper
 from kvswap.drive.settings import ControlSettings
 

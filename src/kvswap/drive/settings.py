@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvswap.base.identity import KeyNamespace
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config import KvSwapConfig
 from kvswap.config_capacities import TierCapacities
 from kvswap.control.policy import PolicyOptions, check_policy_names
@@ -17,7 +18,6 @@ from kvswap.control.scheduler_records import Preemption, SchedulerSettings
 from kvswap.control.settings import (
     DEFAULT_MAX_LOOKUP_BLOCKS,
     RemoteSettings,
-    RemoteWritePolicy,
     SwapSettings,
 )
 from kvswap.control.store_records import StoreLayout

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvswap.control.settings import RemoteWritePolicy
+from kvswap.base.write_policy import WRITE_POLICIES
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.remote_store import SharedRemoteStore
 
@@ -74,8 +74,7 @@ class ModelledKeyedTier:
     write_policy: str | None = None  # None: as `tiers.remote_write_policy` says
 
     def __post_init__(self) -> None:
-        allowed = [policy.value for policy in RemoteWritePolicy]
-        if self.write_policy is not None and self.write_policy not in allowed:
+        if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
             raise ValueError(
-                f"write_policy = {self.write_policy!r}; allowed: None, {', '.join(allowed)}"
+                f"write_policy = {self.write_policy!r}; allowed: None, {', '.join(WRITE_POLICIES)}"
             )

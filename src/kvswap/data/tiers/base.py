@@ -60,8 +60,6 @@ import numpy.typing as npt
 
 from kvswap.base.identity import KEY_BYTES
 
-#: What a tier's `write_policy` may say (None aside: the configured policy).
-WRITE_POLICIES = ("on_finish", "on_demote", "off")
 #: The host pool as a tier sees it: [num_host_slots, block_bytes] uint8, rows contiguous.
 HostSlots = npt.NDArray[np.uint8]
 

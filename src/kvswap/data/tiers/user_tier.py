@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from kvswap.data.tiers.base import WRITE_POLICIES, JobResult, SecondaryTier, TransferJob
+from kvswap.base.write_policy import WRITE_POLICIES
+from kvswap.data.tiers.base import JobResult, SecondaryTier, TransferJob
 from kvswap.errors import KvSwapError, StopRun
 from kvswap.import_path import one_line
 

@@ -38,9 +38,10 @@ from contextlib import ExitStack
 import torch
 
 from kvswap.base.transfer import CopyEngine, Tier
+from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.remote_tier import KeyedTier
-from kvswap.control.settings import RemoteSettings, RemoteWritePolicy, SwapSettings
+from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.data.copy_engine import LocalCopyEngine
