@@ -460,3 +460,25 @@ def test_a_restarted_process_restores_its_prefix_and_recomputes_a_vanished_block
         machine.running_sequences_are_resident()
     finally:
         machine.teardown()
+
+
+def test_a_victim_that_an_earlier_victims_placement_took_away_is_passed_over() -> None:
+    # Found by the machine: two finished sequences leave cache entries on the GPU and
+    # in a full pinned pool; evicting four GPU blocks at once, the first victim's room
+    # in the pool discards a cache entry that is also a later victim (every copy of
+    # it), which must be passed over, not placed again.
+    machine = TieredStoreMachine()
+    machine.setup(gpu=6, cpu=4, nvme=0, protected=0, residency=0, remote=None,
+                  policies=("reuse", "kvswap"))  # fmt: skip
+    try:
+        for seq_id, extra, grow in ((0, 0, 0), (1, 3, 1)):
+            machine.open_sequence(PREFIXES[0], extra)
+            if grow:
+                machine._grow(seq_id, list(range(900, 900 + grow)))
+            machine.running.discard(seq_id)
+            machine.swapper.finish(seq_id)
+            machine.drain()
+        machine.evict_now(4)
+        machine.every_ready_copy_holds_its_bytes()
+    finally:
+        machine.teardown()

@@ -159,10 +159,14 @@ class Demoter:
         self, pair: TierPair, victims: Iterable[Block], *, reason: str, priority: Priority
     ) -> None:
         """Apply the rule to victims the caller chose (synchronous eviction, preemption):
-        each leaves, or stays ranked on its tier."""
+        each leaves, or stays ranked on its tier. A victim whose copy an earlier one's
+        room below took away (discarded as a cache entry there, every copy of it) is
+        passed over: it has left already."""
         moves: list[tuple[Block, Copy]] = []
         with self.store.victims(pair.upper) as chosen:
             for block in victims:
+                if block.lost or pair.upper not in block.copies:
+                    continue
                 chosen.take(block)
                 self._place(pair, block, reason, moves, ())
         self.mover.submit(pair.direction, priority, moves, evict=True)
