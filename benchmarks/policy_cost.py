@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy import build_policy
 
 

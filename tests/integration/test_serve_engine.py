@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.backend import StepOutput

@@ -29,13 +29,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import (
-    CopyEngine,
-    Direction,
-    Tier,
-    TransferChunk,
-    TransferResult,
-)
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import CopyEngine, Direction, TransferChunk, TransferResult
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions

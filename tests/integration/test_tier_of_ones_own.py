@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.config_load import load_config
 from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool

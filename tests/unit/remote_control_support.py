@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from kvswap.base.identity import KeyNamespace
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import TransferChunk, TransferResult, keyed_tier
+from kvswap.base.tier import keyed_tier
+from kvswap.base.transfer import TransferChunk, TransferResult
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.remote_tier import KeyedTier

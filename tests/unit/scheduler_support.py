@@ -7,7 +7,8 @@ ids in an assertion tell whose token is where.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Direction, TransferChunk, tier_rank
+from kvswap.base.tier import tier_rank
+from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 from tests.manual_engine import ManualCopyEngine

@@ -21,11 +21,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvswap.base.tier import Tier
 from kvswap.base.transfer import (
     BUILT_IN_DIRECTIONS,
     Direction,
     Priority,
-    Tier,
     TransferChunk,
     TransferResult,
 )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap.base.transfer import Direction, Tier, direction_between
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction, direction_between
 from kvswap.control.demotion import tier_pairs
 from kvswap.control.settings import SwapSettings
 

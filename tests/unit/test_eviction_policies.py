@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable
 import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.config_load import load_config
 from kvswap.control.policy import build_named, build_policy, check_policy_names
 from kvswap.control.policy_arc import ArcPolicy

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvswap.base.transfer import Tier, direction_between, keyed_tier
+from kvswap.base.tier import Tier, keyed_tier
+from kvswap.base.transfer import direction_between
 from kvswap.config_load import load_config
 from kvswap.control.metrics import KVMetrics
 from kvswap.engine.engine import Engine

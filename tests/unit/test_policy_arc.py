@@ -18,7 +18,7 @@ import random
 import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.config_load import load_config
 from kvswap.control.policy import build_policy
 from kvswap.control.policy_arc import ArcPolicy

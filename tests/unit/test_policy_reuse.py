@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kvswap.base.eviction_policy import BlockFacts, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.config_load import load_config
 from kvswap.control.policy import build_policy, check_policy_names
 from kvswap.control.policy_reuse import DEAD_GAPS, ReusePolicy

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from kvswap.base.identity import chain_key
-from kvswap.base.transfer import Direction, Priority, Tier, direction_between, keyed_tier
+from kvswap.base.tier import Tier, keyed_tier
+from kvswap.base.transfer import Direction, Priority, direction_between
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config_load import load_config
 from kvswap.control.settings import RemoteSettings

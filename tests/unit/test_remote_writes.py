@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvswap.base.eviction_policy import BlockKey
-from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.scheduler import Scheduler
 from tests.manual_engine import ManualCopyEngine

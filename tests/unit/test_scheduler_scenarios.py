@@ -13,7 +13,8 @@ the documented intent; when the code is fixed, flip their assertions.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Direction, Priority, Tier, TransferChunk
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import FinishReason, Preemption, SchedulerSettings

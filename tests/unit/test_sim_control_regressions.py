@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout

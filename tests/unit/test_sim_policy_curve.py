@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvswap.base.eviction_policy import EvictionPolicy
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy_arc import ArcPolicy
 from kvswap.control.policy_kvswap import KvSwapGpuPolicy, KvSwapLowerTierPolicy
 from kvswap.control.policy_lru import LruPolicy

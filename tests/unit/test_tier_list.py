@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy import named_policy
 from kvswap.data.disk_pool import DiskPool
 from kvswap.data.tiers.base import HostSlots, TransferJob

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.tiers import TierSlots
 
 

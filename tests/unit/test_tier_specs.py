@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap.base.transfer import (
-    BUILT_IN_DIRECTIONS,
-    BUILT_IN_TIERS,
-    SLOT_TIERS,
-    Addressing,
-    Direction,
-    Tier,
-    direction_between,
-)
+from kvswap.base.tier import BUILT_IN_TIERS, SLOT_TIERS, Addressing, Tier
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction, direction_between
 from kvswap.control.blocks import Block, Copy
 
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 
 #: What a policy calls a block: the store passes its block ids.
 BlockKey = Hashable

@@ -1,4 +1,4 @@
-"""Tiers and transfers as the control plane sees them: ids, slots, directions, priorities.
+"""Transfers as the control plane sees them: ids, slots, directions, priorities.
 
 The control plane never touches bytes. It hands a `TransferChunk` to a
 `CopyEngine` (the real one in `kvswap.data.copy_engine`, a modelled one in the
@@ -16,89 +16,11 @@ until its `TransferResult` has been polled.
 from __future__ import annotations
 
 import enum
-import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-
-class Addressing(enum.Enum):
-    """How a tier's copies are found."""
-
-    SLOTS = "slots"  # fixed slots this process hands out (GPU, pinned CPU, NVMe slab)
-    KEYS = "keys"  # by block key, in a store shared between processes (no slots here)
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class Tier:
-    """Where a copy of a block can live: a tier is what the control plane treats
-    differently about it, described here once (its capacity comes with the store's
-    layout). Tiers compare by identity; `Tier.GPU`, `Tier.CPU`, `Tier.NVME` and
-    `Tier.REMOTE` are the built-in ones (`BUILT_IN_TIERS`).
-
-        value          the tier's name, as metrics and summaries label it
-        rank           its place in the order of speed, fastest (the GPU, 0) first:
-                       a copy on a tier of higher rank is a copy below
-        addressing     by slots this process hands out, or by block key
-        checked_reads  a failed read means the copy itself is bad (a CRC or value
-                       check failed, the key vanished), not only that transfer: the
-                       copy is never read again
-        local          in this process (memory or a slab it owns): a copy worth
-                       remembering a block for; a block known only in a shared
-                       store is found again by a lookup
-        above          the tier a copy moves through to reach this one (None: the
-                       GPU, where KV is computed): every direction moves a chunk
-                       between a tier and the one above it
-    """
-
-    value: str
-    rank: int
-    addressing: Addressing
-    checked_reads: bool
-    local: bool
-    above: Tier | None
-    keyed: bool = field(init=False)  # addressed by key (read per copy placed: a field)
-
-    GPU: ClassVar[Tier]
-    CPU: ClassVar[Tier]
-    NVME: ClassVar[Tier]
-    REMOTE: ClassVar[Tier]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "keyed", self.addressing is Addressing.KEYS)
-
-    def __repr__(self) -> str:
-        return f"Tier({self.value!r})"
-
-
-_SLOTS, _KEYS = Addressing.SLOTS, Addressing.KEYS
-Tier.GPU = Tier("gpu", 0, _SLOTS, checked_reads=False, local=True, above=None)
-Tier.CPU = Tier("cpu", 1, _SLOTS, checked_reads=False, local=True, above=Tier.GPU)
-Tier.NVME = Tier("nvme", 2, _SLOTS, checked_reads=True, local=True, above=Tier.CPU)
-# A store shared between processes (the Redis protocol), addressed by block key.
-Tier.REMOTE = Tier("remote", 3, _KEYS, checked_reads=True, local=False, above=Tier.CPU)
-#: A tier's rank: the key that orders tiers fastest first.
-tier_rank = operator.attrgetter("rank")
-#: The built-in tiers, fastest first.
-BUILT_IN_TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE)
-#: The built-in tiers whose copies take a slot of this process (each has a `TierSlots`).
-SLOT_TIERS: tuple[Tier, ...] = tuple(t for t in BUILT_IN_TIERS if t.addressing is _SLOTS)
-_KEYED_TIERS: list[Tier] = [Tier.REMOTE]
-
-
-def keyed_tier(position: int) -> Tier:
-    """The tier at `position` (0 first) of the list of keyed tiers below the pinned
-    pool, fastest first: `Tier.REMOTE` (the list's first, the shared store when one is
-    configured), then "remote2", "remote3", ... Made once for each position: every
-    store of the process names the same tier by the same object."""
-    if position < 0:
-        raise ValueError(f"a keyed tier's position is >= 0, got {position}")
-    while len(_KEYED_TIERS) <= position:
-        name = f"remote{len(_KEYED_TIERS) + 1}"
-        rank = Tier.REMOTE.rank + len(_KEYED_TIERS)
-        _KEYED_TIERS.append(Tier(name, rank, _KEYS, checked_reads=True, local=False,
-                                 above=Tier.CPU))  # fmt: skip
-    return _KEYED_TIERS[position]
+from kvswap.base.tier import Tier
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -171,11 +93,11 @@ class Priority(enum.IntEnum):
     LOW = 1
 
 
-# Tiers and members as module constants, for code that runs per block or per chunk:
-# in Python 3.11 a member read off its Enum class (`Priority.HIGH`) takes the
+# Members as module constants, for code that runs per block or per chunk: in
+# Python 3.11 a member read off its Enum class (`Priority.HIGH`) takes the
 # metaclass's slow attribute path (~0.2-0.4 us); a name imported from here is a
-# plain global (and a global read is cheaper than a class attribute's).
-GPU_TIER, CPU_TIER, NVME_TIER, REMOTE_TIER = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
+# plain global (and a global read is cheaper than a class attribute's; the tiers'
+# are in `kvswap.base.tier`).
 HIGH_PRIORITY = Priority.HIGH
 CPU_TO_GPU, NVME_TO_CPU = Direction.CPU_TO_GPU, Direction.NVME_TO_CPU
 CPU_TO_REMOTE, REMOTE_TO_CPU = Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU

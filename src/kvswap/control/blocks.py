@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import Tier, tier_rank
+from kvswap.base.tier import Tier, tier_rank
 
 
 @dataclass(slots=True)

@@ -52,7 +52,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import SLOT_TIERS, Direction, Priority, Tier, direction_between
+from kvswap.base.tier import SLOT_TIERS, Tier
+from kvswap.base.transfer import Direction, Priority, direction_between
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover

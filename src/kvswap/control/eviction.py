@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvswap.base.transfer import CPU_TIER, GPU_TIER, Direction, Priority
+from kvswap.base.tier import CPU_TIER, GPU_TIER
+from kvswap.base.transfer import Direction, Priority
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.demotion import Demoter
 from kvswap.control.metrics import KVMetrics

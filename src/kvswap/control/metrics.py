@@ -14,14 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import (
-    BUILT_IN_DIRECTIONS,
-    BUILT_IN_TIERS,
-    CPU_TIER,
-    Direction,
-    Tier,
-    direction_between,
-)
+from kvswap.base.tier import BUILT_IN_TIERS, CPU_TIER, Tier
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction, direction_between
 
 
 @dataclass

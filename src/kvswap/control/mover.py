@@ -28,13 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvswap.base.tier import GPU_TIER, Tier
 from kvswap.base.transfer import (
-    GPU_TIER,
     HIGH_PRIORITY,
     CopyEngine,
     Direction,
     Priority,
-    Tier,
     TransferChunk,
     TransferResult,
 )

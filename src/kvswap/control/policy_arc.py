@@ -69,7 +69,7 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy_recency import RecencyEntry, RecencyHeap
 
 

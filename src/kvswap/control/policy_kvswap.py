@@ -44,7 +44,7 @@ from collections.abc import Collection, Iterable
 from typing import ClassVar
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 
 
 class RankedLru:

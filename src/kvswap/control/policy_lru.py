@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy_recency import RecencyEntry, RecencyHeap
 
 

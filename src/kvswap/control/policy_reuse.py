@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 
 #: A copy idle this many return gaps is taken for dead.
 DEAD_GAPS = 1.5

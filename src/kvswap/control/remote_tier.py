@@ -39,7 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import Priority, Tier, direction_between
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Priority, direction_between
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics

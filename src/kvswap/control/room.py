@@ -8,7 +8,7 @@ first hop (NVMe or remote -> CPU).
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.blocks import Block, Copy, is_ancestor
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.store import BlockStore

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from kvswap.base import identity
 from kvswap.base.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import GPU_TIER, SLOT_TIERS, Tier, tier_rank
+from kvswap.base.tier import GPU_TIER, SLOT_TIERS, Tier, tier_rank
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_holds import key_holds

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.transfer import GPU_TIER, Tier
+from kvswap.base.tier import GPU_TIER, Tier
 from kvswap.control.blocks import Block
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.blocks import Block
 from kvswap.control.store_records import SequenceState
 from kvswap.control.tiers import TierSlots

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
+from kvswap.base.tier import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.policy import build_policy
 

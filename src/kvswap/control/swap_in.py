@@ -12,15 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import (
-    CPU_TIER,
-    CPU_TO_GPU,
-    GPU_TIER,
-    HIGH_PRIORITY,
-    Tier,
-    direction_between,
-    tier_rank,
-)
+from kvswap.base.tier import CPU_TIER, GPU_TIER, Tier, tier_rank
+from kvswap.base.transfer import CPU_TO_GPU, HIGH_PRIORITY, direction_between
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.eviction import Evictor
 from kvswap.control.metrics import KVMetrics

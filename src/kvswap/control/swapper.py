@@ -31,15 +31,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.eviction_policy import PolicyOptions
-from kvswap.base.transfer import (
-    CPU_TIER,
-    GPU_TIER,
-    CopyEngine,
-    Direction,
-    Priority,
-    Tier,
-    keyed_tier,
-)
+from kvswap.base.tier import CPU_TIER, GPU_TIER, Tier, keyed_tier
+from kvswap.base.transfer import CopyEngine, Direction, Priority
 from kvswap.control.blocks import Block
 from kvswap.control.demotion import Demoter
 from kvswap.control.eviction import Evictor

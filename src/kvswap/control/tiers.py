@@ -7,7 +7,7 @@ by demoting or dropping cold copies, never by growing the tier.
 
 from __future__ import annotations
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 
 
 class TierSlots:

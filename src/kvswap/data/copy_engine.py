@@ -28,14 +28,8 @@ import time
 
 import torch
 
-from kvswap.base.transfer import (
-    CopyEngine,
-    Direction,
-    Priority,
-    Tier,
-    TransferChunk,
-    TransferResult,
-)
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import CopyEngine, Direction, Priority, TransferChunk, TransferResult
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, failed_result
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_workers import QueueWorker

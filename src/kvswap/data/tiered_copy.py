@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-from kvswap.base.transfer import CopyEngine, Tier, TransferChunk, TransferResult, keyed_tier
+from kvswap.base.tier import Tier, keyed_tier
+from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
 
 
 class TieredCopyEngine(CopyEngine):

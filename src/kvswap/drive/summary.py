@@ -19,7 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import Direction, Tier
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Direction
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.scheduler import Scheduler
 from kvswap.percentiles import percentiles_ms

@@ -12,7 +12,7 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 

@@ -75,7 +75,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS
+from kvswap.base.tier import BUILT_IN_TIERS
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS
 from kvswap.control.metrics import KVMetrics
 from kvswap.errors import KvSwapError
 from kvswap.obs.jsonvalues import int_map, integer_or

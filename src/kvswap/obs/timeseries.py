@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, BUILT_IN_TIERS
+from kvswap.base.tier import BUILT_IN_TIERS
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS
 from kvswap.obs.jsonvalues import as_mapping, float_map, int_map, integer_or, lookup, number_or
 from kvswap.obs.observer import StepObserver, StepSample
 from kvswap.obs.quantiles import LogHistogram

@@ -36,15 +36,13 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from kvswap.base.tier import CPU_TIER, Tier, keyed_tier
 from kvswap.base.transfer import (
-    CPU_TIER,
     CopyEngine,
     Direction,
-    Tier,
     TransferChunk,
     TransferResult,
     direction_between,
-    keyed_tier,
 )
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.hardware import HardwareProfile

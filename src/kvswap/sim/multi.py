@@ -22,7 +22,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvswap.base.transfer import BUILT_IN_TIERS, Direction
+from kvswap.base.tier import BUILT_IN_TIERS
+from kvswap.base.transfer import Direction
 from kvswap.config import KvSwapConfig
 from kvswap.drive.summary import RunSummary, outputs_digest
 from kvswap.percentiles import percentiles_ms

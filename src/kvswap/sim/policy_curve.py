@@ -51,7 +51,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvswap.base.transfer import BUILT_IN_TIERS
+from kvswap.base.tier import BUILT_IN_TIERS
 from kvswap.config import KvSwapConfig
 from kvswap.config_load import load_config
 from kvswap.control.scheduler_records import SequenceRun

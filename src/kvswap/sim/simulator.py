@@ -30,7 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvswap.base.transfer import Direction, TransferChunk, keyed_tier
+from kvswap.base.tier import keyed_tier
+from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
 from kvswap.control.policy import PolicyOptions

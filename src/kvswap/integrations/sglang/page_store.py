@@ -22,7 +22,7 @@ import itertools
 import threading
 from collections.abc import Mapping, Sequence
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy import named_policy
 from kvswap.data.remote_format import layout_fingerprint
 from kvswap.data.tiers.base import HostSlots, SecondaryTier, TransferJob

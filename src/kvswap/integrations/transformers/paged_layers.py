@@ -37,7 +37,8 @@ from contextlib import ExitStack
 
 import torch
 
-from kvswap.base.transfer import CopyEngine, Tier
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import CopyEngine
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.remote_tier import KeyedTier

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
 from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy, PolicyOptions
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy import build_named
 from kvswap.control.request_fault import failure_reason
 from kvswap.units import ceil_div

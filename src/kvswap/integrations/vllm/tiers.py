@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOfflo
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvswap.base.transfer import Tier
+from kvswap.base.tier import Tier
 from kvswap.control.policy import named_policy
 from kvswap.data.layout import KVLayout
 from kvswap.data.remote_format import layout_fingerprint
