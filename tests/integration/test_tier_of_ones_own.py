@@ -269,15 +269,18 @@ class _NvmeTierWithoutHolds(NvmeTier):
         return False
 
 
-def paused_run(directory: Path, *, holds: bool) -> tuple[dict[str, Any], NvmeTier]:
+def paused_run(
+    directory: Path, *, holds: bool, local: bool = False, **settings: object
+) -> tuple[dict[str, Any], NvmeTier]:
     """Eight requests in a 30-block device pool and a 6-block pinned pool: preempted
-    sequences' blocks are demoted on to a 6-slot NVMe slab by key (on_demote)."""
+    sequences' blocks are demoted on to a 6-slot NVMe slab by key (on_demote); `local`:
+    the engine's own (`SecondaryTier.local`)."""
     tiers: list[NvmeTier] = []
 
     def slab(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
         kind = NvmeTier if holds else _NvmeTierWithoutHolds
         disk = DiskPool(directory, host_slots.shape[1], 6)
-        tier = kind(host_slots, disk, policy=named_policy(Tier.NVME, "lru"))
+        tier = kind(host_slots, disk, policy=named_policy(Tier.NVME, "lru"), local=local)
         tiers.append(tier)
         return tier
 
@@ -286,7 +289,7 @@ def paused_run(directory: Path, *, holds: bool) -> tuple[dict[str, Any], NvmeTie
         Request(n, 0.0, tuple(rng.randrange(1, 250) for _ in range(40)), 40) for n in range(8)
     )
     settings = {"cpu_kv_capacity_blocks": 6, "gpu_kv_capacity_blocks": 30, "max_num_seqs": 8,
-                "remote_write_policy": "on_demote"}  # fmt: skip
+                "remote_write_policy": "on_demote", **settings}  # fmt: skip
     config = load_config(environ={}, overrides={**BASE, **settings})
     with Engine(engine_settings(config, EngineOptions(model="tiny", secondary_tiers=(slab,)))) as e:
         summary = e.run(Workload(requests, "paused", 256)).to_json()
@@ -305,6 +308,25 @@ def test_a_tier_that_holds_keys_keeps_every_paused_sequences_blocks(tmp_path: Pa
     assert stats.no_room_blocks > 0 and held_tier.num_held_keys == 0
     assert held["outputs_digest"] == plain["outputs_digest"]
     assert list(tmp_path.iterdir()) == []  # each slab went with its engine
+
+
+def test_the_engines_own_slab_by_key_is_its_nvme_tier(tmp_path: Path) -> None:
+    """The slab opened `local` (the engine's own): the engine reports it as its `nvme`
+    tier, remembers the blocks only it holds, and drops the copies it says it evicted;
+    outputs as without it. Beside slot NVMe blocks it is refused in one line."""
+    held, _ = paused_run(tmp_path, holds=True)
+    own, tier = paused_run(tmp_path, holds=True, local=True)
+    assert own["outputs_digest"] == held["outputs_digest"] and own["lost_blocks"] == 0
+    stats = tier.stats()
+    assert own["bytes_cpu_to_nvme"] == stats.written_blocks * tier.block_bytes > 0
+    assert own["bytes_nvme_to_cpu"] == stats.hits_blocks * tier.block_bytes > 0
+    assert own["bytes_cpu_to_remote"] == 0 and own["prefix_hit_tokens"].get("remote", 0) == 0
+    assert 0 < own["evictions_by_reason"]["nvme_discard"] <= stats.evicted_blocks
+    with pytest.raises(KvSwapError) as refused:
+        paused_run(tmp_path, holds=True, local=True, nvme_kv_capacity_blocks=8,
+                   nvme_dir=str(tmp_path))  # fmt: skip
+    assert "allowed: one NVMe tier (set nvme_kv_capacity_blocks = 0 with it)" in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- a tier named in the configuration: `secondary_tiers` / --secondary-tiers ---------------

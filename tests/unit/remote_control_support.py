@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvswap.base.identity import KeyNamespace
 from kvswap.base.remote_index import RemoteIndex
-from kvswap.base.tier import keyed_tier
+from kvswap.base.tier import keyed_tier_list
 from kvswap.base.transfer import TransferChunk, TransferResult
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.policy import PolicyOptions
@@ -63,13 +63,36 @@ class FakeStore(RemoteIndex):
         return self.up
 
 
+class LocalSlab(FakeStore):
+    """This process's own keyed tier (the NVMe slab by key): `evict(key)` drops a key as
+    its policy would, and `evicted_keys` says so once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted: list[bytes] = []
+
+    @property
+    def local(self) -> bool:
+        return True
+
+    def evict(self, key: bytes) -> None:
+        self.keys.remove(key)
+        self.evicted.append(key)
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+
 class RemoteEngine(ManualCopyEngine):
-    """`stores[i]` is the keyed tier `keyed_tier(i)` (the first: `Tier.REMOTE`)."""
+    """`stores[i]` is the i-th keyed tier, named as the swapper names it
+    (`keyed_tier_list`: the first, `Tier.REMOTE`, unless it is a `LocalSlab`)."""
 
     def __init__(self, *stores: FakeStore) -> None:
         super().__init__()
         self.store = stores[0]
-        self.stores = {keyed_tier(position): store for position, store in enumerate(stores)}
+        tiers = keyed_tier_list([store.local for store in stores])
+        self.stores = dict(zip(tiers, stores, strict=True))
 
     def _result(self, chunk: TransferChunk) -> TransferResult:
         def result(success: bool, failed: tuple[int, ...], error: str | None) -> TransferResult:

@@ -148,6 +148,20 @@ def test_a_full_slab_evicts_its_least_recently_used_key(
     tier.check_integrity()
 
 
+def test_a_local_slab_says_which_keys_it_evicted_once(
+    open_tier: Callable[..., NvmeTier],
+) -> None:
+    """kvswap's engine's own slab (`local`) keeps its victims' keys until asked; one
+    opened for vLLM or SGLang (not local) keeps none."""
+    tier, shared = open_tier(local=True), open_tier()
+    assert tier.local and not shared.local
+    for i in range(6):
+        assert store(tier, i, KEYS[i : i + 1], (i,)).success
+        assert store(shared, i, KEYS[i : i + 1], (i,)).success
+    assert list(tier.evicted_keys()) == list(KEYS[:2]) and list(tier.evicted_keys()) == []
+    assert list(shared.evicted_keys()) == [] and shared.counters()["evicted_blocks"] == 2
+
+
 def test_a_key_being_written_is_never_a_victim(
     open_tier: Callable[..., NvmeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:

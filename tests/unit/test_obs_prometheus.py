@@ -230,7 +230,7 @@ def test_the_remote_tier_is_exported_live_and_brought_up_to_the_summary() -> Non
 def test_a_keyed_tier_past_the_first_is_exported_under_its_own_name() -> None:
     """A tier of one's own below the store (`remote2`): its hits, bytes and transfers
     are series of their own, live and in the final figures."""
-    kv = KVMetrics(extra_tiers=(keyed_tier(1),))
+    kv = KVMetrics(keyed_tiers=(keyed_tier(0), keyed_tier(1)))
     exporter = PrometheusExporter(
         block_bytes=64, block_tokens=16, watermarks=Watermarks(), kv_metrics=kv
     )

@@ -22,6 +22,7 @@ from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import (
     NAMESPACE,
     FakeStore,
+    LocalSlab,
     between_steps,
     extend_a_stored_prefix,
     make_process,
@@ -307,6 +308,55 @@ def test_a_block_the_store_has_waits_for_a_faster_tier_written_on_demotion() -> 
     left = [b.key for b in a.swapper.store.blocks.values() if Tier.CPU not in b.copies]
     assert len(left) == 3 and set(left) <= set(slab.written)
     assert len(slab.written) == len(set(slab.written)) == 3
+
+
+def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evicts() -> None:
+    """The slab by key, this process's own: the swapper names it `nvme`; a block whose
+    only copy is on it stays in the block table (a prefix hit with no lookup), and goes
+    once the slab says it evicted the block's key."""
+    slab = LocalSlab()
+    a, engine = make_process(
+        slab, write_policy=RemoteWritePolicy.ON_DEMOTE, num_gpu_blocks=5, num_cpu_blocks=4,
+        cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.25,
+    )  # fmt: skip
+    assert [remote.tier for remote in a.swapper.remotes] == [Tier.KEYED_NVME]
+    a.add_request(1, list(range(1, 10)), 1, 0.0)  # four full blocks and a partial one
+    run_step(a)
+    for step in range(2, 6):
+        between_steps(a, engine, step)
+    a.add_request(2, list(range(50, 58)), 1, 0.0)  # takes the GPU from the first's blocks
+    run_step(a)
+    for step in range(7, 10):
+        between_steps(a, engine, step)
+    blocks = keys_of([1, 2], [3, 4], [5, 6], [7, 8])
+    # The first request's blocks left the pinned pool for the slab, and then the GPU:
+    # each is remembered with the slab's copy alone (a shared store's is forgotten).
+    table = {b.key: b for b in a.swapper.store.blocks.values()}
+    assert all(set(table[key].copies) == {Tier.KEYED_NVME} for key in blocks)
+    assert set(blocks) <= set(slab.written) and len(slab.written) == len(set(slab.written))
+    snapshot = a.swapper.metrics.snapshot()
+    assert snapshot["bytes_cpu_to_nvme"] == 64 * len(slab.written)  # reported as nvme
+    assert a.swapper.metrics.bytes_by_direction[Direction.CPU_TO_NVME] == 0  # no slot tier
+    # The slab evicts the third block: its copy goes, and the block with it.
+    slab.evict(blocks[2])
+    between_steps(a, engine, 10)
+    assert blocks[2] not in {b.key for b in a.swapper.store.blocks.values()}
+    assert a.swapper.metrics.evictions_by_reason["nvme_discard"] == 1
+    # The first prompt again: its first two blocks are found in the block table, on the
+    # slab; the slab is asked only for what follows them, once.
+    lookups = len(slab.lookups)
+    a.add_request(3, list(range(1, 10)), 1, 0.0)
+    run_step(a)
+    assert [keys[0] for keys in slab.lookups[lookups:]] == [blocks[2]]
+    between_steps(a, engine, 11)
+    assert a.swapper.metrics.snapshot()["prefix_hit_blocks_by_tier"]["nvme"] == 2
+
+
+def test_a_local_keyed_tier_is_first_and_never_beside_the_slot_nvme() -> None:
+    with pytest.raises(ValueError, match="allowed: one NVMe tier"):
+        make_process(LocalSlab(), num_nvme_blocks=4)
+    with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
+        make_process(FakeStore(), below=[(LocalSlab(), RemoteWritePolicy.ON_DEMOTE)])
 
 
 # ------------------------------------------------------------------ settings, summary

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvswap.base.tier import Tier
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config_load import load_config
@@ -460,3 +461,35 @@ def test_one_engine_with_a_store_keeps_the_full_summary(
     # A URL in the config models an unbounded store; the simulator never connects to it.
     assert call(["simulate", *SMALL_FLAGS, "--remote-url", "redis://127.0.0.1:1/0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shared_remote_store"]["capacity_bytes"] is None
+
+
+def test_a_local_slab_is_the_nvme_tier_and_its_evictions_are_forgotten() -> None:
+    """A keyed NVMe slab of the engine's own (`local`): reported as the `nvme` tier; a
+    block whose only copy it holds is remembered until the slab evicts its key, and
+    then forgotten, so no block the engine keeps claims a copy the slab lacks."""
+    workload = Workload(paused_requests(), "paused", 32_000)
+    config = load_config(None, overrides=PAUSING)
+    hardware = hardware_preset("article-40gb")
+    plain = Simulator(config, hardware)
+    block_bytes = plain.control.settings.swap.block_bytes
+    reference = plain.run(workload).to_json()
+    slab = SharedRemoteStore(capacity_bytes=24 * block_bytes, holds_keys=True, local=True)
+    simulator = Simulator(
+        config, hardware, keyed=(ModelledKeyedTier(slab, KeyedLink.nvme(hardware), "on_demote"),)
+    )
+    out = simulator.run(workload).to_json()
+    swapper = simulator.control.swapper
+    swapper.check_integrity()
+    assert out["outputs_digest"] == reference["outputs_digest"] and out["lost_blocks"] == 0
+    assert slab.counters.written_keys * block_bytes == out["bytes_cpu_to_nvme"] > 0
+    assert out["bytes_nvme_to_cpu"] > 0 and "bytes_cpu_to_remote" in out
+    # The next step boundary hears of the evictions since the last one: every eviction
+    # is then a copy dropped, and every copy the engine keeps is in the slab.
+    swapper.begin_step(out["num_steps"] + 1)
+    assert swapper.metrics.evictions_by_reason["nvme_discard"] == slab.counters.evictions > 0
+    on_slab = [b for b in swapper.store.blocks.values() if b.ready_copy(Tier.KEYED_NVME)]
+    assert on_slab and all(block.key in slab for block in on_slab)
+    with pytest.raises(ValueError, match="one view only"):
+        slab.view(simulator.clock)
+    with pytest.raises(ValueError, match="give holds_keys=True"):
+        SharedRemoteStore(local=True)

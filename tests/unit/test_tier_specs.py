@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvswap.base.tier import BUILT_IN_TIERS, SLOT_TIERS, Addressing, Tier
+from kvswap.base.tier import (
+    BUILT_IN_TIERS,
+    SLOT_TIERS,
+    Addressing,
+    Tier,
+    keyed_tier,
+    keyed_tier_list,
+    reported_tiers,
+)
 from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction, direction_between
 from kvswap.control.blocks import Block, Copy
 
@@ -77,3 +85,17 @@ def test_a_hit_is_served_from_the_fastest_ready_copy_else_the_one_on_its_way() -
     assert block.fastest_copy_tier() is Tier.CPU  # not the GPU: it has no copy there
     block.copies[Tier.CPU].stale = True
     assert block.fastest_copy_tier() is None
+
+
+def test_a_list_of_keyed_tiers_names_a_local_one_nvme_and_the_rest_by_position() -> None:
+    """The NVMe slab by key (this process's own) is `Tier.KEYED_NVME`: named and ranked
+    as the slot NVMe, reported in its place; the others are `keyed_tier(i)` in order."""
+    assert keyed_tier_list([True, False, False]) == (Tier.KEYED_NVME, Tier.REMOTE, keyed_tier(1))
+    assert keyed_tier_list([False, False]) == (Tier.REMOTE, keyed_tier(1))
+    nvme = Tier.KEYED_NVME
+    assert (nvme.value, nvme.rank, nvme.keyed, nvme.local) == ("nvme", Tier.NVME.rank, True, True)
+    assert reported_tiers((nvme, Tier.REMOTE)) == (Tier.GPU, Tier.CPU, nvme, Tier.REMOTE)
+    assert reported_tiers(()) == BUILT_IN_TIERS
+    for wrong in ([False, True], [True, True]):
+        with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
+            keyed_tier_list(wrong)

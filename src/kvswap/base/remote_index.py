@@ -49,3 +49,17 @@ class RemoteIndex(ABC):
 
     def release(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - as `hold`
         """End one `hold` of each of `keys`. Default: nothing."""
+
+    @property
+    def local(self) -> bool:
+        """Whether the tier is this process's own (the NVMe slab by key): its copies keep
+        a block remembered, as a copy on a slot tier does, and it says what it evicts
+        (`evicted_keys`), so the block store drops those copies. Default: False (a store
+        shared with others: a block known only there is forgotten, and found again by
+        a lookup)."""
+        return False
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        """The keys a local tier evicted since the last call, oldest first (each once).
+        Default: none."""
+        return ()

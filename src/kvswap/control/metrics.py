@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvswap.base.tier import BUILT_IN_TIERS, CPU_TIER, Tier
+from kvswap.base.tier import CPU_TIER, Tier, reported_tiers
 from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction, direction_between
 
 
@@ -47,23 +47,22 @@ class KVMetrics:
     remote_writes: int = 0  # blocks written
     remote_write_failures: int = 0  # blocks whose write failed or the store skipped
     remote_writes_skipped: int = 0  # blocks due for a write never sent (store down, copy gone)
-    # The keyed tiers past the first (`keyed_tier(1)`, ...), reported beside the
-    # built-in tiers: set by the swapper that has them.
-    extra_tiers: tuple[Tier, ...] = ()
+    # The keyed tiers in use, fastest first (set by the swapper that has them): each is
+    # reported in place of the built-in tier of its name, or after them.
+    keyed_tiers: tuple[Tier, ...] = ()
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
-        """The tiers reported, fastest first: the built-in ones, then `extra_tiers`."""
-        return BUILT_IN_TIERS + self.extra_tiers
+        """The tiers reported, fastest first (`reported_tiers`)."""
+        return reported_tiers(self.keyed_tiers)
 
     @property
     def directions(self) -> tuple[Direction, ...]:
-        """The directions reported: the built-in ones, then each extra tier's two."""
-        return BUILT_IN_DIRECTIONS + tuple(
-            direction
-            for tier in self.extra_tiers
-            for direction in (direction_between(CPU_TIER, tier), direction_between(tier, CPU_TIER))
-        )
+        """The directions reported: the GPU's and the pinned pool's, then each tier
+        below's two (down, up), in the order of `tiers`."""
+        below = [tier for tier in self.tiers if tier.rank > CPU_TIER.rank]
+        pairs = ((direction_between(CPU_TIER, t), direction_between(t, CPU_TIER)) for t in below)
+        return (Direction.GPU_TO_CPU, Direction.CPU_TO_GPU, *(d for pair in pairs for d in pair))
 
     def record_transfer(self, direction: Direction, num_bytes: int, seconds: float) -> None:
         self.bytes_by_direction[direction] += num_bytes

@@ -104,6 +104,16 @@ class RemoteTier:
             if num_found < len(candidates):
                 return attached
 
+    def drop_evicted(self) -> None:
+        """A local tier (`RemoteIndex.local`) evicted keys: their copies here go (a block
+        left with no copy is forgotten, as a slot tier's discard forgets it)."""
+        if not self.tier.local:
+            return
+        keys = self.index.evicted_keys()
+        if keys:
+            dropped = self.store.drop_evicted(self.tier, keys)
+            self.metrics.evictions_by_reason[f"{self.tier.value}_discard"] += dropped
+
     # ------------------------------------------------------------------ writes
 
     @property

@@ -380,6 +380,19 @@ class BlockStore:
             self._policies.changed(block)
         self._holds.sync(block)
 
+    def drop_evicted(self, tier: Tier, keys: Iterable[bytes]) -> int:
+        """A local keyed tier evicted `keys`: drop the ready, idle copies it held of the
+        blocks indexed under them (as `drop_copy`); returns how many. A copy still
+        written or read stays: a read of a key gone fails, and its block is recomputed."""
+        dropped = 0
+        for key in keys:
+            block = self.index.get(key)
+            copy = block.copies.get(tier) if block is not None else None
+            if block is not None and copy is not None and not copy.is_busy:
+                self.drop_copy(block, tier)
+                dropped += 1
+        return dropped
+
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""

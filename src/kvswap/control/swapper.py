@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvswap.base.eviction_policy import PolicyOptions
-from kvswap.base.tier import CPU_TIER, GPU_TIER, Tier, keyed_tier
+from kvswap.base.tier import CPU_TIER, GPU_TIER, Tier, keyed_tier_list
 from kvswap.base.transfer import CopyEngine, Direction, Priority
 from kvswap.control.blocks import Block
 from kvswap.control.demotion import Demoter
@@ -52,6 +52,18 @@ class TierOccupancy:
     peak_used_blocks: int
 
 
+def keyed_tiers(keyed: Sequence[KeyedTier], layout: StoreLayout) -> tuple[Tier, ...]:
+    """The tier each of `keyed` is, fastest first (`keyed_tier_list`); a local one (the
+    NVMe slab by key) is never beside the slot NVMe: ValueError."""
+    tiers = keyed_tier_list([each.index.local for each in keyed])
+    if Tier.KEYED_NVME in tiers and layout.num_nvme_blocks > 0:
+        raise ValueError(
+            f"the NVMe slab by key is among the keyed tiers beside {layout.num_nvme_blocks} "
+            "slot NVMe blocks; allowed: one NVMe tier (nvme_kv_capacity_blocks = 0 with it)"
+        )
+    return tiers
+
+
 class Swapper:
     def __init__(
         self,
@@ -66,19 +78,19 @@ class Swapper:
         on_submit: SubmitHook | None = None,
     ):
         """`keyed`: the tiers addressed by key below the pinned pool, fastest first
-        (`keyed_tier(i)` names the i-th); none: no keyed tier. `on_submit`: sees each
-        chunk and its blocks as it is submitted."""
+        (`keyed_tiers` names them); none: no keyed tier. `on_submit`: sees each chunk
+        and its blocks as it is submitted."""
         self.settings = settings
         self.options = options
         self._clock_s = clock_s
         # Read-only to everyone but the swapper's parts (tests and exporters look).
-        tiers = [keyed_tier(position) for position in range(len(keyed))]
+        tiers = keyed_tiers(keyed, layout)
         self.store = BlockStore(
             layout, options,
             keyed_indexes={tier: each.index for tier, each in zip(tiers, keyed, strict=True)},
         )  # fmt: skip
         self.metrics = metrics if metrics is not None else KVMetrics()
-        self.metrics.extra_tiers = tuple(tiers[1:])
+        self.metrics.keyed_tiers = tiers
         self.mover = Mover(
             self.store, engine, self.metrics, settings.block_bytes, self._arrived,
             swap_in_chunk_blocks=settings.swap_in_chunk_blocks,
@@ -99,8 +111,11 @@ class Swapper:
     # ------------------------------------------------------------ step bracket
 
     def begin_step(self, step: int) -> None:
+        """Take the finished transfers, then drop the copies a local tier evicted."""
         self.store.advance(step)
         self.mover.poll()
+        for remote in self.remotes:
+            remote.drop_evicted()
 
     def end_step(self) -> None:
         """The step's KV is computed: publish its full blocks, then swap out and demote."""
@@ -116,9 +131,10 @@ class Swapper:
     def tend(self) -> None:
         """Nothing runs (the driver is idle): take finished transfers and send the
         write-behind they queued, so an idle server still writes its finished
-        prefixes to the remote store."""
+        prefixes to the remote store (and forgets what a local tier evicted)."""
         self.mover.poll()
         for remote in self.remotes:
+            remote.drop_evicted()
             remote.flush()
 
     # ------------------------------------------------------------- sequences

@@ -149,15 +149,17 @@ def open_remote_tier(
 def open_keyed_tiers(
     store: SecondaryTier | None, own: Sequence[TierFactory], host_pool: HostPool
 ) -> tuple[TierCopyEngine, ...]:
-    """The control plane's key-addressed tiers over `host_pool`, fastest first: the
-    `store` (opened by the caller, or None), then a tier from each factory of `own`,
-    each as its own `TierCopyEngine`. A factory that fails, or builds no tier over the
+    """The control plane's key-addressed tiers over `host_pool`, fastest first: a tier
+    of this process (`SecondaryTier.local`, the NVMe slab by key) among `own`, then the
+    `store` (opened by the caller, or None), then a tier from each other factory of
+    `own`, each as its own `TierCopyEngine`. A factory that fails, or builds no tier over the
     pool's slots, is one line naming its entry (`secondary_tiers[i]`), and what was
     built is closed; so is a call of such a tier that raises (`UserTier`)."""
     tiers: list[SecondaryTier] = [] if store is None else [store]
     try:
         for index, factory in enumerate(own):
             tiers.append(_own_tier(factory, index, host_pool))
+        tiers.sort(key=lambda tier: not tier.local)  # stable: the rest keep their order
     except BaseException:
         for tier in tiers:
             tier.close()

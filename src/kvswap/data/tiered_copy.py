@@ -1,7 +1,7 @@
 """One copy engine over the local tiers and the keyed ones, routed by direction.
 
     submit(chunk) --- keyed directions ----> that keyed tier's engine (`TierCopyEngine`;
-                  |                          `keyed_tier(i)` is the i-th of `keyed`)
+                  |                          `keyed_tier_list` names them)
                   \\-- every other one -----> local engine  (LocalCopyEngine)
     poll()        every engine's results, merged in order of end time
     wait(id)      the engine the id was submitted to
@@ -17,19 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-from kvswap.base.tier import Tier, keyed_tier
+from kvswap.base.tier import Tier, keyed_tier_list
 from kvswap.base.transfer import CopyEngine, TransferChunk, TransferResult
+from kvswap.data.tiers.copy_adapter import TierCopyEngine
 
 
 class TieredCopyEngine(CopyEngine):
     """Routes each keyed tier's chunks to its engine in `keyed` (fastest first), the
     rest to `local`; owns and closes them all."""
 
-    def __init__(self, local: CopyEngine, keyed: Sequence[CopyEngine]) -> None:
+    def __init__(self, local: CopyEngine, keyed: Sequence[TierCopyEngine]) -> None:
         self.local = local
-        self.keyed: dict[Tier, CopyEngine] = {
-            keyed_tier(position): engine for position, engine in enumerate(keyed)
-        }
+        tiers = keyed_tier_list([engine.local for engine in keyed])
+        self.keyed: dict[Tier, CopyEngine] = dict(zip(tiers, keyed, strict=True))
         self._engines = (local, *self.keyed.values())
         # Submitted and not yet reported: id -> the engine that runs it.
         self._engine_of: dict[int, CopyEngine] = {}

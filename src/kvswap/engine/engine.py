@@ -134,7 +134,17 @@ class Engine(Backend):
                 timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
                 max_inflight_chunks=store.max_inflight_chunks, required=store.required,
             )  # fmt: skip
-        return open_keyed_tiers(opened, own, self.host_pool)
+        keyed = open_keyed_tiers(opened, own, self.host_pool)
+        num_nvme_blocks = self.settings.control.layout.num_nvme_blocks
+        if keyed[0].local and num_nvme_blocks > 0:
+            for engine in keyed:
+                engine.close()
+            raise KvSwapError(
+                "secondary_tiers: a tier of this process (the NVMe slab by key) beside "
+                f"nvme_kv_capacity_blocks = {num_nvme_blocks}; allowed: one NVMe tier (set "
+                "nvme_kv_capacity_blocks = 0 with it)"
+            )
+        return keyed
 
     def remote_counters(self) -> Mapping[str, int]:
         """The keyed tiers' data-plane counters (corrupt, skipped writes, outages, ...),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvswap.base.tier import CPU_TIER, Tier, keyed_tier
+from kvswap.base.tier import CPU_TIER, Tier, keyed_tier_list
 from kvswap.base.transfer import (
     CopyEngine,
     Direction,
@@ -67,7 +67,7 @@ class ModelledCopyEngine(CopyEngine):
         remote_streams: int = 1,
     ):
         """`keyed`: each keyed tier's view of its store and its link, fastest first
-        (`keyed_tier(i)` names the i-th)."""
+        (`keyed_tier_list` names them)."""
         if prefetch_streams < 1:
             raise ValueError(f"prefetch_streams must be >= 1, got {prefetch_streams}")
         if remote_streams < 1:
@@ -76,9 +76,10 @@ class ModelledCopyEngine(CopyEngine):
         self.clock = clock
         self.pinned_host = pinned_host
         # The keyed tiers: each one's store view and link, by tier.
-        self.keyed: dict[Tier, tuple[RemoteStoreView, KeyedLink]] = {
-            keyed_tier(position): each for position, each in enumerate(keyed)
-        }
+        tiers = keyed_tier_list([view.local for view, _ in keyed])
+        self.keyed: dict[Tier, tuple[RemoteStoreView, KeyedLink]] = dict(
+            zip(tiers, keyed, strict=True)
+        )
         self._rng = random.Random(f"kvswap-sim-copy:{seed}")
         yields = hardware.low_yields_per_block
 

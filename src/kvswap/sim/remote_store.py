@@ -33,7 +33,9 @@ With `holds_keys` it models instead a keyed tier that evicts by its own LRU and
 can hold keys (kvswap's NVMe by key, `kvswap.data.tiers.nvme_tier`): a held key
 (`hold` / `release`, counted per key; a key may be held before its write lands)
 leaves the LRU order until its last release, is never evicted, and a write that
-finds every key held fails. Such a store has no TTL.
+finds every key held fails. Such a store has no TTL. With `local` too it is one
+engine's own (one view only) and says what it evicted (`RemoteIndex.evicted_keys`),
+so the engine forgets those copies as kvswap's NVMe by key lets it.
 
 Counters are kept for the whole store and for each engine's view: keys found
 and missed by lookups and reads, keys written, evictions, expirations, bytes.
@@ -90,7 +92,12 @@ class SharedRemoteStore:
     """Block keys -> presence, shared by every simulated engine (see the module)."""
 
     def __init__(
-        self, capacity_bytes: int | None = None, *, ttl_s: float = 0.0, holds_keys: bool = False
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        ttl_s: float = 0.0,
+        holds_keys: bool = False,
+        local: bool = False,
     ):
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or capacity_bytes < 1):
             raise ValueError(f"capacity_bytes must be >= 1 or None, got {capacity_bytes!r}")
@@ -98,7 +105,12 @@ class SharedRemoteStore:
             raise ValueError(f"ttl_s must be a finite number >= 0, got {ttl_s!r}")
         if holds_keys and ttl_s > 0:
             raise ValueError(f"a store that holds keys has no TTL, got ttl_s={ttl_s!r}")
+        if local and not holds_keys:
+            raise ValueError("a local store (one engine's own) holds keys: give holds_keys=True")
         self.holds_keys = holds_keys
+        self.local = local
+        self._evicted: list[bytes] = []  # local: keys evicted since the view last asked
+        self._num_views = 0
         self.capacity_bytes = capacity_bytes  # None: unbounded
         self.ttl_s = ttl_s  # 0: keys never expire
         self.counters = StoreCounters()
@@ -152,8 +164,17 @@ class SharedRemoteStore:
         self._settlers.append(settle)
 
     def view(self, clock: VirtualClock, *, lookup_rtt_s: float = 0.0) -> RemoteStoreView:
-        """One engine's `RemoteIndex` over this store, on that engine's clock."""
+        """One engine's `RemoteIndex` over this store, on that engine's clock (a local
+        store has one only)."""
+        if self.local and self._num_views:
+            raise ValueError("a local store is one engine's own: it has one view only")
+        self._num_views += 1
         return RemoteStoreView(self, clock, lookup_rtt_s=lookup_rtt_s)
+
+    def take_evicted(self) -> list[bytes]:
+        """The keys evicted since the last call (a local store's; otherwise none)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     # ------------------------------------------------------------------ reads
 
@@ -273,8 +294,10 @@ class SharedRemoteStore:
         if capacity is None:
             return True
         while self._entries and self.used_bytes + num_bytes > capacity:
-            _, victim = self._entries.popitem(last=False)
+            key, victim = self._entries.popitem(last=False)
             self.used_bytes -= victim.num_bytes
+            if self.local:
+                self._evicted.append(key)
             for tally in (self.counters, counters):
                 tally.evictions += 1
                 tally.evicted_bytes += victim.num_bytes
@@ -317,6 +340,13 @@ class RemoteStoreView(RemoteIndex):
 
     def release(self, keys: Sequence[bytes]) -> None:
         self.store.release(keys)
+
+    @property
+    def local(self) -> bool:
+        return self.store.local
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        return self.store.take_evicted()
 
     def attach(self, settle: Settle) -> None:
         self.store.attach(settle)

@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvswap.base.tier import keyed_tier
 from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
@@ -299,7 +298,7 @@ class Simulator(Backend):
             }
             if len(views) > 1:
                 extras["keyed_tiers"] = {
-                    keyed_tier(position).value: view.counters.to_json()
-                    for position, view in enumerate(views)
+                    remote.tier.value: view.counters.to_json()
+                    for remote, view in zip(self.swapper.remotes, views, strict=True)
                 }
         return extras

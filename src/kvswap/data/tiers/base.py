@@ -32,6 +32,9 @@ scheduler); every call but `wait` and `drain` returns at once:
     release(keys)         the only copy of a paused sequence's blocks (`holds_keys`:
                           whether the tier can; a store shared with other processes,
                           evicting by its own rules, cannot, and says False)
+    local                 the tier is this process's own (the NVMe slab by key): the
+    evicted_keys()        engine remembers the blocks it holds, and it says which keys
+                          it evicted since the last call, so those copies are dropped
     close()               once, at the end: queued jobs finish, threads, connections
                           and files are released
 
@@ -209,6 +212,19 @@ class SecondaryTier(ABC):
     def release(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - as `hold`
         """End one `hold` of each of `keys`: it may be evicted again once no hold is
         left. ValueError for a key not held. Default: nothing."""
+
+    @property
+    def local(self) -> bool:
+        """Whether the tier is this process's own, evicting by its own policy and saying
+        what it evicted (`evicted_keys`): the engine then remembers the blocks it holds,
+        as it does a slot tier's, and asks it for no prefix it does not know of (the NVMe
+        slab by key). At most one, first among the engine's tiers. Default: False (a
+        store that others share: a block known only there is found by a lookup)."""
+        return False
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        """A local tier's keys evicted since the last call, oldest first. Default: none."""
+        return ()
 
     @property
     def write_policy(self) -> str | None:

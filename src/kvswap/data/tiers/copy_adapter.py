@@ -67,6 +67,13 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
     def release(self, keys: Sequence[bytes]) -> None:
         self.tier.release(keys)
 
+    @property
+    def local(self) -> bool:
+        return self.tier.local
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        return self.tier.evicted_keys()
+
     # --- CopyEngine -------------------------------------------------------------------
 
     def submit(self, chunk: TransferChunk) -> None:

@@ -19,6 +19,9 @@ A store job (on a store lane), key by key:
     a write that fails (ENOSPC, EIO)   that key fails; its slot is free again
 
 A held key is never a victim: with every key held or busy, a store fails "full".
+A tier opened `local` (kvswap's engine's own NVMe) keeps its victims' keys until
+`evicted_keys()` takes them, so the engine drops those copies; under vLLM and
+SGLang, whose tiering asks by lookup, it keeps none.
 
 A load job (on a load lane), key by key: a key not READY fails ("missing");
 a READY one is read into its host slot and checked against the CRC written
@@ -102,6 +105,7 @@ class NvmeTier(LaneTier):
         policy: EvictionPolicy,
         num_read_lanes: int = 1,
         num_write_lanes: int = 1,
+        local: bool = False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         slots = as_host_slots(host_slots)
@@ -115,6 +119,8 @@ class NvmeTier(LaneTier):
         self._lock = threading.Lock()  # guards the index, the free slots and the policy
         self._index: dict[bytes, _Entry] = {}
         self._holds: Counter[bytes] = Counter()  # key -> holds not yet released
+        self._local = local
+        self._evicted: list[bytes] = []  # local: victims' keys not yet taken
         self._free = list(range(disk.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._totals = Totals(NvmeTierStats())
         super().__init__(
@@ -131,6 +137,15 @@ class NvmeTier(LaneTier):
                 if entry is None or entry.state is not _State.READY:
                     return count
         return len(keys)
+
+    @property
+    def local(self) -> bool:
+        return self._local
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     @property
     def holds_keys(self) -> bool:
@@ -250,6 +265,8 @@ class NvmeTier(LaneTier):
                 )
                 slot = victim.slot
                 self._totals.add(evicted_blocks=1)
+                if self._local:
+                    self._evicted.append(victim_key)
             entry = self._index[key] = _Entry(slot)
             self._policy.insert(key, entry.facts(key in self._holds))
             return slot
@@ -329,14 +346,20 @@ class NvmeTier(LaneTier):
 
 
 def open_nvme_tier(
-    host_slots: memoryview | HostSlots, directory: Path, num_slots: int, *, policy: EvictionPolicy
+    host_slots: memoryview | HostSlots,
+    directory: Path,
+    num_slots: int,
+    *,
+    policy: EvictionPolicy,
+    local: bool = False,
 ) -> NvmeTier:
     """A slab of `num_slots` slots in `directory`, each one host slot's bytes, as a tier
-    over `host_slots` ranked by `policy` (built by the caller for `num_slots`); the
-    slab is removed again if the tier cannot be built."""
+    over `host_slots` ranked by `policy` (built by the caller for `num_slots`); `local`:
+    kvswap's engine's own (module docstring). The slab is removed again if the tier
+    cannot be built."""
     disk = DiskPool(directory, as_host_slots(host_slots).shape[1], num_slots)
     try:
-        return NvmeTier(host_slots, disk, policy=policy)
+        return NvmeTier(host_slots, disk, policy=policy, local=local)
     except BaseException:
         disk.close()
         raise

@@ -68,6 +68,13 @@ class UserTier(SecondaryTier):
         self._call("release", lambda: self.tier.release(keys))
 
     @property
+    def local(self) -> bool:
+        return bool(self._call("local", lambda: self.tier.local))
+
+    def evicted_keys(self) -> Sequence[bytes]:
+        return self._call("evicted_keys", self.tier.evicted_keys)
+
+    @property
     def write_policy(self) -> str | None:
         policy = self._call("write_policy", lambda: self.tier.write_policy)
         if policy is not None and policy not in WRITE_POLICIES:
