@@ -8,12 +8,15 @@ configuration (article-8b on h200, 100k pinned blocks, 200k NVMe blocks) five wa
 
     slot            the NVMe slot tier (the engine's today)
     keyed           no slot tier; a keyed NVMe tier of the same capacity in its place:
-                    this engine's own store, holding paused sequences' keys
-                    (`SharedRemoteStore(holds_keys=True)`: a plain LRU passing over
-                    them), reached over the drive (`KeyedLink.nvme`: its read and
-                    write rates and latency, one link both ways, looked up in this
-                    process), written as blocks leave the pinned pool (`on_demote`),
-                    64 write chunks in flight (`remote_max_inflight_chunks`' default)
+                    this engine's own store (`SharedRemoteStore(holds_keys=True,
+                    local=True)`: a plain LRU passing over paused sequences' keys,
+                    saying which keys it evicted), so the engine remembers the blocks
+                    it holds and forgets them as it evicts them, as it does the slot
+                    tier's (`Tier.KEYED_NVME`, reported as `nvme`); reached over the
+                    drive (`KeyedLink.nvme`: its read and write rates and latency, one
+                    link both ways, looked up in this process), written as blocks
+                    leave the pinned pool (`on_demote`), 64 write chunks in flight
+                    (`remote_max_inflight_chunks`' default)
     keyed_bounded   the same with 4 write chunks in flight (the default before: 32
                     blocks written a step, since results are polled between steps)
     slot_and_store  the slot tier, and a shared store of 50k blocks below it (the
@@ -21,8 +24,9 @@ configuration (article-8b on h200, 100k pinned blocks, 200k NVMe blocks) five wa
     keyed_list      the keyed tier, then the same store: a list of two keyed tiers,
                     each written by its own policy (`on_demote`, then `on_finish`)
 
-Each keyed side also counts fetches that found their key gone and writes
-refused (every key held). Each side checks it wrote to the tiers it names and
+Each keyed side also counts fetches that found their key gone, writes refused
+(every key held), and the slab's evictions against the copies the engine dropped
+for them (`nvme_discard`). Each side checks it wrote to the tiers it names and
 got prefix hits from its NVMe tier (at 300 requests the keyed side has none
 yet; one engine's store, written on finish, serves only what the engine forgot). Prints
 each side's prefix hit rates and speed, the ratios keyed / slot and keyed_list /
@@ -65,8 +69,7 @@ STORE_BLOCKS = 50_000
 #: The figures of each side kept (the summary's keys; a side lacking one keeps None).
 KEPT = ("duration_s", "throughput_tok_s", "ttft_ms", "itl_ms", "prefix_hit_rate_by_tier",
         "num_steps", "bytes_cpu_to_nvme", "bytes_nvme_to_cpu", "bytes_cpu_to_remote",
-        "bytes_remote_to_cpu", "bytes_cpu_to_remote2", "bytes_remote2_to_cpu",
-        "simulated_s_per_wall_s")  # fmt: skip
+        "bytes_remote_to_cpu", "simulated_s_per_wall_s")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,12 +105,15 @@ def run_side(
     block_bytes = resolve_setup(config, hardware).block_bytes
     keyed: list[ModelledKeyedTier] = []
     if side.keyed_nvme:
-        slab = SharedRemoteStore(capacity_bytes=NVME_BLOCKS * block_bytes, holds_keys=True)
+        slab = SharedRemoteStore(
+            capacity_bytes=NVME_BLOCKS * block_bytes, holds_keys=True, local=True
+        )
         keyed.append(ModelledKeyedTier(slab, KeyedLink.nvme(hardware), "on_demote"))
     if side.store:
         store = SharedRemoteStore(capacity_bytes=STORE_BLOCKS * block_bytes)
         keyed.append(ModelledKeyedTier(store, write_policy="on_finish"))
-    summary: dict[str, Any] = Simulator(config, hardware, keyed=keyed).run(workload).to_json()
+    simulator = Simulator(config, hardware, keyed=keyed)
+    summary: dict[str, Any] = simulator.run(workload).to_json()
     kept = {key: summary.get(key) for key in KEPT}
     rates: dict[str, float] = summary["prefix_hit_rate_by_tier"]
     kept["prefix_hit_rate"] = round(sum(rates.values()), 6)
@@ -115,16 +121,24 @@ def run_side(
         sum(rate for tier, rate in rates.items() if tier not in ("gpu", "cpu")), 6
     )
     remote: dict[str, int] = summary["remote"]
-    kept["store_evictions"] = remote.get("evictions", 0)
+    kept["store_evictions"] = store.counters.evictions if side.store else 0
     kept["store_fetch_failures"] = remote.get("fetch_failures", 0)
     kept["store_write_failures"] = remote.get("write_failures", 0)
+    kept["nvme_discard"] = summary["evictions_by_reason"].get("nvme_discard", 0)
+    if side.keyed_nvme:
+        # The slab's evictions the engine heard of: all of them by the next step.
+        simulator.swapper.begin_step(summary["num_steps"] + 1)
+        kept["slab_evictions"] = slab.counters.evictions
+        heard = simulator.swapper.metrics.evictions_by_reason["nvme_discard"]
+        if heard != slab.counters.evictions:
+            raise SystemExit(f"{name}: the slab evicted {slab.counters.evictions} keys, the "
+                             f"engine dropped {heard} copies for them")  # fmt: skip
     # The tiers this side names, each written; the NVMe one serving prefix hits (in one
     # engine a store written on finish serves what this engine forgot only: at times none).
-    nvme = "remote" if side.keyed_nvme else "nvme"
-    named = [nvme] + (["remote2" if side.keyed_nvme else "remote"] if side.store else [])
-    for tier in ("nvme", "remote", "remote2"):
+    named = ["nvme"] + (["remote"] if side.store else [])
+    for tier in ("nvme", "remote"):
         wrote = summary.get(f"bytes_cpu_to_{tier}") or 0
-        if (wrote > 0) != (tier in named) or (tier == nvme and rates.get(tier, 0) <= 0):
+        if (wrote > 0) != (tier in named) or (tier == "nvme" and rates.get(tier, 0) <= 0):
             raise SystemExit(
                 f"{name}: did not use the tiers it names ({', '.join(named)}): bytes written "
                 f"to {tier} {wrote}, prefix hits from it {rates.get(tier, 0)}"
