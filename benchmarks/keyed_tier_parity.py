@@ -26,7 +26,8 @@ configuration (article-8b on h200, 100k pinned blocks, 200k NVMe blocks) five wa
 
 Each keyed side also counts fetches that found their key gone, writes refused
 (every key held), and the slab's evictions against the copies the engine dropped
-for them (`nvme_discard`). Each side checks it wrote to the tiers it names and
+for them (`nvme_discard`; it checks that no block the engine keeps claims a copy
+the slab evicted). Each side checks it wrote to the tiers it names and
 got prefix hits from its NVMe tier (at 300 requests the keyed side has none
 yet; one engine's store, written on finish, serves only what the engine forgot). Prints
 each side's prefix hit rates and speed, the ratios keyed / slot and keyed_list /
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from kvswap.base.tier import Tier
 from kvswap.config_load import load_config
 from kvswap.sim.hardware import HardwareProfile, hardware_preset
 from kvswap.sim.keyed_tier import KeyedLink, ModelledKeyedTier
@@ -126,13 +128,19 @@ def run_side(
     kept["store_write_failures"] = remote.get("write_failures", 0)
     kept["nvme_discard"] = summary["evictions_by_reason"].get("nvme_discard", 0)
     if side.keyed_nvme:
-        # The slab's evictions the engine heard of: all of them by the next step.
-        simulator.swapper.begin_step(summary["num_steps"] + 1)
+        # By the next step the engine has heard of every eviction: no block it keeps
+        # claims an idle copy the slab lacks (an eviction finds some copies busy, or
+        # blocks already gone: it drops fewer copies than the slab evicted keys).
+        swapper = simulator.swapper
+        swapper.begin_step(summary["num_steps"] + 1)
         kept["slab_evictions"] = slab.counters.evictions
-        heard = simulator.swapper.metrics.evictions_by_reason["nvme_discard"]
-        if heard != slab.counters.evictions:
-            raise SystemExit(f"{name}: the slab evicted {slab.counters.evictions} keys, the "
-                             f"engine dropped {heard} copies for them")  # fmt: skip
+        kept["nvme_discard_heard"] = swapper.metrics.evictions_by_reason["nvme_discard"]
+        stale = sum(
+            1 for block in swapper.store.blocks.values()
+            if block.ready_copy(Tier.KEYED_NVME) is not None and block.key not in slab
+        )  # fmt: skip
+        if stale:
+            raise SystemExit(f"{name}: {stale} blocks claim a copy the slab evicted")
     # The tiers this side names, each written; the NVMe one serving prefix hits (in one
     # engine a store written on finish serves what this engine forgot only: at times none).
     named = ["nvme"] + (["remote"] if side.store else [])
