@@ -90,6 +90,8 @@ class BlockStore:
         # scan of every table when (as almost always) none is.
         self._lost_referenced: set[int] = set()
         self.num_remote_copies = 0  # copies known (or being written) in the remote store
+        # Blocks with a copy on the local keyed tier, by key (`drop_evicted`).
+        self._on_local_tier: dict[bytes, dict[int, Block]] = {}
         self._holds = key_holds(keyed_indexes or {})
 
     # ----------------------------------------------------------------- sequences
@@ -349,6 +351,8 @@ class BlockStore:
         if tier.keyed:
             assert block.key is not None, "only full (keyed) blocks go to the remote store"
             self.num_remote_copies += 1
+            if tier.local:  # more than one block may hold a key: each hears its eviction
+                self._on_local_tier.setdefault(block.key, {})[block.block_id] = block
             copy = Copy(slot=None, ready=ready)
         else:
             slot = self.tiers[tier].allocate(block.block_id)
@@ -382,15 +386,15 @@ class BlockStore:
 
     def drop_evicted(self, tier: Tier, keys: Iterable[bytes]) -> int:
         """A local keyed tier evicted `keys`: drop the ready, idle copies it held of the
-        blocks indexed under them (as `drop_copy`); returns how many. A copy still
+        blocks with those keys (as `drop_copy`; a key may be more than one block's, two
+        sequences having computed the same prefix at once); returns how many. A copy still
         written or read stays: a read of a key gone fails, and its block is recomputed."""
         dropped = 0
         for key in keys:
-            block = self.index.get(key)
-            copy = block.copies.get(tier) if block is not None else None
-            if block is not None and copy is not None and not copy.is_busy:
-                self.drop_copy(block, tier)
-                dropped += 1
+            for block in list(self._on_local_tier.get(key, {}).values()):
+                if not block.copies[tier].is_busy:
+                    self.drop_copy(block, tier)
+                    dropped += 1
         return dropped
 
     def invalidate_lower_copies(self, block: Block) -> None:
@@ -491,6 +495,12 @@ class BlockStore:
         """Give back what a copy held: its slot, or its place in the remote count."""
         if copy.slot is None:
             self.num_remote_copies -= 1
+            if tier.local:
+                assert block.key is not None, "a keyed copy is a full block's"
+                holders = self._on_local_tier[block.key]
+                del holders[block.block_id]
+                if not holders:
+                    del self._on_local_tier[block.key]
         else:
             self.tiers[tier].release(copy.slot, block.block_id)
 
