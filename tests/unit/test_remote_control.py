@@ -352,6 +352,29 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
     assert a.swapper.metrics.snapshot()["prefix_hit_blocks_by_tier"]["nvme"] == 2
 
 
+def test_an_eviction_from_the_local_tier_reaches_every_block_with_that_key() -> None:
+    """Two sequences computing the same prompt at once make two blocks of each key (the
+    prefix index names the first); both are written to the slab, and when it evicts a
+    key both copies go, not only the indexed block's."""
+    slab = LocalSlab()
+    a, engine = make_process(
+        slab, write_policy=RemoteWritePolicy.ON_DEMOTE, num_cpu_blocks=4,
+        cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.0,
+    )  # fmt: skip
+    a.add_request(1, [1, 2, 3, 4, 5], 1, 0.0)
+    a.add_request(2, [1, 2, 3, 4, 6], 1, 0.0)
+    run_step(a)
+    for step in range(2, 6):
+        between_steps(a, engine, step)
+    first = keys_of([1, 2])[0]
+    twins = [b for b in a.swapper.store.blocks.values() if b.key == first]
+    assert len(twins) == 2 and all(Tier.KEYED_NVME in b.copies for b in twins)
+    slab.evict(first)
+    between_steps(a, engine, 6)
+    assert all(Tier.KEYED_NVME not in b.copies for b in twins)
+    assert a.swapper.metrics.evictions_by_reason["nvme_discard"] == 2
+
+
 def test_a_local_keyed_tier_is_first_and_never_beside_the_slot_nvme() -> None:
     with pytest.raises(ValueError, match="allowed: one NVMe tier"):
         make_process(LocalSlab(), num_nvme_blocks=4)
