@@ -206,16 +206,6 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "a generated hour-long trace through the simulator (article-8b, h200)",
         (),
     ),
-    "keyed_tier_parity": (
-        "NVMe as a slot tier against a keyed tier in its place",
-        "sim_scale's trace and configuration five ways: the NVMe slot tier; a keyed NVMe "
-        "tier of its capacity in its place (the engine's own: its blocks remembered until it "
-        "says it evicted them; written on demotion, holding paused sequences' keys, over the "
-        "drive's link; 64 or 4 write chunks in flight); each of the two with "
-        "a shared store of 50k blocks below, written on finish; ratios keyed / slot and "
-        "keyed_list / slot_and_store",
-        (),
-    ),
     "calibration": (
         "The simulator against the CPU engine it models",
         "the engine's measured run and the simulator's prediction with this machine's "

@@ -155,7 +155,7 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
         first = run(values, remote_url=server.url, **nvme)
         stored = server.client().dbsize()
         assert stored > 0 and len(values) == stored  # each block in both keyed tiers
-        assert first["remote"]["tier0_written_blocks"] == stored
+        assert first["remote"]["tier1_written_blocks"] == stored  # tier0: the NVMe slab
         server.client().flushall()
         second = run(values, remote_url=server.url, **nvme)
     assert first["preemptions"] > 0 and first["bytes_cpu_to_nvme"] > 0  # every tier in use
@@ -167,9 +167,9 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
     remote = second["remote"]
     # Read only from the tier that holds each block (the store is never asked to load
     # what its lookup lacked), and the prefix goes back to the store at finish.
-    assert remote["tier0_hits_blocks"] == remote["tier0_misses_blocks"] == 0
-    assert remote["tier1_loaded_blocks"] == remote["loaded_blocks"] > 0
-    assert remote["tier0_written_blocks"] >= len(SYSTEM) // 8
+    assert remote["tier1_hits_blocks"] == remote["tier1_misses_blocks"] == 0
+    assert remote["tier2_loaded_blocks"] == remote["loaded_blocks"] > 0
+    assert remote["tier1_written_blocks"] >= len(SYSTEM) // 8
     for summary in (first, second):
         assert summary["outputs_digest"] == reference["outputs_digest"]
         assert summary["requests_completed"] == 4
@@ -325,7 +325,10 @@ def test_the_engines_own_slab_by_key_is_its_nvme_tier(tmp_path: Path) -> None:
     with pytest.raises(KvSwapError) as refused:
         paused_run(tmp_path, holds=True, local=True, nvme_kv_capacity_blocks=8,
                    nvme_dir=str(tmp_path))  # fmt: skip
-    assert "allowed: one NVMe tier (set nvme_kv_capacity_blocks = 0 with it)" in str(refused.value)
+    assert str(refused.value) == (
+        "secondary_tiers[0]: a second tier of this process (local) beside the NVMe slab "
+        "(nvme_kv_capacity_blocks > 0); allowed: one, the NVMe slab by key"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvswap.base.transfer import Direction  # noqa: E402
 from kvswap.data import block_copy  # noqa: E402
+from kvswap.data.disk_pool import DiskPool  # noqa: E402
 from kvswap.errors import ConfigError, KvSwapError  # noqa: E402
 from kvswap.integrations.transformers import TieredCache  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -180,16 +181,24 @@ DEVICE_LEG_MAX_DELAY_S = 0.002
 
 def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block copy sleeps first (a slow disk, busy cores), a seeded random share
-    of its leg's longest delay, so copies are still landing when a step looks for room."""
+    of its leg's longest delay, so copies are still landing when a step looks for room:
+    the device legs' (`block_copy`) and the NVMe slab's reads and writes (`DiskPool`)."""
     original = block_copy.copy_block
     pace = random.Random(2)
 
     def slowed(pools: Any, direction: Direction, *args: Any, **kwargs: Any) -> None:
-        on_nvme = direction in (Direction.CPU_TO_NVME, Direction.NVME_TO_CPU)
-        time.sleep(pace.random() * (NVME_LEG_MAX_DELAY_S if on_nvme else DEVICE_LEG_MAX_DELAY_S))
+        time.sleep(pace.random() * DEVICE_LEG_MAX_DELAY_S)
         original(pools, direction, *args, **kwargs)
 
     monkeypatch.setattr(block_copy, "copy_block", slowed)
+    for name in ("read_slot", "write_slot"):
+        disk_copy = getattr(DiskPool, name)
+
+        def slowed_disk(pool: DiskPool, *args: Any, _copy: Any = disk_copy, **kwargs: Any) -> Any:
+            time.sleep(pace.random() * NVME_LEG_MAX_DELAY_S)
+            return _copy(pool, *args, **kwargs)
+
+        monkeypatch.setattr(DiskPool, name, slowed_disk)
 
 
 @pytest.mark.parametrize("pace", ["fast", "slow"])
@@ -210,11 +219,12 @@ def test_the_tiers_below_add_capacity_under_a_pinned_pool_smaller_than_a_step(
     if pace == "slow":
         slow_copies(monkeypatch)
     if below == "nvme":
-        sizes: dict[str, Any] = {"cpu_blocks": 2, "nvme_blocks": 64, "nvme_dir": tmp_path}
+        # The tiers below take full blocks only: the other 3 layers' last blocks wait
+        # above them.
+        sizes: dict[str, Any] = {"cpu_blocks": 3 + 2, "nvme_blocks": 64, "nvme_dir": tmp_path}
         directions = ("cpu_to_nvme", "nvme_to_cpu")
     else:
         server: RedisServer = request.getfixturevalue("redis_server")
-        # The store takes full blocks only: the other 3 layers' last blocks wait above it.
         sizes = {"cpu_blocks": 3 + 2, "remote_url": server.url}
         directions = ("cpu_to_remote", "remote_to_cpu")
     prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(6))
@@ -254,13 +264,13 @@ def test_bad_input_is_one_line(model: Any, caches: list[TieredCache]) -> None:
         ({"resident_blocks": 4, "nvme_dir": 7, "nvme_blocks": 8}, "nvme_dir = 7; allowed"),
         ({"resident_blocks": 4, "cpu_eviction_policy": 1}, "cpu_eviction_policy = 1; allowed"),
         ({"resident_blocks": 4, "secondary_tiers": ["x"]}, "secondary_tiers = .*allowed: a seq"),
-        (
-            {"resident_blocks": 4, "cpu_blocks": 1, "nvme_blocks": 8, "nvme_dir": "/tmp"},
-            "cpu_blocks = 1 with nvme_blocks: .*allowed: cpu_blocks >= 2",
+        (  # 4 layers: the other 3 layers' last blocks wait above the slab (full blocks only)
+            {"resident_blocks": 4, "cpu_blocks": 4, "nvme_blocks": 8, "nvme_dir": "/tmp"},
+            "cpu_blocks = 4 with an NVMe slab: .*allowed: cpu_blocks >= 5",
         ),
-        (  # 4 layers: the other 3 layers' last blocks wait above the store
+        (  # and above the store
             {"resident_blocks": 4, "cpu_blocks": 4, "remote_url": "redis://127.0.0.1:1/0"},
-            "cpu_blocks = 4 with a store and no NVMe slab: .*allowed: cpu_blocks >= 5",
+            "cpu_blocks = 4 with a tier below it: .*allowed: cpu_blocks >= 5",
         ),
     ):
         with pytest.raises(ConfigError, match=words) as caught:

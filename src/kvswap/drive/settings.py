@@ -58,10 +58,11 @@ def remote_settings(
     max_lookup_blocks: int | None = None,
     shared_store: bool = False,
 ) -> RemoteSettings | None:
-    """The remote tier's control-plane settings; None when there is no store: none
-    configured (`tiers.remote_url`) and none brought by the caller (`shared_store`:
-    the simulator's modelled one, `--shared-remote-gib`). The namespace defaults to
-    the model fingerprint, which names the weights too: two checkpoints of one
+    """The keyed tiers' control-plane settings; None when there is none: no store
+    configured (`tiers.remote_url`), none brought by the caller (`shared_store`: the
+    simulator's modelled one, `--shared-remote-gib`, tiers of one's own, the NVMe
+    slab: a keyed tier of this process). The namespace defaults
+    to the model fingerprint, which names the weights too: two checkpoints of one
     architecture never share a key prefix."""
     tiers = config.tiers
     if tiers.remote_url is None and not shared_store:
@@ -111,7 +112,7 @@ def control_settings(
         block_tokens=block_tokens,
         num_gpu_blocks=capacities.num_gpu_blocks,
         num_cpu_blocks=capacities.num_cpu_blocks,
-        num_nvme_blocks=capacities.num_nvme_blocks,
+        num_nvme_blocks=0,  # the NVMe slab is a keyed tier (the engine's, the simulator's)
         protected_blocks=swap.protected_sink_blocks,
         namespace=KeyNamespace(model_fingerprint=model_fingerprint, block_tokens=block_tokens),
     )
@@ -137,6 +138,6 @@ def control_settings(
             config,
             model_fingerprint,
             max_lookup_blocks=remote_max_lookup_blocks,
-            shared_store=shared_store,
+            shared_store=shared_store or capacities.num_nvme_blocks > 0,
         ),
     )

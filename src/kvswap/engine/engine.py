@@ -22,15 +22,18 @@ from types import TracebackType
 
 import torch
 
+from kvswap.base.tier import Tier
 from kvswap.base.transfer import CopyEngine
+from kvswap.control.policy import named_policy
 from kvswap.control.scheduler_records import StepPlan
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.remote_copy import open_keyed_tiers, open_store_tier
+from kvswap.data.remote_copy import host_slot_bytes, open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
+from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.tier_list import merged_counters
 from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.backend import Backend, StepOutput
@@ -97,9 +100,8 @@ class Engine(Backend):
         device_pool = DevicePool(self.layout, capacities.num_gpu_blocks, self.device)
         self.device_pool = device_pool
         local = LocalCopyEngine(
-            device_pool, self.host_pool, self.disk_pool,
-            prefetch_streams=settings.prefetch_stream_count,
-        )  # fmt: skip
+            device_pool, self.host_pool, prefetch_streams=settings.prefetch_stream_count
+        )
         self.copy_engine = local
         copy_engine: CopyEngine = local
         if settings.control.remote is not None:
@@ -123,9 +125,10 @@ class Engine(Backend):
         own = self.settings.secondary_tiers
         store = self.settings.remote_store
         if self.host_pool is None:
+            named = "secondary_tiers" if own else "remote_url" if store else "the NVMe tier"
             raise KvSwapError(
-                "the remote tier fetches into the pinned CPU pool: set cpu_kv_capacity_blocks "
-                f"(or _bytes) > 0, or leave {'secondary_tiers' if own else 'remote_url'} unset"
+                "the tiers below the pinned CPU pool move blocks through it: set "
+                f"cpu_kv_capacity_blocks (or _bytes) > 0, or leave {named} unset"
             )
         opened = None
         if store is not None:
@@ -134,17 +137,20 @@ class Engine(Backend):
                 timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
                 max_inflight_chunks=store.max_inflight_chunks, required=store.required,
             )  # fmt: skip
-        keyed = open_keyed_tiers(opened, own, self.host_pool)
-        num_nvme_blocks = self.settings.control.layout.num_nvme_blocks
-        if keyed[0].local and num_nvme_blocks > 0:
-            for engine in keyed:
-                engine.close()
-            raise KvSwapError(
-                "secondary_tiers: a tier of this process (the NVMe slab by key) beside "
-                f"nvme_kv_capacity_blocks = {num_nvme_blocks}; allowed: one NVMe tier (set "
-                "nvme_kv_capacity_blocks = 0 with it)"
-            )
-        return keyed
+        slab = None
+        if self.disk_pool is not None:  # the engine's own NVMe slab, by key
+            policy = named_policy(
+                Tier.NVME, self.settings.control.policy.policy_name(Tier.NVME),
+                capacity_blocks=self.disk_pool.num_slots,
+            )  # fmt: skip
+            try:
+                slab = NvmeTier(host_slot_bytes(self.host_pool), self.disk_pool, policy=policy,
+                                local=True)  # fmt: skip
+            except BaseException:
+                if opened is not None:
+                    opened.close()
+                raise
+        return open_keyed_tiers(opened, own, self.host_pool, slab=slab)
 
     def remote_counters(self) -> Mapping[str, int]:
         """The keyed tiers' data-plane counters (corrupt, skipped writes, outages, ...),

@@ -73,6 +73,16 @@ class ModelledKeyedTier:
     link: KeyedLink | None = None  # None: the profile's remote link
     write_policy: str | None = None  # None: as `tiers.remote_write_policy` says
 
+    @classmethod
+    def slab(cls, num_blocks: int, block_bytes: int, profile: HardwareProfile) -> ModelledKeyedTier:
+        """An engine's own NVMe slab of `num_blocks` by key (kvswap's `NvmeTier` opened
+        `local`): an LRU over its keys passing over held ones, saying what it evicted,
+        reached over the profile's drive, written as blocks leave the pinned pool. (The
+        engine's slab evicts by `nvme_eviction_policy`; "kvswap" and "lru" there are this
+        LRU, the others are not modelled.)"""
+        store = SharedRemoteStore(num_blocks * block_bytes, holds_keys=True, local=True)
+        return cls(store, KeyedLink.nvme(profile), "on_demote")
+
     def __post_init__(self) -> None:
         if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
             raise ValueError(

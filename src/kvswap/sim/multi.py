@@ -19,6 +19,7 @@ percentiles over all of them, throughput over the longest engine's time.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,13 +98,15 @@ class MultiRun:
             if len(r.token_times_s) > 1
         ]
         summaries = [engine.summary for engine in self.engines]
-        # The built-in tiers and keyed directions, then any keyed tier's past the first.
-        tiers = dict.fromkeys(
-            [*BUILT_IN_TIERS, *(t for s in summaries for t in s.prefix_hit_tokens)]
-        )
-        keyed = dict.fromkeys([Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU, *(
-            d for s in summaries for d in s.bytes_by_direction if d.keyed
-        )])  # fmt: skip
+        # By name: the built-in tiers and the store's directions, then any other keyed
+        # tier's (an engine's own slab is reported under the name of the tier it is).
+        hits: Counter[str] = Counter(dict.fromkeys((t.value for t in BUILT_IN_TIERS), 0))
+        keyed: Counter[str] = Counter(dict.fromkeys(
+            (d.value for d in (Direction.CPU_TO_REMOTE, Direction.REMOTE_TO_CPU)), 0
+        ))  # fmt: skip
+        for summary in summaries:
+            hits.update({tier.value: n for tier, n in summary.prefix_hit_tokens.items()})
+            keyed.update({d.value: n for d, n in summary.bytes_by_direction.items() if d.keyed})
         duration_s = max((s.duration_s for s in summaries), default=0.0)
         tokens = sum(s.tokens_generated for s in summaries)
         return {
@@ -114,18 +117,12 @@ class MultiRun:
             "throughput_tok_s": round(tokens / duration_s, 3) if duration_s > 0 else 0.0,
             "ttft_ms": percentiles_ms(ttft_s),
             "tpot_ms": percentiles_ms(tpot_s),
-            "prefix_hit_tokens": {
-                tier.value: sum(s.prefix_hit_tokens.get(tier, 0) for s in summaries)
-                for tier in tiers
-            },
+            "prefix_hit_tokens": dict(hits),
             "recomputed_tokens": sum(s.recomputed_tokens for s in summaries),
             "prefill_tokens_computed": sum(e.prefill_tokens_computed for e in self.engines),
             "preemptions": sum(s.preemptions for s in summaries),
             "swap_wait_s": round(sum(s.swap_wait_s for s in summaries), 6),
-            **{
-                f"bytes_{d.value}": sum(s.bytes_by_direction.get(d, 0) for s in summaries)
-                for d in keyed
-            },
+            **{f"bytes_{name}": num_bytes for name, num_bytes in keyed.items()},
             # Over workload-wide ids: equal to one engine's digest when every request ran.
             "outputs_digest": outputs_digest([(rid, r.output_ids) for rid, r in completed]),
         }

@@ -68,8 +68,9 @@ POLICIES = ("kvswap", "lru", "arc", "reuse")
 OURS = ("kvswap", "reuse")
 #: NVMe blocks below the pinned pool, so that it replaces (see the module docstring).
 SPILL_BLOCKS = 64
-#: Evictions from the host tier, by the metrics' reasons: what makes it replace.
-HOST_EVICTION_REASONS = ("demote", "demote_drop", "cpu_drop", "cpu_discard")
+#: Evictions from the host tier, by the metrics' reasons: what makes it replace
+#: ("demote_remote": written to a keyed tier on its way out, the NVMe spill by key).
+HOST_EVICTION_REASONS = ("demote", "demote_remote", "demote_drop", "cpu_drop", "cpu_discard")
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def simulate_policy(
     summary = simulator.run(workload)
     runs = list(simulator.scheduler.runs.values())
     prompt_tokens = sum(len(run.prompt_ids) for run in runs)
-    hits = {tier.value: summary.prefix_hit_tokens.get(tier, 0) for tier in BUILT_IN_TIERS}
+    hits = dict.fromkeys((tier.value for tier in BUILT_IN_TIERS), 0)
+    hits |= {tier.value: tokens for tier, tokens in summary.prefix_hit_tokens.items()}
     hit_tokens = sum(hits.values())
     capacity_tokens = host_blocks * shape.block_tokens
     point = HitRatePoint(

@@ -141,9 +141,11 @@ class Simulator(Backend):
         request_ids: Sequence[int] | None = None,
     ):
         """`remote_store`: the shared store this engine's keyed tier uses, over the
-        profile's remote link (None: no keyed tier, whatever `tiers.remote_url` says).
+        profile's remote link (None: no shared store, whatever `tiers.remote_url` says).
         `keyed`: the keyed tiers instead, fastest first, each with its store, link and
-        write policy (`kvswap.sim.keyed_tier`). `request_ids`: the
+        write policy (`kvswap.sim.keyed_tier`). With NVMe blocks configured, the
+        engine's own slab by key goes in front of them (`ModelledKeyedTier.slab`).
+        `request_ids`: the
         workload-wide id of each of this engine's requests (its workload numbers
         them 0..n-1); placeholder tokens follow them, so engines that split a
         workload generate the tokens one engine would."""
@@ -157,13 +159,16 @@ class Simulator(Backend):
             if keyed:
                 raise ValueError("give remote_store or keyed tiers, not both")
             keyed = (ModelledKeyedTier(remote_store),)
+        if setup.capacities.num_nvme_blocks:
+            self.slab = ModelledKeyedTier.slab(setup.capacities.num_nvme_blocks, setup.block_bytes,
+                                               hardware)  # fmt: skip
+            keyed = (self.slab, *keyed)
         links = [each.link or KeyedLink.remote(hardware) for each in keyed]
         # Each keyed tier's view of its store, on this engine's clock.
         self.views = tuple(
             each.store.view(self.clock, lookup_rtt_s=link.lookup_s)
             for each, link in zip(keyed, links, strict=True)
         )
-        self.remote = self.views[0] if self.views else None
         self.copy_engine = ModelledCopyEngine(
             hardware, self.clock, pinned_host=options.pinned_host,
             prefetch_streams=config.swap.prefetch_stream_count,
@@ -180,7 +185,7 @@ class Simulator(Backend):
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
             model_fingerprint=fingerprint, policy=options.policy,
-            shared_store=self.remote is not None,
+            shared_store=bool(self.views),
         )  # fmt: skip
         self.control = build_control_plane(
             settings, self.copy_engine, self.clock, on_submit=self.tap,

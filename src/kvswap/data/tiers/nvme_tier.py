@@ -148,6 +148,11 @@ class NvmeTier(LaneTier):
         return evicted
 
     @property
+    def write_policy(self) -> str | None:
+        """The engine's own slab extends the pinned pool: written as blocks leave it."""
+        return "on_demote" if self._local else None
+
+    @property
     def holds_keys(self) -> bool:
         return True
 

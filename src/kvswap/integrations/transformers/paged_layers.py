@@ -34,6 +34,7 @@ from __future__ import annotations
 import secrets
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 
@@ -41,18 +42,19 @@ from kvswap.base.tier import Tier
 from kvswap.base.transfer import CopyEngine
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.metrics import KVMetrics
+from kvswap.control.policy import named_policy
 from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import K_INDEX, V_INDEX, KVLayout
-from kvswap.data.remote_copy import open_keyed_tiers, open_store_tier
+from kvswap.data.remote_copy import host_slot_bytes, open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
+from kvswap.data.tiers.nvme_tier import open_nvme_tier
 from kvswap.errors import KvSwapError
 from kvswap.integrations.transformers.report import CacheReport, ReportWindow
 from kvswap.integrations.transformers.settings import TieredCacheSettings
@@ -97,19 +99,11 @@ class PagedLayers:
 
     def _allocate(self, identity: KvIdentity) -> None:
         settings, layout = self.settings, self.layout
-        disk_pool = None
-        if settings.nvme_blocks:
-            assert settings.nvme_dir is not None  # checked by the settings
-            disk_pool = self._resources.enter_context(
-                DiskPool(settings.nvme_dir, layout.block_bytes, settings.nvme_blocks)
-            )
         host_pool = self._resources.enter_context(HostPool(layout, settings.cpu_blocks))
         self.host_pool = host_pool
         self.device_pool = DevicePool(layout, settings.resident_blocks, self.device)
         local = self._resources.enter_context(
-            LocalCopyEngine(
-                self.device_pool, host_pool, disk_pool, prefetch_streams=settings.prefetch_streams
-            )
+            LocalCopyEngine(self.device_pool, host_pool, prefetch_streams=settings.prefetch_streams)
         )
         engine: CopyEngine = local
         namespace = identity.namespace()
@@ -117,13 +111,25 @@ class PagedLayers:
         keyed_uses: tuple[KeyedTier, ...] = ()
         if settings.has_keyed_tiers:
             store_namespace = f"kvswap-hf:{identity.fingerprint()}"
-            store = None
-            if settings.remote_url is not None:
-                store = open_store_tier(
-                    settings.remote_url, host_pool, namespace=store_namespace,
-                    timeout_ms=settings.remote_timeout_ms,
-                )  # fmt: skip
-            keyed = open_keyed_tiers(store, settings.secondary_tiers, host_pool)
+            slab = store = None
+            if settings.nvme_blocks:  # this cache's own NVMe slab, by key
+                assert settings.nvme_dir is not None  # checked by the settings
+                policy = named_policy(
+                    Tier.NVME, settings.nvme_eviction_policy, capacity_blocks=settings.nvme_blocks
+                )
+                slab = open_nvme_tier(host_slot_bytes(host_pool), Path(settings.nvme_dir),
+                                      settings.nvme_blocks, policy=policy, local=True)  # fmt: skip
+            try:
+                if settings.remote_url is not None:
+                    store = open_store_tier(
+                        settings.remote_url, host_pool, namespace=store_namespace,
+                        timeout_ms=settings.remote_timeout_ms,
+                    )  # fmt: skip
+            except BaseException:
+                if slab is not None:
+                    slab.close()
+                raise
+            keyed = open_keyed_tiers(store, settings.secondary_tiers, host_pool, slab=slab)
             for each in keyed:
                 self._resources.callback(each.close)
             # Cold blocks leave the pinned pool for the keyed tiers (this cache's blocks
@@ -133,14 +139,14 @@ class PagedLayers:
             keyed_uses = tuple(KeyedTier(each, uses) for each in keyed)
             engine = TieredCopyEngine(local, keyed)
         self.keyed = keyed
-        self._has_tier_below = disk_pool is not None or bool(keyed)
+        self._has_tier_below = bool(keyed)
         self.copy_engine = engine
         self.swapper = Swapper(
             StoreLayout(
                 block_tokens=settings.block_tokens,
                 num_gpu_blocks=settings.resident_blocks,
                 num_cpu_blocks=settings.cpu_blocks,
-                num_nvme_blocks=settings.nvme_blocks,
+                num_nvme_blocks=0,  # the NVMe slab is a keyed tier
                 protected_blocks=settings.protected_sink_blocks,
                 namespace=namespace,
             ),

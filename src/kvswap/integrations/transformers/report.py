@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
 
-from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction
+from kvswap.base.transfer import Direction
 from kvswap.control.metrics import KVMetrics
 from kvswap.percentiles import percentiles_ms
 
@@ -74,9 +74,11 @@ class ReportWindow:
 
     def take(self, now_s: float, pinned_peak_usage: float) -> CacheReport:
         metrics, starts = self._metrics, self._step_starts_s
-        moved = {d: metrics.bytes_by_direction[d] - self._bytes[d] for d in BUILT_IN_DIRECTIONS}
+        directions = metrics.directions  # every tier's, keyed ones by their names
+        moved = {d: metrics.bytes_by_direction[d] - self._bytes[d] for d in directions}
         seconds = {
-            d: metrics.seconds_by_direction[d] - self._seconds[d] for d in BUILT_IN_DIRECTIONS
+            d: metrics.seconds_by_direction.get(d, 0.0) - self._seconds.get(d, 0.0)
+            for d in directions
         }
         span_s = now_s - starts[0] if starts else 0.0
         report = CacheReport(

@@ -36,8 +36,9 @@ class TieredCacheSettings:
                           layer-wise cache reads every block each step, so a window
                           longer than 0 keeps nearly everything resident)
     cpu_blocks            the pinned CPU slot pool; with a tier below, at least what
-                          `check_cpu_blocks` names (2 with NVMe)
-    nvme_blocks, nvme_dir the NVMe slab below it (0: none; nvme_dir needs nvme_blocks)
+                          `check_cpu_blocks` names
+    nvme_blocks, nvme_dir the NVMe slab below it, by key (0: none; nvme_dir needs
+                          nvme_blocks)
     remote_url            the shared store below it (`tiers.remote_url` forms), or None
     secondary_tiers       tiers of one's own below the store, fastest first: factories
                           called as factory(host_slots, layout) -> SecondaryTier
@@ -116,30 +117,27 @@ class TieredCacheSettings:
         """A pinned pool big enough for the tiers below it to add capacity, or one line
         naming the smallest. Every block that leaves for NVMe or the store, or comes up
         from them, passes through the pinned pool, so one going down and one coming up
-        need a slot each. The store takes full blocks only: without NVMe, the last
-        (partial) block of each row of every other layer waits in the pinned pool too
-        (the layer whose turn it is holds its own on the device)."""
-        if not self.nvme_blocks and not self.has_keyed_tiers:
+        need a slot each. The tiers below take full blocks only (each by its key): the
+        last (partial) block of each row of every other layer waits in the pinned pool
+        too (the layer whose turn it is holds its own on the device)."""
+        if not self.has_keyed_tiers:
             return
-        waiting = 0 if self.nvme_blocks else (num_layers - 1) * batch_size
+        waiting = (num_layers - 1) * batch_size
         if self.cpu_blocks >= waiting + 2:
             return
-        if self.nvme_blocks:
-            raise ConfigError(
-                f"cpu_blocks = {self.cpu_blocks} with nvme_blocks: a block going down and "
-                "one coming up pass through the pinned pool at once; allowed: cpu_blocks >= 2"
-            )
+        below = "an NVMe slab" if self.nvme_blocks else "a tier below it"
         raise ConfigError(
-            f"cpu_blocks = {self.cpu_blocks} with a store and no NVMe slab: the store takes "
+            f"cpu_blocks = {self.cpu_blocks} with {below}: the tiers below the pinned pool take "
             f"full blocks only, so the last block of {batch_size} row(s) of {num_layers - 1} "
             "other layers waits in the pinned pool, next to a block going down and one "
-            f"coming up; allowed: cpu_blocks >= {waiting + 2} (or an NVMe slab and >= 2)"
+            f"coming up; allowed: cpu_blocks >= {waiting + 2}"
         )
 
     @property
     def has_keyed_tiers(self) -> bool:
-        """A store (`remote_url`) or a tier of one's own below the pinned pool."""
-        return self.remote_url is not None or bool(self.secondary_tiers)
+        """An NVMe slab, a store (`remote_url`) or a tier of one's own below the pinned
+        pool: each a tier addressed by key."""
+        return bool(self.nvme_blocks) or self.remote_url is not None or bool(self.secondary_tiers)
 
     def policy_options(self) -> PolicyOptions:
         """kvswap's policy switches for this cache: sinks protected when there are any."""
