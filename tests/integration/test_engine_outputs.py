@@ -101,6 +101,12 @@ def test_with_an_nvme_tier_the_outputs_are_the_same(
     assert summary["bytes_cpu_to_nvme"] > 0
     assert summary["outputs_digest"] == reference["outputs_digest"]
     assert list(tmp_path.iterdir()) == []  # the slab is removed on close
+    # The slab is a keyed tier of this process: its figures are its own, not the
+    # remote ones (no store here).
+    slab, remote = summary["nvme_slab"], summary["remote"]
+    taken = slab["written_blocks"] + slab["already_present"]  # a key two blocks share
+    assert taken * summary["block_bytes"] == summary["bytes_cpu_to_nvme"]
+    assert remote["enabled"] is False and remote["writes"] == remote["lookups"] == 0
 
 
 def later_turn_workload() -> Workload:

@@ -38,7 +38,8 @@ class KVMetrics:
     lost_blocks: int = 0
     prefix_hit_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
     peak_used_blocks_by_tier: Counter[Tier] = field(default_factory=Counter)
-    # The remote tier, in blocks (its bytes and seconds are the remote directions').
+    # The keyed tiers shared with others (the store, tiers of one's own; not the NVMe
+    # slab, this process's), in blocks (their bytes and seconds are their directions').
     remote_lookups: int = 0  # lookup calls (one round trip each)
     remote_lookup_misses: int = 0  # lookups that found nothing
     remote_lookup_blocks: int = 0  # keys asked, over all lookups

@@ -203,10 +203,12 @@ class Mover:
             if outcome.arrived:
                 self._on_arrival(block, dst_tier, src_tier)
             num_ok += outcome.ready
+        if not direction.keyed or (dst_tier if keyed_write else src_tier).local:
+            return  # the remote figures are the shared tiers' (the slab's: its counters)
         if keyed_write:
             self.metrics.remote_writes += num_ok
             self.metrics.remote_write_failures += num_bad
-        elif direction.keyed:
+        else:
             self.metrics.remote_fetch_failures += num_bad
 
 

@@ -94,11 +94,12 @@ class RemoteTier:
                 return attached
             num_found = self.index.lookup([key for key, _ in candidates])
             num_found = max(0, min(int(num_found), len(candidates)))
-            self.metrics.remote_lookups += 1
-            self.metrics.remote_lookup_blocks += len(candidates)
-            self.metrics.remote_found_blocks += num_found
+            if not self.tier.local:  # the remote figures are the shared tiers'
+                self.metrics.remote_lookups += 1
+                self.metrics.remote_lookup_blocks += len(candidates)
+                self.metrics.remote_found_blocks += num_found
+                self.metrics.remote_lookup_misses += num_found == 0
             if num_found == 0:
-                self.metrics.remote_lookup_misses += 1
                 return attached
             attached += self.store.attach_remote_blocks(seq_id, candidates[:num_found], self.tier)
             if num_found < len(candidates):

@@ -284,7 +284,7 @@ def build_summary(
     remote_counters = extras.pop("remote", None)
     remote = RemoteSummary.from_metrics(
         metrics,
-        enabled=bool(scheduler.swapper.remotes),
+        enabled=any(not remote.tier.local for remote in scheduler.swapper.remotes),
         block_tokens=block_tokens,
         data_plane=remote_counters if isinstance(remote_counters, Mapping) else None,
     )

@@ -153,10 +153,16 @@ class Engine(Backend):
         return open_keyed_tiers(opened, own, self.host_pool, slab=slab)
 
     def remote_counters(self) -> Mapping[str, int]:
-        """The keyed tiers' data-plane counters (corrupt, skipped writes, outages, ...),
-        as one record (`merged_counters`); empty without a keyed tier. For exporters,
-        read at every step."""
-        return merged_counters([engine.tier for engine in self.keyed]) if self.keyed else {}
+        """The shared keyed tiers' data-plane counters (corrupt, skipped writes, outages,
+        ...), as one record (`merged_counters`); empty without one. Not the NVMe slab's
+        (`slab_counters`). For exporters, read at every step."""
+        shared = [engine.tier for engine in self.keyed if not engine.tier.local]
+        return merged_counters(shared) if shared else {}
+
+    def slab_counters(self) -> Mapping[str, int]:
+        """The NVMe slab's counters (written, hits, misses, corrupt, evicted, no room);
+        empty without one."""
+        return dict(self.keyed[0].tier.counters()) if self.keyed and self.keyed[0].local else {}
 
     def _check_tiers(self) -> None:
         """One-line errors for tiers that cannot be allocated, before any allocation."""
@@ -219,7 +225,8 @@ class Engine(Backend):
             "block_bytes": self.layout.block_bytes,
             "batch_invariant": self.settings.batch_invariant,
             **self._pool_sizes(),
-            **({"remote": self.remote_counters()} if self.keyed else {}),
+            **({"remote": self.remote_counters()} if self.remote_counters() else {}),
+            **({"nvme_slab": self.slab_counters()} if self.slab_counters() else {}),
         }
 
     def _pool_sizes(self) -> dict[str, object]:

@@ -290,11 +290,14 @@ class Simulator(Backend):
             "wall_s": round(wall_s, 3),
             "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
         }
-        if self.views:
-            # The data plane's side of this engine's keyed tiers, summed (the summary's
-            # `remote` object merges it with the control plane's figures); each tier's
-            # own when there are several.
-            views = self.views
+        views = tuple(view for view in self.views if not view.local)
+        slabs = [view for view in self.views if view.local]
+        if slabs:
+            extras["nvme_slab"] = slabs[0].counters.to_json()
+        if views:
+            # The data plane's side of this engine's shared keyed tiers, summed (the
+            # summary's `remote` object merges it with the control plane's figures);
+            # each tier's own when there are several.
             extras["remote"] = {
                 "already_present": sum(view.counters.already_present for view in views),
                 "evictions": sum(view.counters.evictions for view in views),
@@ -302,8 +305,9 @@ class Simulator(Backend):
                 "lookup_wait_us": round(sum(view.counters.lookup_wait_s for view in views) * 1e6),
             }
             if len(views) > 1:
+                shared = [remote for remote in self.swapper.remotes if not remote.tier.local]
                 extras["keyed_tiers"] = {
                     remote.tier.value: view.counters.to_json()
-                    for remote, view in zip(self.swapper.remotes, views, strict=True)
+                    for remote, view in zip(shared, views, strict=True)
                 }
         return extras
