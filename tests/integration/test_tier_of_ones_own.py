@@ -155,7 +155,7 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
         first = run(values, remote_url=server.url, **nvme)
         stored = server.client().dbsize()
         assert stored > 0 and len(values) == stored  # each block in both keyed tiers
-        assert first["remote"]["tier1_written_blocks"] == stored  # tier0: the NVMe slab
+        assert first["remote"]["tier0_written_blocks"] == stored
         server.client().flushall()
         second = run(values, remote_url=server.url, **nvme)
     assert first["preemptions"] > 0 and first["bytes_cpu_to_nvme"] > 0  # every tier in use
@@ -167,9 +167,9 @@ def test_a_fifth_tier_below_the_store_serves_what_the_store_lost(tmp_path: Path)
     remote = second["remote"]
     # Read only from the tier that holds each block (the store is never asked to load
     # what its lookup lacked), and the prefix goes back to the store at finish.
-    assert remote["tier1_hits_blocks"] == remote["tier1_misses_blocks"] == 0
-    assert remote["tier2_loaded_blocks"] == remote["loaded_blocks"] > 0
-    assert remote["tier1_written_blocks"] >= len(SYSTEM) // 8
+    assert remote["tier0_hits_blocks"] == remote["tier0_misses_blocks"] == 0
+    assert remote["tier1_loaded_blocks"] == remote["loaded_blocks"] > 0
+    assert remote["tier0_written_blocks"] >= len(SYSTEM) // 8
     for summary in (first, second):
         assert summary["outputs_digest"] == reference["outputs_digest"]
         assert summary["requests_completed"] == 4
