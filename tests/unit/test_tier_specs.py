@@ -15,6 +15,7 @@ from kvswap.base.tier import (
 )
 from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction, direction_between
 from kvswap.control.blocks import Block, Copy
+from kvswap.control.store_policies import tier_facts
 
 
 def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:
@@ -99,3 +100,17 @@ def test_a_list_of_keyed_tiers_names_a_local_one_nvme_and_the_rest_by_position()
     for wrong in ([False, True], [True, True]):
         with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
             keyed_tier_list(wrong)
+
+
+def test_a_copy_on_the_nvme_slab_by_key_is_a_clean_copy_below_the_pools() -> None:
+    """The policies of the pools rank a copy the slab by key holds as clean (it goes
+    without a transfer), as they do one the store holds; a copy being written is not."""
+    block = Block(block_id=1, parent_key=b"root", key=b"k" * 32)
+    block.copies[Tier.GPU] = Copy(slot=0)
+    block.copies[Tier.CPU] = Copy(slot=1)
+    block.copies[Tier.KEYED_NVME] = Copy(slot=None, ready=False)
+    gpu, cpu, _ = tier_facts(block)
+    assert gpu is not None and cpu is not None and gpu.clean and not cpu.clean
+    block.copies[Tier.KEYED_NVME].ready = True
+    _, cpu, _ = tier_facts(block)
+    assert cpu is not None and cpu.clean and cpu.ready_above

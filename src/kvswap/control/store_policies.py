@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.tier import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
+from kvswap.base.tier import CPU_TIER, GPU_TIER, KEYED_NVME_TIER, NVME_TIER, REMOTE_TIER, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.policy import build_policy
 
@@ -55,7 +55,8 @@ def tier_facts(
 
         tier   clean (a ready copy below)      ready_above
         GPU    CPU, NVMe or a keyed tier        -
-        CPU    NVMe or a keyed tier             GPU
+        CPU    NVMe or a keyed tier (the NVMe   GPU
+               slab by key among them)
         NVMe   a keyed tier                     CPU or GPU
 
     `brought_back`: the GPU copy just arrived from a slower tier. `skip` / `only`:
@@ -76,8 +77,11 @@ def tier_facts(
         on_remote = remote is not None and remote.ready and not remote.stale
         if not on_remote and len(copies) > (
             (gpu is not None) + (cpu is not None) + (nvme is not None) + (remote is not None)
-        ):  # a copy on a keyed tier after the first
-            on_remote = block.has_ready_copy_below(NVME_TIER)
+        ):  # a copy on the NVMe slab by key, or on a keyed tier after the first
+            on_remote = (
+                block.has_ready_copy_below(NVME_TIER)
+                or block.ready_copy(KEYED_NVME_TIER) is not None
+            )
     referenced = block.ref_count > 0
     lost = block.lost
     key = block.key
