@@ -3,9 +3,9 @@
 The built-in ones are `Tier.GPU`, `Tier.CPU` (the pinned pool), `Tier.NVME` (the
 slab) and `Tier.REMOTE` (the first keyed tier); the keyed tiers below the pinned
 pool are `keyed_tier(i)`, after `Tier.KEYED_NVME` (the slab addressed by key, a
-tier of this process) where one is configured. Everything the control plane treats differently per
-tier reads it off the tier; the directions between tiers are
-`kvswap.base.transfer.Direction`.
+tier of this process) where one is configured. Everything the control plane
+treats differently per tier reads it off the tier; the directions between tiers
+are `kvswap.base.transfer.Direction`.
 """
 
 from __future__ import annotations

@@ -28,10 +28,6 @@ class PrefixIndex:
         assert block.key is not None, "only full blocks are indexed"
         self._by_key.setdefault(block.key, block)
 
-    def get(self, key: bytes) -> Block | None:
-        """The block indexed under `key` (the first writer's), if any."""
-        return self._by_key.get(key)
-
     def remove(self, block: Block) -> None:
         if block.key is not None and self._by_key.get(block.key) is block:
             del self._by_key[block.key]

@@ -217,9 +217,9 @@ class SecondaryTier(ABC):
     def local(self) -> bool:
         """Whether the tier is this process's own, evicting by its own policy and saying
         what it evicted (`evicted_keys`): the engine then remembers the blocks it holds,
-        as it does a slot tier's, and asks it for no prefix it does not know of (the NVMe
-        slab by key). At most one, first among the engine's tiers. Default: False (a
-        store that others share: a block known only there is found by a lookup)."""
+        as it does a slot tier's (the NVMe slab by key). At most one, first among the
+        engine's tiers. Default: False (a store that others share: a block known only
+        there is forgotten, and found again by a lookup)."""
         return False
 
     def evicted_keys(self) -> Sequence[bytes]:
