@@ -535,6 +535,8 @@ class BlockStore:
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
         references equal the tables that hold each block (`store_integrity`)."""
-        check_store_integrity(self.tiers, self.blocks, self.sequences, self.num_remote_copies)
+        check_store_integrity(
+            self.tiers, self.blocks, self.sequences, self.num_remote_copies, self._on_local_tier
+        )
         self._policies.check_integrity()
         self._holds.check(self.blocks.values())
