@@ -120,7 +120,6 @@ def keyed_tier_list(local: Sequence[bool]) -> tuple[Tier, ...]:
 # The tiers as module constants, for code that runs per block: a global read is
 # cheaper than a class attribute's.
 GPU_TIER, CPU_TIER, NVME_TIER, REMOTE_TIER = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
-KEYED_NVME_TIER = Tier.KEYED_NVME
 
 
 def reported_tiers(keyed: tuple[Tier, ...]) -> tuple[Tier, ...]:

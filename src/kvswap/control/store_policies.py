@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.tier import CPU_TIER, GPU_TIER, KEYED_NVME_TIER, NVME_TIER, REMOTE_TIER, Tier
+from kvswap.base.tier import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.policy import build_policy
 
@@ -55,8 +55,7 @@ def tier_facts(
 
         tier   clean (a ready copy below)      ready_above
         GPU    CPU, NVMe or a keyed tier        -
-        CPU    NVMe or a keyed tier (the NVMe   GPU
-               slab by key among them)
+        CPU    NVMe or a keyed tier             GPU
         NVMe   a keyed tier                     CPU or GPU
 
     `brought_back`: the GPU copy just arrived from a slower tier. `skip` / `only`:
@@ -68,20 +67,18 @@ def tier_facts(
     cpu = copies.get(CPU_TIER)
     nvme = copies.get(NVME_TIER)
     if len(copies) == 1:  # most blocks: no other copy, so nothing clean or above
-        on_gpu = on_cpu = on_nvme = on_remote = False
+        on_gpu = on_cpu = below_cpu = below_nvme = False
     else:
         remote = copies.get(REMOTE_TIER)
         on_gpu = gpu is not None and gpu.ready and not gpu.stale
         on_cpu = cpu is not None and cpu.ready and not cpu.stale
-        on_nvme = nvme is not None and nvme.ready and not nvme.stale
-        on_remote = remote is not None and remote.ready and not remote.stale
-        if not on_remote and len(copies) > (
+        below_nvme = remote is not None and remote.ready and not remote.stale
+        below_cpu = below_nvme or (nvme is not None and nvme.ready and not nvme.stale)
+        if not below_nvme and len(copies) > (
             (gpu is not None) + (cpu is not None) + (nvme is not None) + (remote is not None)
-        ):  # a copy on the NVMe slab by key, or on a keyed tier after the first
-            on_remote = (
-                block.has_ready_copy_below(NVME_TIER)
-                or block.ready_copy(KEYED_NVME_TIER) is not None
-            )
+        ):  # a copy on a keyed tier not named here (the NVMe slab by key, remote2, ...)
+            below_nvme = block.has_ready_copy_below(NVME_TIER)
+            below_cpu = below_cpu or block.has_ready_copy_below(CPU_TIER)
     referenced = block.ref_count > 0
     lost = block.lost
     key = block.key
@@ -91,16 +88,16 @@ def tier_facts(
     return (
         None if gpu is None or not want_gpu else _new_facts(BlockFacts, (
             referenced, block.num_running_refs > 0, block.num_protected_refs > 0,
-            not gpu.ready or gpu.num_readers > 0, on_cpu or on_nvme or on_remote,
+            not gpu.ready or gpu.num_readers > 0, on_cpu or below_cpu,
             False, lost, brought_back, key,
         )),
         None if cpu is None or not want_cpu else _new_facts(BlockFacts, (
             referenced, False, False, not cpu.ready or cpu.num_readers > 0,
-            on_nvme or on_remote, on_gpu, lost, False, key,
+            below_cpu, on_gpu, lost, False, key,
         )),
         None if nvme is None or not want_nvme else _new_facts(BlockFacts, (
             referenced, False, False, not nvme.ready or nvme.num_readers > 0,
-            on_remote, on_cpu or on_gpu, lost, False, key,
+            below_nvme, on_cpu or on_gpu, lost, False, key,
         )),
     )  # fmt: skip
 
