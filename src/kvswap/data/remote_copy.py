@@ -151,20 +151,22 @@ def open_keyed_tiers(
     own: Sequence[TierFactory],
     host_pool: HostPool,
     *,
-    slab: SecondaryTier | None = None,
+    slab: TierFactory | None = None,
 ) -> tuple[TierCopyEngine, ...]:
     """The control plane's key-addressed tiers over `host_pool`, fastest first: the
-    tier of this process (`SecondaryTier.local`: the NVMe `slab` opened by the caller,
-    or one among `own`), then the `store` (opened by the caller, or None), then a tier
-    from each other factory of `own`, each as its own `TierCopyEngine`. A factory that
+    tier of this process (`SecondaryTier.local`: the NVMe slab `slab` builds, or one
+    among `own`), then the `store` (opened by the caller, or None), then a tier from
+    each other factory of `own`, each as its own `TierCopyEngine`. A factory that
     fails, or builds no tier over the pool's slots, is one line naming its entry
-    (`secondary_tiers[i]`), as is a second tier of this process, and what was built is
-    closed; so is a call of such a tier that raises (`UserTier`)."""
-    tiers: list[SecondaryTier] = [tier for tier in (slab, store) if tier is not None]
+    (`secondary_tiers[i]`), as is a second tier of this process, and what was built
+    (the store too) is closed; so is a call of such a tier that raises (`UserTier`)."""
+    tiers: list[SecondaryTier] = [] if store is None else [store]
     try:
+        if slab is not None:
+            tiers.append(slab(host_slot_bytes(host_pool), host_pool.layout))
         for index, factory in enumerate(own):
             tiers.append(_own_tier(factory, index, host_pool))
-            if tiers[-1].local and (slab is not None or sum(t.local for t in tiers) > 1):
+            if tiers[-1].local and any(tier.local for tier in tiers[:-1]):
                 raise KvSwapError(
                     f"secondary_tiers[{index}]: a second tier of this process (local) beside "
                     f"{'the NVMe slab (nvme_kv_capacity_blocks > 0)' if slab else 'another'}; "

@@ -30,8 +30,10 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.disk_pool import DiskPool, check_directory, report_stale_slabs, slab_bytes
 from kvswap.data.host_pool import HostPool
-from kvswap.data.remote_copy import host_slot_bytes, open_keyed_tiers, open_store_tier
+from kvswap.data.layout import KVLayout
+from kvswap.data.remote_copy import TierFactory, open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
+from kvswap.data.tiers.base import HostSlots, SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.data.tiers.nvme_tier import NvmeTier
 from kvswap.data.tiers.tier_list import merged_counters
@@ -137,19 +139,15 @@ class Engine(Backend):
                 timeout_ms=store.timeout_ms, ttl_s=store.ttl_s,
                 max_inflight_chunks=store.max_inflight_chunks, required=store.required,
             )  # fmt: skip
-        slab = None
-        if self.disk_pool is not None:  # the engine's own NVMe slab, by key
-            policy = named_policy(
-                Tier.NVME, self.settings.control.policy.policy_name(Tier.NVME),
-                capacity_blocks=self.disk_pool.num_slots,
-            )  # fmt: skip
-            try:
-                slab = NvmeTier(host_slot_bytes(self.host_pool), self.disk_pool, policy=policy,
-                                local=True)  # fmt: skip
-            except BaseException:
-                if opened is not None:
-                    opened.close()
-                raise
+        slab: TierFactory | None = None
+        disk = self.disk_pool
+        if disk is not None:  # the engine's own NVMe slab, by key
+            policy_name = self.settings.control.policy.policy_name(Tier.NVME)
+
+            def slab(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+                policy = named_policy(Tier.NVME, policy_name, capacity_blocks=disk.num_slots)
+                return NvmeTier(host_slots, disk, policy=policy, local=True)
+
         return open_keyed_tiers(opened, own, self.host_pool, slab=slab)
 
     def remote_counters(self) -> Mapping[str, int]:

@@ -51,8 +51,9 @@ from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import K_INDEX, V_INDEX, KVLayout
-from kvswap.data.remote_copy import host_slot_bytes, open_keyed_tiers, open_store_tier
+from kvswap.data.remote_copy import TierFactory, open_keyed_tiers, open_store_tier
 from kvswap.data.tiered_copy import TieredCopyEngine
+from kvswap.data.tiers.base import HostSlots, SecondaryTier
 from kvswap.data.tiers.copy_adapter import TierCopyEngine
 from kvswap.data.tiers.nvme_tier import open_nvme_tier
 from kvswap.errors import KvSwapError
@@ -111,24 +112,23 @@ class PagedLayers:
         keyed_uses: tuple[KeyedTier, ...] = ()
         if settings.has_keyed_tiers:
             store_namespace = f"kvswap-hf:{identity.fingerprint()}"
-            slab = store = None
+            slab: TierFactory | None = None
             if settings.nvme_blocks:  # this cache's own NVMe slab, by key
                 assert settings.nvme_dir is not None  # checked by the settings
-                policy = named_policy(
-                    Tier.NVME, settings.nvme_eviction_policy, capacity_blocks=settings.nvme_blocks
-                )
-                slab = open_nvme_tier(host_slot_bytes(host_pool), Path(settings.nvme_dir),
-                                      settings.nvme_blocks, policy=policy, local=True)  # fmt: skip
-            try:
-                if settings.remote_url is not None:
-                    store = open_store_tier(
-                        settings.remote_url, host_pool, namespace=store_namespace,
-                        timeout_ms=settings.remote_timeout_ms,
-                    )  # fmt: skip
-            except BaseException:
-                if slab is not None:
-                    slab.close()
-                raise
+                nvme_dir, num_slots = Path(settings.nvme_dir), settings.nvme_blocks
+                policy_name = settings.nvme_eviction_policy
+
+                def slab(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
+                    policy = named_policy(Tier.NVME, policy_name, capacity_blocks=num_slots)
+                    return open_nvme_tier(host_slots, nvme_dir, num_slots, policy=policy,
+                                          local=True)  # fmt: skip
+
+            store = None
+            if settings.remote_url is not None:
+                store = open_store_tier(
+                    settings.remote_url, host_pool, namespace=store_namespace,
+                    timeout_ms=settings.remote_timeout_ms,
+                )  # fmt: skip
             keyed = open_keyed_tiers(store, settings.secondary_tiers, host_pool, slab=slab)
             for each in keyed:
                 self._resources.callback(each.close)
