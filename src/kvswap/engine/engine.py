@@ -223,8 +223,14 @@ class Engine(Backend):
             "block_bytes": self.layout.block_bytes,
             "batch_invariant": self.settings.batch_invariant,
             **self._pool_sizes(),
-            **({"remote": self.remote_counters()} if self.remote_counters() else {}),
-            **({"nvme_slab": self.slab_counters()} if self.slab_counters() else {}),
+            **{
+                name: counters
+                for name, counters in (
+                    ("remote", self.remote_counters()),
+                    ("nvme_slab", self.slab_counters()),
+                )
+                if counters
+            },
         }
 
     def _pool_sizes(self) -> dict[str, object]:
