@@ -160,9 +160,9 @@ class Simulator(Backend):
                 raise ValueError("give remote_store or keyed tiers, not both")
             keyed = (ModelledKeyedTier(remote_store),)
         if setup.capacities.num_nvme_blocks:
-            self.slab = ModelledKeyedTier.slab(setup.capacities.num_nvme_blocks, setup.block_bytes,
-                                               hardware)  # fmt: skip
-            keyed = (self.slab, *keyed)
+            slab = ModelledKeyedTier.slab(setup.capacities.num_nvme_blocks, setup.block_bytes,
+                                          hardware)  # fmt: skip
+            keyed = (slab, *keyed)
         links = [each.link or KeyedLink.remote(hardware) for each in keyed]
         # Each keyed tier's view of its store, on this engine's clock.
         self.views = tuple(
@@ -290,24 +290,22 @@ class Simulator(Backend):
             "wall_s": round(wall_s, 3),
             "simulated_s_per_wall_s": round(duration_s / wall_s, 3) if wall_s > 0 else 0.0,
         }
-        views = tuple(view for view in self.views if not view.local)
-        slabs = [view for view in self.views if view.local]
-        if slabs:
-            extras["nvme_slab"] = slabs[0].counters.to_json()
-        if views:
-            # The data plane's side of this engine's shared keyed tiers, summed (the
-            # summary's `remote` object merges it with the control plane's figures);
-            # each tier's own when there are several.
+        # The data plane's side of this engine's keyed tiers: the slab's counters apart;
+        # the shared ones' summed (the summary's `remote` object merges them with the
+        # control plane's figures), each one's own when there are several.
+        pairs = zip(self.swapper.remotes, self.views, strict=True)
+        shared = [(remote.tier, view) for remote, view in pairs if not view.local]
+        for view in self.views:
+            if view.local:
+                extras["nvme_slab"] = view.counters.to_json()
+        if shared:
+            views = [view for _, view in shared]
             extras["remote"] = {
                 "already_present": sum(view.counters.already_present for view in views),
                 "evictions": sum(view.counters.evictions for view in views),
                 "evicted_bytes": sum(view.counters.evicted_bytes for view in views),
                 "lookup_wait_us": round(sum(view.counters.lookup_wait_s for view in views) * 1e6),
             }
-            if len(views) > 1:
-                shared = [remote for remote in self.swapper.remotes if not remote.tier.local]
-                extras["keyed_tiers"] = {
-                    remote.tier.value: view.counters.to_json()
-                    for remote, view in zip(shared, views, strict=True)
-                }
+            if len(shared) > 1:
+                extras["keyed_tiers"] = {t.value: view.counters.to_json() for t, view in shared}
         return extras
