@@ -289,7 +289,7 @@ def test_programming_errors_raise_value_error(
     engine = make_engine(redis_server.url, host, engines)
     keys = block_keys(2)
     bad = [
-        TransferChunk(1, Direction.CPU_TO_NVME, Priority.LOW, (0,), (0,), BLOCK_BYTES, keys[:1]),
+        TransferChunk(1, Direction.GPU_TO_CPU, Priority.LOW, (0,), (0,), BLOCK_BYTES, keys[:1]),
         TransferChunk(
             1, Direction.CPU_TO_REMOTE, Priority.LOW, (0, 1), (0, 1), 2 * BLOCK_BYTES, keys[:1]
         ),

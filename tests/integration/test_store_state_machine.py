@@ -1,7 +1,8 @@
 """Random operations across all tiers; after every step every live copy holds its bytes.
 
 The control plane (Swapper) drives the real data plane (device pool, pinned
-pool, NVMe slab, two-queue copy engine). A block's "KV" is a deterministic
+pool, two-queue copy engine, and when drawn the NVMe slab by key: `NvmeTier`
+over a `DiskPool`, evicting by LRU, this process's own). A block's "KV" is a deterministic
 function of its chain position and tokens, written into its GPU slot when the
 block is computed, exactly where the model would write it. After every step:
 each ready copy on every tier equals that function of the block as it is now,
@@ -33,16 +34,18 @@ from kvswap.base.tier import Tier
 from kvswap.base.transfer import CopyEngine, Direction, TransferChunk, TransferResult
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.control.blocks import Block
-from kvswap.control.policy import PolicyOptions
+from kvswap.control.policy import PolicyOptions, named_policy
 from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.settings import RemoteSettings, SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
+from kvswap.data.remote_copy import host_slot_bytes
+from kvswap.data.tiers.copy_adapter import TierCopyEngine
+from kvswap.data.tiers.nvme_tier import open_nvme_tier
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 4096
@@ -83,16 +86,30 @@ class MemoryStore(RemoteIndex):
 
 
 class RemoteCopyEngine(CopyEngine):
-    """The local engine for local chunks; remote chunks copied between the host pool
-    and the `MemoryStore` at submit, their results kept for `wait`."""
+    """The local engine for local chunks, the NVMe slab's (`slab`, when drawn) for its
+    own; the store's chunks copied between the host pool and the `MemoryStore` at
+    submit, their results kept for `wait`."""
 
-    def __init__(self, local: LocalCopyEngine, host: HostPool, store: MemoryStore):
-        self.local, self.host, self.store = local, host, store
+    def __init__(
+        self,
+        local: LocalCopyEngine,
+        host: HostPool,
+        store: MemoryStore,
+        slab: TierCopyEngine | None = None,
+    ):
+        self.local, self.host, self.store, self.slab = local, host, store, slab
         self.results: dict[int, TransferResult] = {}
+        self.on_slab: set[int] = set()  # ids submitted to the slab's engine
 
     def submit(self, chunk: TransferChunk) -> None:
-        if not chunk.direction.keyed:
+        direction = chunk.direction
+        if not direction.keyed:
             self.local.submit(chunk)
+            return
+        if Tier.NVME in (direction.src_tier, direction.dst_tier):
+            assert self.slab is not None, "a chunk for an NVMe slab never drawn"
+            self.slab.submit(chunk)
+            self.on_slab.add(chunk.transfer_id)
             return
         failed: list[int] = []
         if not self.store.up:
@@ -117,6 +134,10 @@ class RemoteCopyEngine(CopyEngine):
         raise AssertionError("the gate collects results one by one")
 
     def wait(self, transfer_id: int) -> TransferResult:
+        if transfer_id in self.on_slab:
+            assert self.slab is not None
+            self.on_slab.discard(transfer_id)
+            return self.slab.wait(transfer_id)
         result = self.results.pop(transfer_id, None)
         return result if result is not None else self.local.wait(transfer_id)
 
@@ -124,6 +145,8 @@ class RemoteCopyEngine(CopyEngine):
         raise AssertionError("the gate collects results one by one")
 
     def close(self) -> None:
+        if self.slab is not None:
+            self.slab.close()  # first: its read lanes copy into the host pool
         self.local.close()
 
 
@@ -207,13 +230,26 @@ class TieredStoreMachine(RuleBasedStateMachine):
         remote = self.remote
         self.device = DevicePool(LAYOUT, gpu, "cpu")
         self.host = HostPool(LAYOUT, cpu)
-        self.disk = DiskPool(self.directory, BLOCK_BYTES, nvme) if nvme else None
-        local = LocalCopyEngine(self.device, self.host, self.disk)
+        self.slab = None
+        if nvme:  # this process's own NVMe slab, by key
+            policy = named_policy(Tier.NVME, "lru", capacity_blocks=nvme)
+            self.slab = open_nvme_tier(
+                host_slot_bytes(self.host), self.directory, nvme, policy=policy, local=True
+            )
+        slab_engine = None if self.slab is None else TierCopyEngine(self.slab)
+        local = LocalCopyEngine(self.device, self.host)
         self.engine = GatedCopyEngine(
-            local if remote is None else RemoteCopyEngine(local, self.host, self.store)
+            local
+            if remote is None and slab_engine is None
+            else RemoteCopyEngine(local, self.host, self.store, slab_engine)
         )
+        keyed = [] if slab_engine is None else [
+            KeyedTier(slab_engine, RemoteSettings("test", RemoteWritePolicy.ON_DEMOTE, 4, 2))
+        ]  # fmt: skip
+        if remote is not None:
+            keyed.append(KeyedTier(self.store, RemoteSettings("test", remote, 4, 2)))
         self.swapper = Swapper(
-            StoreLayout(BLOCK_TOKENS, gpu, cpu, nvme, protected),
+            StoreLayout(BLOCK_TOKENS, gpu, cpu, protected),
             PolicyOptions(
                 sink_protection=protected > 0, min_residency_steps=residency,
                 gpu_eviction_policy=self.policies[0], cpu_eviction_policy=self.policies[1],
@@ -225,9 +261,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
             ),
             self.engine,
             clock_s=time.perf_counter,
-            keyed=[] if remote is None else [
-                KeyedTier(self.store, RemoteSettings("test", remote, 4, 2))
-            ],
+            keyed=keyed,
         )  # fmt: skip
         self.step = 0
         self.next_seq = 0
@@ -237,11 +271,9 @@ class TieredStoreMachine(RuleBasedStateMachine):
 
     def _stop(self) -> None:
         self.swapper.drain()
-        self.engine.close()
+        self.engine.close()  # the slab's engine closes the slab
         self.host.close()
-        if self.disk is not None:
-            self.disk.close()
-        assert not any(self.directory.iterdir()), "the NVMe slab outlived its pool"
+        assert not any(self.directory.iterdir()), "the NVMe slab outlived its tier"
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):
@@ -403,9 +435,12 @@ class TieredStoreMachine(RuleBasedStateMachine):
                         continue  # vanished: the fetch will fail and the block be lost
                     got = value
                 else:
-                    assert self.disk is not None
+                    assert tier is Tier.NVME and self.slab is not None and block.key is not None
+                    slot = self.slab.slot_of(block.key)
+                    if slot is None:
+                        continue  # evicted, heard at the next step: the copy goes then
                     got = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
-                    self.disk.read_slot(copy.slot, got)
+                    self.slab.disk.read_slot(slot, got)
                 assert torch.equal(got, expected), f"block {block.block_id} on {tier.value}"
 
     @invariant()
@@ -475,5 +510,61 @@ def test_a_victim_that_an_earlier_victims_placement_took_away_is_passed_over() -
             machine.drain()
         machine.evict_now(4)
         machine.every_ready_copy_holds_its_bytes()
+    finally:
+        machine.teardown()
+
+
+def test_blocks_written_to_the_nvme_slab_come_back_with_their_bytes_or_are_forgotten() -> None:
+    # The machine's rules in a fixed order, with the real slab (`NvmeTier` over a
+    # `DiskPool`, 3 blocks, LRU) below a pinned pool of 4: every copy the control plane
+    # trusts holds its bytes after each step, the slab evicts only a key nobody holds,
+    # and a paused sequence resumes with the bytes it left there.
+    machine = TieredStoreMachine()
+    machine.setup(gpu=6, cpu=4, nvme=3, protected=0, residency=0, remote=None)
+
+    def placement() -> list[tuple[int, list[str]]]:
+        blocks = machine.swapper.store.blocks.values()
+        return [(b.token_ids[0], sorted(t.value for t in b.copies)) for b in blocks]
+
+    def pause(seq_id: int) -> None:
+        machine.running.discard(seq_id)
+        machine.paused.add(seq_id)
+        machine.swapper.swap_out_sequence(seq_id)
+
+    def settle() -> None:
+        for _ in range(3):
+            machine.drain()
+            machine.end_step()
+            machine.every_ready_copy_holds_its_bytes()
+
+    try:
+        # Two sequences of two full blocks pause: the pool (4) writes its 2 coldest.
+        machine.open_sequence(PREFIXES[0], 0)  # [1..4] [5..8]
+        machine.open_sequence((10, 11, 12, 13, 14, 15, 16, 17), 0)
+        pause(0)
+        pause(1)
+        settle()
+        assert placement() == [(1, ["nvme"]), (5, ["nvme"]), (10, ["cpu"]), (14, ["cpu"])]
+        # The first finishes (its keys no longer held); a third pauses: the slab, full
+        # at 3, evicts its least recently used free key for the fourth, and the block
+        # with that key alone is forgotten at the next step.
+        machine.paused.discard(0)
+        machine.swapper.finish(0)
+        machine.open_sequence((20, 21, 22, 23, 24, 25, 26, 27), 0)
+        pause(2)
+        settle()
+        assert placement() == [
+            (5, ["nvme"]), (10, ["nvme"]), (14, ["nvme"]), (20, ["cpu"]), (24, ["cpu"]),
+        ]  # fmt: skip
+        assert machine.swapper.metrics.evictions_by_reason["nvme_discard"] == 1
+        # Both resume: sequence 1 from the slab, through the pinned pool.
+        for seq_id in (1, 2):
+            machine.swapper.set_running(seq_id, True)
+            assert machine._ready(seq_id)
+            machine.paused.discard(seq_id)
+            machine.running.add(seq_id)
+        machine.every_ready_copy_holds_its_bytes()
+        machine.running_sequences_are_resident()
+        assert machine.swapper.metrics.bytes_by_direction[Direction.NVME_TO_CPU] == 2 * BLOCK_BYTES
     finally:
         machine.teardown()

@@ -1,10 +1,10 @@
-"""Pools, an engine and helpers shared by the copy-engine tests (8 KiB blocks, 8 slots)."""
+"""Pools, an engine and helpers shared by the copy-engine tests (8 KiB blocks, 8 slots):
+a device pool on the CPU and a host pool, the two ends of every local chunk."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -13,7 +13,6 @@ import torch
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 
@@ -29,17 +28,15 @@ def layout() -> KVLayout:
 
 
 @pytest.fixture
-def pools(layout: KVLayout, tmp_path: Path) -> Iterator[tuple[DevicePool, HostPool, DiskPool]]:
+def pools(layout: KVLayout) -> Iterator[tuple[DevicePool, HostPool]]:
     device = DevicePool(layout, NUM_SLOTS, device="cpu")
     host = HostPool(layout, NUM_SLOTS)
-    disk = DiskPool(tmp_path, BLOCK_BYTES, NUM_SLOTS)
-    yield device, host, disk
-    disk.close()
+    yield device, host
     host.close()
 
 
 @pytest.fixture
-def engine(pools: tuple[DevicePool, HostPool, DiskPool]) -> Iterator[LocalCopyEngine]:
+def engine(pools: tuple[DevicePool, HostPool]) -> Iterator[LocalCopyEngine]:
     copy_engine = LocalCopyEngine(*pools)
     yield copy_engine
     within_timeout(copy_engine.close)
@@ -52,9 +49,8 @@ def chunk(
     dst_slots: tuple[int, ...],
     priority: Priority | None = None,
 ) -> TransferChunk:
-    if priority is None:
-        swap_in = direction in (Direction.CPU_TO_GPU, Direction.NVME_TO_CPU)
-        priority = Priority.HIGH if swap_in else Priority.LOW
+    if priority is None:  # a swap-in (towards the GPU) is HIGH, a swap-out LOW
+        priority = Priority.HIGH if direction.upward else Priority.LOW
     return TransferChunk(
         transfer_id=transfer_id,
         direction=direction,

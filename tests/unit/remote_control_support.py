@@ -12,6 +12,7 @@ Blocks are 2 tokens; the "model" samples `1000 + 100 * seq_id + i`
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from kvswap.base.identity import KeyNamespace
@@ -62,26 +63,82 @@ class FakeStore(RemoteIndex):
     def available(self) -> bool:
         return self.up
 
+    def put(self, keys: Sequence[bytes]) -> set[bytes]:
+        """A write chunk's `keys` stored; the keys refused."""
+        refused = {key for key in keys if key in self.refused}
+        stored = [key for key in keys if key not in refused]
+        self.keys.update(stored)
+        self.written += stored
+        return refused
+
+    def got(self, keys: Sequence[bytes]) -> None:
+        """A read chunk's `keys` were read (a use)."""
+
 
 class LocalSlab(FakeStore):
-    """This process's own keyed tier (the NVMe slab by key): `evict(key)` drops a key as
-    its policy would, and `evicted_keys` says so once."""
+    """This process's own keyed tier (the NVMe slab by key), evicting as `NvmeTier` does:
+    `evict(key)` drops a key as its policy would, and `evicted_keys` says so once. With
+    `capacity_blocks`, a write that finds it full evicts its least recently used key
+    no sequence holds (written or read: a use), and is refused when every key is held."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_blocks: int | None = None) -> None:
         super().__init__()
+        self.capacity_blocks = capacity_blocks
         self.evicted: list[bytes] = []
+        self.recency: dict[bytes, None] = {}  # the keys, least recently used first
+        self.held: Counter[bytes] = Counter()
 
     @property
     def local(self) -> bool:
         return True
 
+    @property
+    def holds_keys(self) -> bool:
+        return True
+
+    def hold(self, keys: Sequence[bytes]) -> None:
+        self.held.update(keys)
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        self.held.subtract(keys)
+        self.held = +self.held  # a key released as often as held is free again
+
     def evict(self, key: bytes) -> None:
         self.keys.remove(key)
+        self.recency.pop(key, None)
         self.evicted.append(key)
 
     def evicted_keys(self) -> Sequence[bytes]:
         evicted, self.evicted = self.evicted, []
         return evicted
+
+    def put(self, keys: Sequence[bytes]) -> set[bytes]:
+        refused: set[bytes] = set()
+        for key in keys:
+            if key in self.refused or not self._room_for(key):
+                refused.add(key)
+                continue
+            self.keys.add(key)
+            self.written.append(key)
+            self.got([key])
+        return refused
+
+    def got(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if key in self.keys:
+                self.recency.pop(key, None)
+                self.recency[key] = None
+
+    def _room_for(self, key: bytes) -> bool:
+        if self.capacity_blocks is None or key in self.keys:
+            return True
+        if len(self.keys) < self.capacity_blocks:
+            return True
+        victim = next((each for each in self.recency if not self.held[each]), None)
+        if victim is None:
+            return False
+        self.evict(victim)
+        return True
 
 
 class RemoteEngine(ManualCopyEngine):
@@ -108,17 +165,25 @@ class RemoteEngine(ManualCopyEngine):
             if not store.up:
                 return result(False, chunk.dst_slots, "store down")
             pairs = zip(chunk.dst_slots, chunk.keys, strict=True)
+            store.got(chunk.keys)
             return result(True, tuple(s for s, key in pairs if key not in store.keys), None)
         if not store.up or chunk.transfer_id in self.fail_ids:
             return result(False, chunk.dst_slots, "skipped")  # a skipped write
-        pairs = list(zip(chunk.dst_slots, chunk.keys, strict=True))
-        stored = [key for _, key in pairs if key not in store.refused]
-        store.keys.update(stored)
-        store.written += stored
-        refused = tuple(slot for slot, key in pairs if key in store.refused)
+        refused_keys = store.put(chunk.keys)
+        pairs = zip(chunk.dst_slots, chunk.keys, strict=True)
+        refused = tuple(slot for slot, key in pairs if key in refused_keys)
         if refused:
             return result(True, refused, "refused")
         return super()._result(chunk)
+
+
+def slab_tier(capacity_blocks: int) -> tuple[RemoteEngine, list[KeyedTier]]:
+    """A copy engine and the NVMe slab by key (`LocalSlab`, an LRU over keys of
+    `capacity_blocks`), written as blocks leave the pinned pool: `engine.store`. For a
+    swapper whose layout names no namespace."""
+    engine = RemoteEngine(LocalSlab(capacity_blocks))
+    settings = RemoteSettings("unnamed", RemoteWritePolicy.ON_DEMOTE)
+    return engine, [KeyedTier(engine.store, settings)]
 
 
 def make_process(
@@ -126,7 +191,6 @@ def make_process(
     *,
     num_gpu_blocks: int = 8,
     num_cpu_blocks: int = 8,
-    num_nvme_blocks: int = 0,
     write_policy: RemoteWritePolicy = RemoteWritePolicy.ON_FINISH,
     max_lookup_blocks: int = 64,
     max_inflight_write_chunks: int = 4,
@@ -136,27 +200,33 @@ def make_process(
     cpu_demote_low_watermark: float = 0.99,
     remote: bool = True,
     below: Sequence[tuple[FakeStore, RemoteWritePolicy]] = (),
+    slab: LocalSlab | None = None,
 ) -> tuple[Scheduler, RemoteEngine]:
-    """One process: its own pools and copy engine, the shared `store` (and the keyed
-    tiers `below` it, each written by its own policy, with the default bound on writes
-    in flight). Watermarks at 1.0: nothing is swapped out or demoted ahead of need
-    unless a test asks."""
-    engine = RemoteEngine(store, *(each for each, _ in below))
-    layout = StoreLayout(BT, num_gpu_blocks, num_cpu_blocks, num_nvme_blocks, 0, NAMESPACE)
+    """One process: its own pools and copy engine, the keyed tier `store` (the shared
+    store, or a `LocalSlab`: this process's NVMe slab) and the keyed tiers `below` it,
+    each written by its own policy, with the default bound on writes in flight;
+    `slab`: this process's NVMe slab in front of them all, written on demotion.
+    Watermarks at 1.0: nothing is swapped out or demoted ahead of need unless a test
+    asks."""
+    keyed = [
+        KeyedTier(store, RemoteSettings("model-a", write_policy, max_lookup_blocks,
+                                        max_inflight_write_chunks)),
+        *(KeyedTier(each, RemoteSettings("model-a", policy, max_lookup_blocks))
+          for each, policy in below),
+    ]  # fmt: skip
+    if slab is not None:
+        keyed.insert(0, KeyedTier(slab, RemoteSettings("model-a", RemoteWritePolicy.ON_DEMOTE)))
+    engine = RemoteEngine(*(each.index for each in keyed))  # type: ignore[arg-type]
+    layout = StoreLayout(BT, num_gpu_blocks, num_cpu_blocks, 0, NAMESPACE)
     swap = SwapSettings(
         block_bytes=64, swap_out_high_watermark=1.0, swap_out_low_watermark=0.99,
         swap_out_chunk_blocks=swap_out_chunk_blocks, swap_in_chunk_blocks=swap_in_chunk_blocks,
         cpu_demote_high_watermark=cpu_demote_high_watermark,
         cpu_demote_low_watermark=cpu_demote_low_watermark,
     )  # fmt: skip
-    settings = RemoteSettings("model-a", write_policy, max_lookup_blocks, max_inflight_write_chunks)
     swapper = Swapper(
         layout, PolicyOptions(sink_protection=False, min_residency_steps=0), swap, engine,
-        clock_s=lambda: 0.0,
-        keyed=[KeyedTier(store, settings),
-               *(KeyedTier(each, RemoteSettings("model-a", policy, max_lookup_blocks))
-                 for each, policy in below)]
-        if remote else [],
+        clock_s=lambda: 0.0, keyed=keyed if remote else [],
     )  # fmt: skip
     return Scheduler(swapper, SchedulerSettings(max_num_seqs=8, max_num_batched_tokens=64)), engine
 

@@ -26,7 +26,7 @@ BT = 2  # tokens per block: two tokens fill one
 
 def make_store(namespace: KeyNamespace | None = None, block_tokens: int = BT) -> BlockStore:
     return BlockStore(
-        StoreLayout(block_tokens, 16, 0, 0, 0, namespace),
+        StoreLayout(block_tokens, 16, 0, 0, namespace),
         PolicyOptions(sink_protection=False, min_residency_steps=0),
     )
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from kvswap.data.block_copy import Job
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 
@@ -144,32 +142,39 @@ def test_a_chunk_under_min_spread_bytes_stays_on_its_lane() -> None:
     assert names == [threading.current_thread().name] * 3
 
 
-def test_a_block_lost_alone_and_a_copy_that_raises_are_both_reported() -> None:
-    """Pair 2's copy loses its block (an NVMe slot): the rest goes on. Pair 5's
-    copy raises: the batch stops; every pair not copied is reported lost, and
-    no copied one is."""
-    crew = CopyCrew(2, min_spread_bytes=0)
+@pytest.mark.parametrize("num_helpers", [0, 2])
+def test_a_copy_that_raises_stops_the_batch_and_loses_every_block_not_copied(
+    num_helpers: int,
+) -> None:
+    """Pair 5's copy raises: the batch stops. Pair 5 and every pair not copied are
+    reported lost (in chunk order), no copied one is, and the error is reported
+    once. On the lane alone the pairs go in order: pairs 0-4 land, pairs 5-11 are
+    lost, and no pair after pair 5 is even tried."""
+    crew = CopyCrew(num_helpers, min_spread_bytes=0)
+    tried: list[int] = []
     copied: set[int] = set()
     lock = threading.Lock()
 
-    def copy(src: int, dst: int) -> str | None:
-        if src == 2:
-            return "slot 2 checksum"
+    def copy(src: int, dst: int) -> None:
+        with lock:
+            tried.append(src)
         if src == 5:
             raise RuntimeError("boom")
         with lock:
             copied.add(dst)
-        return None
 
     pairs = [(index, 10 + index) for index in range(12)]
     try:
         outcome = within_timeout(lambda: crew.run(pairs, copy, num_bytes=12, yield_to=None))
     finally:
         within_timeout(crew.close)
-    assert 12 in outcome.failed_dst_slots and 15 in outcome.failed_dst_slots
+    assert 15 in outcome.failed_dst_slots and 15 not in copied
     assert set(outcome.failed_dst_slots) == {10 + index for index in range(12)} - copied
     assert list(outcome.failed_dst_slots) == sorted(outcome.failed_dst_slots)
-    assert "slot 2 checksum" in outcome.errors and "RuntimeError: boom" in outcome.errors
+    assert outcome.errors == ("RuntimeError: boom",)
+    if num_helpers == 0:
+        assert tried == [0, 1, 2, 3, 4, 5]
+        assert outcome.failed_dst_slots == tuple(range(15, 22))
 
 
 def test_a_failing_copy_in_a_spread_chunk_fails_only_what_it_did_not_copy(
@@ -276,16 +281,16 @@ def crew_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith(CREW_PREFIX)}
 
 
-def test_close_joins_the_helpers_and_no_helpers_run_off_a_cpu_device(tmp_path: Path) -> None:
+def test_close_joins_the_helpers_and_no_helpers_run_off_a_cpu_device() -> None:
     layout = LAYOUTS["raw-8KiB"]
     device = DevicePool(layout, NUM_SLOTS, device="cpu")
     before = crew_threads()
-    with HostPool(layout, NUM_SLOTS) as host, DiskPool(tmp_path, 8192, NUM_SLOTS) as disk:
-        engine = LocalCopyEngine(device, host, disk, copy_threads=4)
+    with HostPool(layout, NUM_SLOTS) as host:
+        engine = LocalCopyEngine(device, host, copy_threads=4)
         helpers = crew_threads() - before
         assert len(helpers) == 3
         engine.submit(chunk(1, Direction.GPU_TO_CPU, (0, 1, 2), (0, 1, 2)))
-        engine.submit(chunk(2, Direction.CPU_TO_NVME, (0, 1, 2), (0, 1, 2)))
+        engine.submit(chunk(2, Direction.CPU_TO_GPU, (3, 4, 5), (3, 4, 5)))
         within_timeout(engine.close)
         assert all(r.success for r in engine.wait_all())
     assert not any(thread.is_alive() for thread in helpers)

@@ -6,14 +6,10 @@ a timeout, so a hang fails the test instead of stalling the suite."""
 
 from __future__ import annotations
 
-import errno
 import functools
-import os
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +29,6 @@ from kvswap.data import block_copy, copy_workers
 from kvswap.data.block_copy import Job, Pools
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.link_arbiter import LinkArbiter
@@ -49,34 +44,39 @@ from .copy_engine_support import (
 
 # --- round trips --------------------------------------------------------------
 
+# The directions this engine moves: the device pool <-> host pool legs. The keyed
+# ones (NVMe slab, remote store) move their own bytes and are refused here.
 LOCAL_DIRECTIONS = [d for d in BUILT_IN_DIRECTIONS if not d.keyed]
+KEYED_DIRECTIONS = [d for d in BUILT_IN_DIRECTIONS if d.keyed]
 
 
-def test_bytes_round_trip_through_every_direction(
-    engine: LocalCopyEngine, pools: tuple[DevicePool, HostPool, DiskPool]
+def test_bytes_round_trip_through_both_legs(
+    engine: LocalCopyEngine, pools: tuple[DevicePool, HostPool]
 ) -> None:
-    device, host, _disk = pools
+    """Scattered device blocks go out to the host pool in two swap-outs and come
+    back in one swap-in: each lands where its chunk says, every other slot stays
+    as it was."""
+    device, host = pools
     fill_random(device.kv.view(torch.uint8), seed=1)
     original = device.kv.clone()
-    gpu_slots, cpu_slots, nvme_slots = (5, 0, 7, 2), (3, 6, 1, 4), (2, 7, 0, 5)
+    gpu_slots, cpu_slots = (5, 0, 7, 2), (3, 6, 1, 4)
 
-    engine.submit(chunk(1, Direction.GPU_TO_CPU, gpu_slots, cpu_slots))
-    engine.submit(chunk(2, Direction.CPU_TO_NVME, cpu_slots, nvme_slots))
+    engine.submit(chunk(1, Direction.GPU_TO_CPU, gpu_slots[:2], cpu_slots[:2]))
+    engine.submit(chunk(2, Direction.GPU_TO_CPU, gpu_slots[2:], cpu_slots[2:]))
     first = within_timeout(engine.wait_all)
-    host.slots.zero_()
+    for gpu_slot, cpu_slot in zip(gpu_slots, cpu_slots, strict=True):
+        assert torch.equal(host.slots[cpu_slot], original[gpu_slot])
     device.kv.zero_()
-    engine.submit(chunk(3, Direction.NVME_TO_CPU, nvme_slots, cpu_slots))
-    restored = within_timeout(lambda: engine.wait(3))
-    engine.submit(chunk(4, Direction.CPU_TO_GPU, cpu_slots, gpu_slots))
-    last = within_timeout(lambda: engine.wait(4))
+    engine.submit(chunk(3, Direction.CPU_TO_GPU, cpu_slots, gpu_slots))
+    last = within_timeout(lambda: engine.wait(3))
 
-    for result in [*first, restored, last]:
+    for result in [*first, last]:
         assert result.success, result.error
         assert result.error is None and result.failed_dst_slots == ()
-        assert result.num_bytes == 4 * BLOCK_BYTES
         assert result.duration_s >= 0 and result.start_s <= result.end_s
     assert sorted(r.transfer_id for r in first) == [1, 2]
-    assert restored.transfer_id == 3 and last.transfer_id == 4
+    assert [r.num_bytes for r in first] == [2 * BLOCK_BYTES] * 2
+    assert last.transfer_id == 3 and last.num_bytes == 4 * BLOCK_BYTES
     for slot in gpu_slots:
         assert torch.equal(device.kv[slot], original[slot])
     untouched = [slot for slot in range(NUM_SLOTS) if slot not in gpu_slots]
@@ -150,7 +150,7 @@ def test_high_chunk_overtakes_a_running_low_chunk(
     ],
 )
 def test_stream_path_keeps_at_most_max_in_flight_chunks_issued(
-    pools: tuple[DevicePool, HostPool, DiskPool],
+    pools: tuple[DevicePool, HostPool],
     monkeypatch: pytest.MonkeyPatch,
     max_in_flight: int,
     expected: list[str],
@@ -198,66 +198,9 @@ def test_stream_path_keeps_at_most_max_in_flight_chunks_issued(
 # --- faults -------------------------------------------------------------------
 
 
-def test_enospc_on_one_nvme_write_fails_that_block_only(
-    engine: LocalCopyEngine,
-    pools: tuple[DevicePool, HostPool, DiskPool],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    _device, host, disk = pools
-    fill_random(host.slots.view(torch.uint8), seed=2)
-    real_pwritev = os.pwritev
-    full_offset = 3 * disk.slot_stride_bytes
-
-    def pwritev(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        if offset == full_offset:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_pwritev(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "pwritev", pwritev)
-    engine.submit(chunk(1, Direction.CPU_TO_NVME, (0, 1, 2), (2, 3, 4)))
-    result = within_timeout(lambda: engine.wait(1))
-    assert not result.success
-    assert result.failed_dst_slots == (3,)
-    assert result.error is not None and "ENOSPC" in result.error
-
-    monkeypatch.setattr(os, "pwritev", real_pwritev)
-    expected = host.slots.clone()
-    host.slots.zero_()
-    engine.submit(chunk(2, Direction.NVME_TO_CPU, (2, 4), (0, 2)))
-    assert within_timeout(lambda: engine.wait(2)).success
-    assert torch.equal(host.slots[[0, 2]], expected[[0, 2]])
-    # The slot whose write failed does not read back as good.
-    engine.submit(chunk(3, Direction.NVME_TO_CPU, (3,), (1,)))
-    lost = within_timeout(lambda: engine.wait(3))
-    assert not lost.success and lost.failed_dst_slots == (1,)
-
-
-def test_corrupted_nvme_slot_is_reported_never_returned_as_good(
-    engine: LocalCopyEngine, pools: tuple[DevicePool, HostPool, DiskPool]
-) -> None:
-    _device, host, disk = pools
-    fill_random(host.slots.view(torch.uint8), seed=3)
-    expected = host.slots.clone()
-    engine.submit(chunk(1, Direction.CPU_TO_NVME, (0, 1, 2), (0, 1, 2)))
-    assert within_timeout(lambda: engine.wait(1)).success
-    with open(disk.path, "r+b") as slab:
-        slab.seek(1 * disk.slot_stride_bytes + 4000)
-        value = slab.read(1)[0]
-        slab.seek(1 * disk.slot_stride_bytes + 4000)
-        slab.write(bytes([value ^ 0x01]))
-    host.slots.zero_()
-    engine.submit(chunk(2, Direction.NVME_TO_CPU, (0, 1, 2), (5, 6, 7)))
-    result = within_timeout(lambda: engine.wait(2))
-    assert not result.success
-    assert result.failed_dst_slots == (6,)
-    assert result.error is not None and "checksum" in result.error
-    assert torch.equal(host.slots[5], expected[0])
-    assert torch.equal(host.slots[7], expected[2])
-
-
 def test_a_copy_that_raises_fails_its_chunk_and_the_engine_lives_on(
     engine: LocalCopyEngine,
-    pools: tuple[DevicePool, HostPool, DiskPool],
+    pools: tuple[DevicePool, HostPool],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def boom(*args: Any, **kwargs: Any) -> None:
@@ -272,7 +215,7 @@ def test_a_copy_that_raises_fails_its_chunk_and_the_engine_lives_on(
     assert failed[1].error == "RuntimeError: boom"
     assert not failed[2].success and failed[2].failed_dst_slots == (4,)
 
-    device, host, _disk = pools
+    device, host = pools
     host.byte_view(0).fill_(9)
     engine.submit(chunk(3, Direction.CPU_TO_GPU, (0,), (1,)))
     assert within_timeout(lambda: engine.wait(3)).success
@@ -283,7 +226,7 @@ def test_a_copy_that_raises_fails_its_chunk_and_the_engine_lives_on(
 
 
 def test_bad_chunks_are_refused_with_value_errors(
-    engine: LocalCopyEngine, pools: tuple[DevicePool, HostPool, DiskPool]
+    engine: LocalCopyEngine, pools: tuple[DevicePool, HostPool]
 ) -> None:
     with pytest.raises(ValueError, match=r"destination cpu slots \[8\] out of range"):
         engine.submit(chunk(1, Direction.GPU_TO_CPU, (0,), (8,)))
@@ -301,13 +244,23 @@ def test_bad_chunks_are_refused_with_value_errors(
         engine.submit(chunk(1, Direction.GPU_TO_CPU, (1,), (1,)))
     within_timeout(engine.wait_all)
 
-    device, host, _disk = pools
-    no_disk = LocalCopyEngine(device, host)
-    with pytest.raises(ValueError, match="no NVMe pool"):
-        no_disk.submit(chunk(1, Direction.CPU_TO_NVME, (0,), (0,)))
-    within_timeout(no_disk.close)
+    closed = LocalCopyEngine(*pools)
+    within_timeout(closed.close)
     with pytest.raises(ValueError, match="closed"):
-        no_disk.submit(chunk(2, Direction.GPU_TO_CPU, (0,), (0,)))
+        closed.submit(chunk(2, Direction.GPU_TO_CPU, (0,), (0,)))
+
+
+@pytest.mark.parametrize("direction", KEYED_DIRECTIONS, ids=lambda d: d.value)
+def test_a_keyed_direction_is_refused_and_leaves_nothing_pending(
+    engine: LocalCopyEngine, direction: Direction
+) -> None:
+    """A chunk to or from a keyed tier (the NVMe slab, the remote store) is not this
+    engine's to move: submit refuses it, tracks nothing, and the id stays free."""
+    with pytest.raises(ValueError, match=r"allowed: a move between the device and host pools"):
+        engine.submit(chunk(1, direction, (0,), (0,)))
+    assert engine.num_pending == 0
+    engine.submit(chunk(1, Direction.GPU_TO_CPU, (0,), (0,)))
+    assert within_timeout(lambda: engine.wait(1)).success
 
 
 def test_an_engine_without_a_host_pool_refuses_every_chunk(layout: KVLayout) -> None:
@@ -325,23 +278,28 @@ def test_mismatched_pools_are_refused(layout: KVLayout) -> None:
 
 
 def test_close_finishes_queued_chunks_and_joins(
-    pools: tuple[DevicePool, HostPool, DiskPool],
+    pools: tuple[DevicePool, HostPool],
 ) -> None:
-    device, host, _disk = pools
+    """A swap-out (LOW) and a swap-in (HIGH) still queued when close is called both
+    finish and are reported; close joins their lanes."""
+    device, host = pools
     device.byte_view(0).fill_(5)
+    host.byte_view(1).fill_(7)
     copy_engine = LocalCopyEngine(*pools)
     copy_engine.submit(chunk(1, Direction.GPU_TO_CPU, (0,), (0,)))
-    copy_engine.submit(chunk(2, Direction.CPU_TO_NVME, (1,), (1,)))
+    copy_engine.submit(chunk(2, Direction.CPU_TO_GPU, (1,), (1,)))
     within_timeout(copy_engine.close)
     within_timeout(copy_engine.close)  # twice is fine
     results = copy_engine.wait_all()
+    assert sorted(result.transfer_id for result in results) == [1, 2]
     assert [result.success for result in results] == [True, True]
     assert host.byte_view(0).eq(5).all()
+    assert device.byte_view(1).eq(7).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_round_trip_on_streams(layout: KVLayout, tmp_path: Path) -> None:
+def test_cuda_round_trip_on_streams(layout: KVLayout) -> None:
     device = DevicePool(layout, NUM_SLOTS, device="cuda")
     with HostPool(layout, NUM_SLOTS) as host, LocalCopyEngine(device, host) as copy_engine:
         assert copy_engine.uses_cuda and host.is_pinned
@@ -362,27 +320,20 @@ def test_cuda_round_trip_on_streams(layout: KVLayout, tmp_path: Path) -> None:
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_chunk_sequences_match_a_reference_model(data: st.DataObject) -> None:
-    """Chunks of random direction, priority and slots, each waited for, leave every
-    tier holding exactly what a plain model of the copies says; reading an NVMe
-    slot that was never written fails that block and only that block."""
+    """Chunks of random direction (either leg), priority and slots, each waited for,
+    all succeed and leave both pools holding exactly what a plain model of the
+    copies says."""
     num_slots, block_bytes = 4, 4096
     layout = KVLayout.from_block_bytes(block_bytes)
     seed = data.draw(st.integers(0, 2**16), label="seed")
     device = DevicePool(layout, num_slots, device="cpu")
     fill_random(device.kv.view(torch.uint8), seed=seed)
-    # Per tier and slot: the bytes it must hold, or None where they are unknown.
-    model: dict[Tier, list[bytes | None]] = {
+    # Per tier and slot: the bytes it must hold.
+    model: dict[Tier, list[bytes]] = {
         Tier.GPU: [bytes(device.byte_view(slot).tolist()) for slot in range(num_slots)],
         Tier.CPU: [bytes(block_bytes)] * num_slots,
-        Tier.NVME: [None] * num_slots,
     }
-    nvme_written = [False] * num_slots
-    with (
-        tempfile.TemporaryDirectory() as directory,
-        HostPool(layout, num_slots) as host,
-        DiskPool(directory, block_bytes, num_slots) as disk,
-        LocalCopyEngine(device, host, disk) as copy_engine,
-    ):
+    with HostPool(layout, num_slots) as host, LocalCopyEngine(device, host) as copy_engine:
         for transfer_id in range(data.draw(st.integers(1, 8), label="num_chunks")):
             direction = data.draw(st.sampled_from(LOCAL_DIRECTIONS))
             num_blocks = data.draw(st.integers(1, num_slots))
@@ -394,28 +345,15 @@ def test_random_chunk_sequences_match_a_reference_model(data: st.DataObject) -> 
             )
             result = within_timeout(functools.partial(copy_engine.wait, transfer_id))
 
+            assert result.success and result.failed_dst_slots == (), result.error
             src_tier, dst_tier = direction.src_tier, direction.dst_tier
-            expected_failed = tuple(
-                d
-                for s, d in zip(src, dst, strict=True)
-                if src_tier is Tier.NVME and not nvme_written[s]
-            )
-            assert result.failed_dst_slots == expected_failed
-            assert result.success == (not expected_failed)
             moved = [model[src_tier][s] for s in src]
             for d, value in zip(dst, moved, strict=True):
-                model[dst_tier][d] = None if d in expected_failed else value
-                if dst_tier is Tier.NVME:
-                    nvme_written[d] = True
+                model[dst_tier][d] = value
 
         for slot in range(num_slots):
             for tier, view in (
                 (Tier.GPU, device.byte_view(slot)),
                 (Tier.CPU, host.byte_view(slot)),
             ):
-                if model[tier][slot] is not None:
-                    assert bytes(view.tolist()) == model[tier][slot], (tier, slot)
-            if nvme_written[slot] and model[Tier.NVME][slot] is not None:
-                out = bytearray(block_bytes)
-                disk.read_slot(slot, out)
-                assert bytes(out) == model[Tier.NVME][slot]
+                assert bytes(view.tolist()) == model[tier][slot], (tier, slot)

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvswap.base.transfer import Direction
+from kvswap.base.transfer import BUILT_IN_DIRECTIONS, Direction
 from kvswap.data import block_copy
 from kvswap.data.block_copy import Pools
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_engine import LocalCopyEngine
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 from kvswap.data.layout import KVLayout
 from kvswap.data.link_arbiter import LinkArbiter
@@ -89,15 +87,14 @@ def test_a_piece_that_raises_loses_its_block_and_the_untaken_ones_only() -> None
     lock = threading.Lock()
     landed: dict[int, int] = defaultdict(int)
 
-    def copy_piece(src: int, dst: int, piece: int, num_pieces: int) -> str | None:
+    def copy_piece(src: int, dst: int, piece: int, num_pieces: int) -> None:
         assert num_pieces == 3
         if (src, piece) == (2, 1):
             raise RuntimeError("boom")
         with lock:
             landed[src] += 1
-        return None
 
-    def copy(src: int, dst: int) -> str | None:
+    def copy(src: int, dst: int) -> None:
         raise AssertionError("whole-block copy in a pieced batch")
 
     pairs = [(index, 10 + index) for index in range(4)]
@@ -169,19 +166,43 @@ def test_the_low_lane_yields_to_a_swap_in_between_pieces_of_a_block(
     assert len(low_starts) == 4 and low_starts[0] < high_end < low_starts[1]
 
 
-def test_a_byte_range_is_refused_off_the_host_memcpy_path(tmp_path: Path) -> None:
+def test_a_byte_range_is_refused_off_the_host_memcpy_path() -> None:
+    """Pieces are numpy row slices: a device pool elsewhere (here torch's "meta"
+    device) has no rows to slice, and a range past the block's end is refused."""
     layout = KVLayout.from_block_bytes(BLOCK_BYTES)
     device = DevicePool(layout, NUM_SLOTS, device="cpu")
-    with (
-        HostPool(layout, NUM_SLOTS) as host,
-        DiskPool(tmp_path, BLOCK_BYTES, NUM_SLOTS) as disk,
-    ):
-        pools = Pools(device, host, disk)
-        with pytest.raises(ValueError, match="GPU legs only"):
-            block_copy.copy_block(pools, Direction.CPU_TO_NVME, 0, 0, byte_range=(0, 16))
+    off_host = DevicePool(layout, NUM_SLOTS, device="meta")
+    with HostPool(layout, NUM_SLOTS) as host:
+        with pytest.raises(ValueError, match="needs the device pool in host memory"):
+            block_copy.copy_block(
+                Pools(off_host, host), Direction.GPU_TO_CPU, 0, 0, byte_range=(0, 16)
+            )
         with pytest.raises(ValueError, match="out of a"):
             block_copy.copy_block(
-                pools, Direction.GPU_TO_CPU, 0, 0, byte_range=(0, BLOCK_BYTES + 1)
+                Pools(device, host), Direction.GPU_TO_CPU, 0, 0, byte_range=(0, BLOCK_BYTES + 1)
             )
     with pytest.raises(ValueError, match="low_piece_bytes"):
         LocalCopyEngine(device, None, low_piece_bytes=-1)
+
+
+@pytest.mark.parametrize(
+    "direction", [d for d in BUILT_IN_DIRECTIONS if d.keyed], ids=lambda d: d.value
+)
+def test_copy_block_refuses_a_keyed_direction(direction: Direction) -> None:
+    """A block copy only runs between the device and host pools: a keyed tier's leg
+    (the NVMe slab, the remote store), whole or as a piece, is refused and neither
+    pool is written."""
+    layout = KVLayout.from_block_bytes(BLOCK_BYTES)
+    device = DevicePool(layout, NUM_SLOTS, device="cpu")
+    with HostPool(layout, NUM_SLOTS) as host:
+        fill_random(device.kv.view(torch.uint8), seed=24)
+        fill_random(host.slots.view(torch.uint8), seed=25)
+        device_before, host_before = device.kv.clone(), host.slots.clone()
+        pools = Pools(device, host)
+        message = f"{direction.value}: not a leg between the device and host pools"
+        with pytest.raises(ValueError, match=message):
+            block_copy.copy_block(pools, direction, 0, 0)
+        with pytest.raises(ValueError, match=message):
+            block_copy.copy_block(pools, direction, 0, 0, byte_range=(0, PIECE_BYTES))
+        assert torch.equal(device.kv, device_before)
+        assert torch.equal(host.slots, host_before)

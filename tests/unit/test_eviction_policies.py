@@ -255,7 +255,7 @@ class FifoPolicy(EvictionPolicy):
 
 def test_a_user_policy_named_by_import_path_is_used_by_the_store() -> None:
     options = PolicyOptions(gpu_eviction_policy=f"{__name__}:FifoPolicy")
-    store = BlockStore(StoreLayout(4, 4, 4, 0, 0), options)
+    store = BlockStore(StoreLayout(4, 4, 4, 0), options)
     assert isinstance(store.policies[Tier.GPU], FifoPolicy)
     assert isinstance(store.policies[Tier.CPU], KvSwapLowerTierPolicy)
     # Two paused sequences of one block each; the first one placed leaves first.
@@ -277,7 +277,7 @@ def test_a_victim_round_ranks_again_only_what_stayed_and_no_change_reached() -> 
     a, b, c: a stays, b is moved (its source reserved: ranked busy at once), c's
     GPU copy is dropped (a CPU copy holds it). A nested round takes d, chosen by
     the caller, and leaves it. Closed, every copy left is ranked exactly once."""
-    store = BlockStore(StoreLayout(4, 4, 4, 0, 0), PolicyOptions(gpu_eviction_policy="lru"))
+    store = BlockStore(StoreLayout(4, 4, 4, 0), PolicyOptions(gpu_eviction_policy="lru"))
     blocks = []
     for seq_id in range(4):
         tokens = list(range(10 * seq_id, 10 * seq_id + 4))
@@ -328,7 +328,7 @@ def test_the_config_names_each_tier_s_policy_and_a_bad_name_stops_at_the_edge() 
     config = load_config(None, overrides={"gpu_eviction_policy": "lru"})
     options = policy_options(config)
     assert (options.gpu_eviction_policy, options.cpu_eviction_policy) == ("lru", "kvswap")
-    assert isinstance(BlockStore(StoreLayout(4, 4, 4, 0, 0), options).policies[Tier.GPU], LruPolicy)
+    assert isinstance(BlockStore(StoreLayout(4, 4, 4, 0), options).policies[Tier.GPU], LruPolicy)
     bad = load_config(None, overrides={"nvme_eviction_policy": "mru"})
     with pytest.raises(ConfigError, match=r"^nvme_eviction_policy = 'mru': unknown policy; "):
         policy_options(bad)
@@ -353,9 +353,9 @@ def test_kvswap_names_the_top_tier_s_table_wherever_the_builder_says_the_tier_is
 
 def test_the_store_builds_each_tier_s_policy_with_that_tier_s_size() -> None:
     options = PolicyOptions(gpu_eviction_policy="arc", cpu_eviction_policy="arc")
-    store = BlockStore(StoreLayout(4, 6, 3, 0, 0), options)
+    store = BlockStore(StoreLayout(4, 6, 3, 0), options)
     sizes = {tier: policy.options.capacity_blocks for tier, policy in store.policies.items()}
-    assert sizes == {Tier.GPU: 6, Tier.CPU: 3, Tier.NVME: 0}
+    assert sizes == {Tier.GPU: 6, Tier.CPU: 3}  # a keyed tier ranks by its own
     arc = store.policies[Tier.GPU]
     assert isinstance(arc, ArcPolicy) and arc.state().capacity_blocks == 6  # c before any use
 

@@ -293,7 +293,7 @@ def test_arc_is_chosen_by_name_on_every_tier(tier: Tier) -> None:
 
 def test_through_the_store_a_recomputed_prefix_is_recognised_by_its_content() -> None:
     options = load_policy_options(cpu_eviction_policy="arc")
-    store = BlockStore(StoreLayout(4, 8, 2, 0, 0), options)
+    store = BlockStore(StoreLayout(4, 8, 2, 0), options)
     policy = store.policies[Tier.CPU]
     assert isinstance(policy, ArcPolicy)
     prompt = list(range(9))  # two full blocks and one token to compute

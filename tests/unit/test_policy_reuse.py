@@ -266,7 +266,7 @@ def test_parameters_reach_the_policy_from_the_config_and_spaces_are_allowed() ->
     value = "reuse( once = oldest ,dead_gaps=2 )"
     config = load_config(None, overrides={"cpu_eviction_policy": value})
     options = policy_options(config)
-    policy = BlockStore(StoreLayout(4, 4, 4, 0, 0), options).policies[Tier.CPU]
+    policy = BlockStore(StoreLayout(4, 4, 4, 0), options).policies[Tier.CPU]
     assert isinstance(policy, ReusePolicy)
     assert policy.options.parameters == (("once", "oldest"), ("dead_gaps", 2.0))
     assert (policy._once_oldest, policy._dead_gaps) == (True, 2.0)

@@ -319,7 +319,7 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
         slab, write_policy=RemoteWritePolicy.ON_DEMOTE, num_gpu_blocks=5, num_cpu_blocks=4,
         cpu_demote_high_watermark=0.5, cpu_demote_low_watermark=0.25,
     )  # fmt: skip
-    assert [remote.tier for remote in a.swapper.remotes] == [Tier.KEYED_NVME]
+    assert [remote.tier for remote in a.swapper.remotes] == [Tier.NVME]
     a.add_request(1, list(range(1, 10)), 1, 0.0)  # four full blocks and a partial one
     run_step(a)
     for step in range(2, 6):
@@ -332,11 +332,11 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
     # The first request's blocks left the pinned pool for the slab, and then the GPU:
     # each is remembered with the slab's copy alone (a shared store's is forgotten).
     table = {b.key: b for b in a.swapper.store.blocks.values()}
-    assert all(set(table[key].copies) == {Tier.KEYED_NVME} for key in blocks)
+    assert all(set(table[key].copies) == {Tier.NVME} for key in blocks)
     assert set(blocks) <= set(slab.written) and len(slab.written) == len(set(slab.written))
     snapshot = a.swapper.metrics.snapshot()
     assert snapshot["bytes_cpu_to_nvme"] == 64 * len(slab.written)  # reported as nvme
-    assert a.swapper.metrics.bytes_by_direction[Direction.CPU_TO_NVME] == 0  # no slot tier
+    assert a.swapper.metrics.bytes_by_direction[Direction.CPU_TO_NVME] == 64 * len(slab.written)
     # The slab evicts the third block: its copy goes, and the block with it.
     slab.evict(blocks[2])
     between_steps(a, engine, 10)
@@ -368,18 +368,18 @@ def test_an_eviction_from_the_local_tier_reaches_every_block_with_that_key() -> 
         between_steps(a, engine, step)
     first = keys_of([1, 2])[0]
     twins = [b for b in a.swapper.store.blocks.values() if b.key == first]
-    assert len(twins) == 2 and all(Tier.KEYED_NVME in b.copies for b in twins)
+    assert len(twins) == 2 and all(Tier.NVME in b.copies for b in twins)
     slab.evict(first)
     between_steps(a, engine, 6)
-    assert all(Tier.KEYED_NVME not in b.copies for b in twins)
+    assert all(Tier.NVME not in b.copies for b in twins)
     assert a.swapper.metrics.evictions_by_reason["nvme_discard"] == 2
 
 
-def test_a_local_keyed_tier_is_first_and_never_beside_the_slot_nvme() -> None:
-    with pytest.raises(ValueError, match="allowed: one NVMe tier"):
-        make_process(LocalSlab(), num_nvme_blocks=4)
+def test_a_local_keyed_tier_is_first_and_alone() -> None:
     with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
         make_process(FakeStore(), below=[(LocalSlab(), RemoteWritePolicy.ON_DEMOTE)])
+    with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
+        make_process(LocalSlab(), slab=LocalSlab())
 
 
 # ------------------------------------------------------------------ settings, summary
@@ -487,9 +487,10 @@ def test_random_conversations_over_three_processes_all_complete(
     store = FakeStore()
     found_total = 0
     for process in range(3):
+        num_cpu_blocks, num_nvme_blocks = rng.choice([2, 4, 8]), rng.choice([0, 6])
         scheduler, engine = make_process(
-            store, num_gpu_blocks=10, num_cpu_blocks=rng.choice([2, 4, 8]),
-            num_nvme_blocks=rng.choice([0, 6]), write_policy=policy,
+            store, num_gpu_blocks=10, num_cpu_blocks=num_cpu_blocks,
+            slab=LocalSlab(num_nvme_blocks) if num_nvme_blocks else None, write_policy=policy,
             swap_out_chunk_blocks=2, swap_in_chunk_blocks=2,
             cpu_demote_high_watermark=0.75, cpu_demote_low_watermark=0.5,
         )  # fmt: skip

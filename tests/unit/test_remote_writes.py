@@ -13,6 +13,7 @@ from kvswap.control.scheduler import Scheduler
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import (
     FakeStore,
+    LocalSlab,
     between_steps,
     extend_a_stored_prefix,
     make_process,
@@ -95,7 +96,7 @@ def test_a_pinned_block_the_store_holds_still_goes_to_nvme_when_nvme_has_room() 
     """The store's copy makes a pinned copy free to drop only when no local tier below
     takes it: the store evicts by its own rules and reads slower than the NVMe slab."""
     store = FakeStore()
-    a, engine = make_process(store, num_cpu_blocks=4, num_nvme_blocks=8)
+    a, engine = make_process(store, num_cpu_blocks=4, slab=LocalSlab(8))
     a.add_request(1, [1, 2, 3, 4, 5, 6, 7], 1, 0.0)
     run_step(a)
     between_steps(a, engine, 2)
@@ -104,7 +105,7 @@ def test_a_pinned_block_the_store_holds_still_goes_to_nvme_when_nvme_has_room() 
     assert len(full) == 3 and all(b.ready_copy(Tier.REMOTE) for b in full)  # on finish
     a.swapper.demoter.make_room_now(Tier.CPU, 3)  # 3 of 4 slots used: 2 must leave
     assert [c.num_blocks for c in chunks(engine, Direction.CPU_TO_NVME)] == [2]
-    assert dict(a.swapper.metrics.evictions_by_reason) == {"demote": 2}  # no free drop
+    assert dict(a.swapper.metrics.evictions_by_reason) == {"demote_remote": 2}  # no free drop
     between_steps(a, engine, 4)
     assert sum(b.ready_copy(Tier.NVME) is not None for b in full) == 2
     assert a.swapper.store.tiers[Tier.CPU].num_used_slots == 1
@@ -195,9 +196,9 @@ def test_write_policy_off_reads_but_never_writes() -> None:
 
 def test_on_demote_writes_what_the_pinned_pool_demotes_to_nvme() -> None:
     store = FakeStore()
-    # 4 pinned slots, demotion from 0.75 down to 0.25; an NVMe tier below.
+    # 4 pinned slots, demotion from 0.75 down to 0.25; an NVMe slab below.
     a, engine = make_process(
-        store, num_cpu_blocks=4, num_nvme_blocks=8, write_policy=RemoteWritePolicy.ON_DEMOTE,
+        store, num_cpu_blocks=4, slab=LocalSlab(8), write_policy=RemoteWritePolicy.ON_DEMOTE,
         cpu_demote_high_watermark=0.75, cpu_demote_low_watermark=0.25,
     )  # fmt: skip
     a.add_request(1, [1, 2, 3, 4, 5, 6, 7], 1, 0.0)

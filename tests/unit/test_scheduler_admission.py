@@ -25,7 +25,7 @@ from tests.unit.scheduler_support import run_step
 
 
 def make_scheduler(*, max_sequence_tokens: int | None = None) -> Scheduler:
-    layout = StoreLayout(block_tokens=4, num_gpu_blocks=10, num_cpu_blocks=0, num_nvme_blocks=0,
+    layout = StoreLayout(block_tokens=4, num_gpu_blocks=10, num_cpu_blocks=0,
                          protected_blocks=2)  # fmt: skip
     swap = SwapSettings(
         block_bytes=64, swap_out_high_watermark=1.0, swap_out_low_watermark=1.0,

@@ -13,15 +13,19 @@ the documented intent; when the code is fixed, flip their assertions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvswap.base.tier import Tier
-from kvswap.base.transfer import Direction, Priority, TransferChunk
+from kvswap.base.transfer import Direction, Priority
 from kvswap.control.policy import PolicyOptions
+from kvswap.control.remote_tier import KeyedTier
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import FinishReason, Preemption, SchedulerSettings
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from tests.manual_engine import ManualCopyEngine
+from tests.unit.remote_control_support import slab_tier
 from tests.unit.scheduler_support import chunks, computed, output_token, placement, run_step
 
 BLOCK_TOKENS = 2
@@ -31,7 +35,6 @@ def make_scheduler(
     *,
     num_gpu_blocks: int,
     num_cpu_blocks: int = 0,
-    num_nvme_blocks: int = 0,
     protected_blocks: int = 0,
     min_residency_steps: int = 0,
     swap_out_high_watermark: float = 1.0,
@@ -44,6 +47,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     preemption: Preemption = Preemption.SWAP,
     engine: ManualCopyEngine | None = None,
+    keyed: Sequence[KeyedTier] = (),
 ) -> tuple[Scheduler, ManualCopyEngine]:
     """The one place that builds a control plane for these tests (keywords only, so a
     constructor change is fixed here). Defaults: watermarks at 1.0, so nothing is
@@ -53,7 +57,6 @@ def make_scheduler(
         block_tokens=BLOCK_TOKENS,
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
-        num_nvme_blocks=num_nvme_blocks,
         protected_blocks=protected_blocks,
     )
     options = PolicyOptions(
@@ -70,7 +73,7 @@ def make_scheduler(
         cpu_demote_high_watermark=cpu_demote_high_watermark,
         cpu_demote_low_watermark=cpu_demote_low_watermark,
     )
-    swapper = Swapper(layout, options, swap, engine, clock_s=lambda: 0.0)
+    swapper = Swapper(layout, options, swap, engine, clock_s=lambda: 0.0, keyed=keyed)
     settings = SchedulerSettings(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -321,62 +324,52 @@ def test_recompute_fallback_when_paused_sequences_hold_the_gpu_and_nothing_below
     assert scheduler.runs[1].recomputed_tokens == 2
 
 
-class BadNvmeSlotsEngine(ManualCopyEngine):
-    """Every read of the NVMe slots in `bad_nvme_slots` fails (a CRC mismatch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bad_nvme_slots: set[int] = set()
-
-    def submit(self, chunk: TransferChunk) -> None:
-        super().submit(chunk)
-        if chunk.direction is Direction.NVME_TO_CPU and self.bad_nvme_slots & set(chunk.src_slots):
-            self.fail_ids.add(chunk.transfer_id)
-
-
 def test_a_block_whose_every_copy_failed_is_recomputed_by_its_owner() -> None:
-    # 4 GPU, 2 CPU, 8 NVMe blocks; the CPU demotes everything to NVMe once full;
-    # swap-in moves one block per chunk, so one bad block fails alone.
-    engine = BadNvmeSlotsEngine()
+    # 4 GPU, 2 CPU blocks, an NVMe slab of 8; the CPU demotes everything to NVMe once
+    # full; swap-in moves one block per chunk, so one bad block fails alone.
+    engine, keyed = slab_tier(8)
     scheduler, _ = make_scheduler(
         num_gpu_blocks=4,
         num_cpu_blocks=2,
-        num_nvme_blocks=8,
         cpu_demote_high_watermark=0.5,
         cpu_demote_low_watermark=0.0,
         swap_in_chunk_blocks=1,
         engine=engine,
+        keyed=keyed,
     )
     scheduler.add_request(1, [1, 2], 5, 0.0)
-    scheduler.add_request(2, [11, 12], 4, 1.0)
+    scheduler.add_request(2, [11, 12, 13], 4, 1.0)
     for now_s in (0.0, 1.0, 2.0):
         run_step(scheduler, now_s)
 
-    # Step 4: sequence 1 grows, sequence 2 ([11 12] [1200]) is swapped out to the
-    # CPU; at the step's end the full CPU tier demotes both blocks to NVMe.
+    # Step 4: sequence 1 grows, sequence 2 ([11 12] [13 1200]) is swapped out to the
+    # CPU; at the step's end the full CPU tier writes both blocks to the slab.
     run_step(scheduler, 3.0)
     engine.finish()
-    # Step 5: sequence 1 finishes. The demotion landed: 2 lives only on NVMe.
+    # Step 5: sequence 1 finishes. The writes landed: 2 lives only on NVMe.
     _, finished = run_step(scheduler, 4.0)
     assert finished == [1]
     assert placement(scheduler, 2) == ["nvme", "nvme"]
     engine.finish()
 
-    # The NVMe slot of sequence 2's second block goes bad.
+    # The slab's copy of sequence 2's second block goes bad (its check fails on read).
     second = scheduler.swapper.store.sequence_blocks(2)[1]
-    engine.bad_nvme_slots = {second.copies[Tier.NVME].slot}
+    assert second.key is not None
+    engine.store.keys.discard(second.key)
 
     # Step 6: sequence 2 resumes. Its first block comes up NVMe -> CPU -> GPU; the
     # second block's read fails and that was its last copy: it is lost. The
     # owner truncates its table at the lost block (token 2) and re-runs from
-    # there: 1200 is recomputed, 1201 computed for the first time.
+    # there: 13 and 1200 are recomputed, 1201 computed for the first time.
     plan, _ = run_step(scheduler, 5.0)
-    assert computed(plan) == [(2, (1200, 1201), 2)]
+    assert computed(plan) == [(2, (13, 1200, 1201), 2)]
     metrics = scheduler.swapper.metrics
-    assert (metrics.failed_transfers, metrics.lost_blocks) == (1, 1)
-    assert scheduler.runs[2].recomputed_tokens == 1
-    # The first block kept its (good) NVMe copy; the second is a new GPU block.
-    assert placement(scheduler, 2) == ["gpu+nvme", "gpu"]
+    # The read chunk came back with that block's slot failed (the rest of it good).
+    assert (metrics.failed_transfers, metrics.lost_blocks) == (0, 1)
+    assert scheduler.runs[2].recomputed_tokens == 2
+    # The first block kept its (good) NVMe copy; the second is a new GPU block, and
+    # 1201 starts a third.
+    assert placement(scheduler, 2) == ["gpu+nvme", "gpu", "gpu"]
     assert not scheduler.swapper.has_lost_blocks()
 
     # It then finishes normally.

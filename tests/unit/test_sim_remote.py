@@ -487,7 +487,7 @@ def test_a_local_slab_is_the_nvme_tier_and_its_evictions_are_forgotten() -> None
     # copy the engine keeps is in the slab.
     swapper.begin_step(out["num_steps"] + 1)
     assert swapper.metrics.evictions_by_reason["nvme_discard"] > 0 < slab.counters.evictions
-    on_slab = [b for b in swapper.store.blocks.values() if b.ready_copy(Tier.KEYED_NVME)]
+    on_slab = [b for b in swapper.store.blocks.values() if b.ready_copy(Tier.NVME)]
     assert on_slab and all(block.key in slab for block in on_slab)
     with pytest.raises(ValueError, match="one view only"):
         slab.view(simulator.clock)

@@ -24,6 +24,7 @@ from kvswap.sim.hardware import (
     hardware_from_report,
     hardware_preset,
 )
+from kvswap.sim.keyed_tier import ModelledKeyedTier
 from kvswap.units import MIB
 
 BLOCK_BYTES = 2_000_000
@@ -35,11 +36,16 @@ def chunk(tid: int, direction: Direction, priority: Priority, num_blocks: int) -
     return TransferChunk(tid, direction, priority, slots, slots, num_blocks * BLOCK_BYTES)
 
 
-def engine(*, shared: bool) -> ModelledCopyEngine:
+def engine(*, shared: bool, nvme_slab: bool = False) -> ModelledCopyEngine:
+    """The copy engine on a clock of its own; `nvme_slab`: with an NVMe slab of 1,024
+    blocks (by key) below the pinned pool."""
     hw = dataclasses.replace(
         hardware_preset("article-40gb"), transfer_overhead_s=0.0, shared_copy_engine=shared
     )
-    return ModelledCopyEngine(hw, VirtualClock(), prefetch_streams=1)
+    clock = VirtualClock()
+    slab = ModelledKeyedTier.slab(1024, BLOCK_BYTES, hw)
+    keyed = [(slab.store.view(clock), slab.link)] if nvme_slab else []
+    return ModelledCopyEngine(hw, clock, prefetch_streams=1, keyed=keyed)
 
 
 def test_on_a_shared_engine_a_swap_in_waits_for_the_swap_out_chunk_on_the_link() -> None:
@@ -57,10 +63,7 @@ def test_on_a_shared_engine_a_swap_in_waits_for_the_swap_out_chunk_on_the_link()
     low = copies.wait(1)
     assert math.isclose(low.end_s, 512 * BLOCK_S)
     assert copies.high_blocked_by_low_s == [pytest.approx(512 * BLOCK_S - 0.010)]
-    assert copies.high_blocked_by_low_s_by_link == {
-        "pcie": [pytest.approx(512 * BLOCK_S - 0.010)],
-        "nvme": [],
-    }
+    assert copies.high_blocked_by_low_s_by_link == {"pcie": [pytest.approx(512 * BLOCK_S - 0.010)]}
 
 
 def test_on_separate_engines_a_swap_in_never_waits_for_a_swap_out() -> None:
@@ -73,7 +76,7 @@ def test_on_separate_engines_a_swap_in_never_waits_for_a_swap_out() -> None:
     assert math.isclose(swap_in.end_s, 0.010 + 4 * BLOCK_S)
     assert copies.wait(1).end_s == pytest.approx(512 * BLOCK_S)  # both ran at once
     assert copies.high_blocked_by_low_s == []
-    assert set(copies.busy_s_by_link()) == {"gpu_to_cpu", "cpu_to_gpu", "nvme"}
+    assert set(copies.busy_s_by_link()) == {"gpu_to_cpu", "cpu_to_gpu"}
 
 
 def test_high_goes_first_among_the_chunks_waiting_for_a_shared_engine() -> None:
@@ -90,7 +93,7 @@ def test_high_goes_first_among_the_chunks_waiting_for_a_shared_engine() -> None:
 
 def test_the_nvme_drive_is_its_own_link_whatever_the_copy_engines() -> None:
     for shared in (True, False):
-        copies = engine(shared=shared)
+        copies = engine(shared=shared, nvme_slab=True)
         copies.submit(chunk(1, Direction.CPU_TO_NVME, Priority.LOW, 512))  # a demotion
         copies.submit(chunk(2, Direction.CPU_TO_GPU, Priority.HIGH, 4))
         assert copies.wait(2).start_s == 0.0

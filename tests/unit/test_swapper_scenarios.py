@@ -9,6 +9,7 @@ from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
 from kvswap.control.swapper import Swapper
 from tests.manual_engine import ManualCopyEngine
+from tests.unit.remote_control_support import RemoteEngine, slab_tier
 
 BT = 4  # tokens per block: tiny, so a few tokens fill a block
 
@@ -25,9 +26,10 @@ def make(
     in_chunk: int = 2,
     cost_aware: bool = True,
 ) -> tuple[Swapper, ManualCopyEngine]:
-    engine = ManualCopyEngine()
+    """A swapper on tiny pools; `nvme` > 0: an NVMe slab of that many blocks below."""
+    engine, keyed = slab_tier(nvme) if nvme else (ManualCopyEngine(), [])
     swapper = Swapper(
-        StoreLayout(BT, gpu, cpu, nvme, protected),
+        StoreLayout(BT, gpu, cpu, protected),
         PolicyOptions(
             sink_protection=protected > 0, min_residency_steps=min_residency, cost_aware=cost_aware
         ),
@@ -42,8 +44,15 @@ def make(
         ),
         engine,
         clock_s=lambda: 0.0,
+        keyed=keyed,
     )
     return swapper, engine
+
+
+def slab_keys(engine: ManualCopyEngine) -> set[bytes]:
+    """The keys the NVMe slab below holds."""
+    assert isinstance(engine, RemoteEngine)
+    return engine.store.keys
 
 
 def add_paused(swapper: Swapper, seq_id: int, num_blocks: int, first_token: int = 0) -> None:
@@ -138,13 +147,13 @@ def test_cold_cpu_copies_are_demoted_to_nvme_past_the_cpu_watermark() -> None:
     engine.finish()
     swapper.begin_step(1)
     assert swapper.store.tiers[Tier.CPU].num_used_slots == 4
-    swapper.end_step()  # CPU 4/4 >= 0.75: demote down to 0.5
+    swapper.end_step()  # CPU 4/4 >= 0.75: demote down to 0.5, written to the slab
     demotions = [c for c in engine.submitted if c.direction is Direction.CPU_TO_NVME]
     assert sum(c.num_blocks for c in demotions) == 2
     engine.finish()
     swapper.begin_step(2)
     assert swapper.store.tiers[Tier.CPU].num_used_slots == 2
-    assert swapper.store.tiers[Tier.NVME].num_used_slots == 2
+    assert len(slab_keys(engine)) == 2
     # Resuming brings NVMe blocks up through the CPU.
     swapper.set_running(1, True)
     assert swapper.wait_ready([1]).not_ready == ()
@@ -171,7 +180,7 @@ def test_a_full_pinned_pool_sends_copies_below_mid_step_for_what_must_leave_the_
     assert swapper.make_cpu_room(1) == 1
     down = [c for c in engine.submitted if c.direction is Direction.CPU_TO_NVME]
     assert [(c.num_blocks, c.priority) for c in down] == [(1, Priority.HIGH)]
-    assert swapper.store.tiers[Tier.NVME].num_used_slots == 1
+    assert len(slab_keys(engine)) == 1
     assert swapper.allocate(3, [900])
     # With the room there already, nothing moves.
     engine.finish()
@@ -238,15 +247,16 @@ def test_a_failed_swap_out_keeps_the_gpu_copy() -> None:
     swapper.check_integrity()
 
 
-# --- a full NVMe tier evicts: the newest finished conversations reach it ----------------
+# --- a full NVMe slab evicts: the newest finished conversations reach it ----------------
 
 
 def make_nvme_tiers() -> tuple[Swapper, ManualCopyEngine]:
-    """4 GPU, 4 CPU, 4 NVMe slots; whatever the GPU holds past half goes down to the
-    CPU, and whatever the CPU holds past half goes down to NVMe, all of it."""
-    engine = ManualCopyEngine()
+    """4 GPU, 4 CPU slots, an NVMe slab of 4 blocks; whatever the GPU holds past half
+    goes down to the CPU, and whatever the CPU holds past half is written to the slab,
+    all of it."""
+    engine, keyed = slab_tier(4)
     swapper = Swapper(
-        StoreLayout(BT, 4, 4, 4, 0),
+        StoreLayout(BT, 4, 4, 0),
         PolicyOptions(sink_protection=False, min_residency_steps=0),
         SwapSettings(
             block_bytes=100,
@@ -259,6 +269,7 @@ def make_nvme_tiers() -> tuple[Swapper, ManualCopyEngine]:
         ),
         engine,
         clock_s=lambda: 0.0,
+        keyed=keyed,
     )
     return swapper, engine
 
@@ -304,20 +315,21 @@ def test_a_full_nvme_tier_evicts_its_oldest_cache_entries_for_newer_demotions() 
     add_finished(swapper, engine, 1, first=0)
     add_finished(swapper, engine, 2, first=100)
     assert nvme_tokens(swapper) == [0, 4, 100, 104]
-    assert swapper.store.tiers[Tier.NVME].num_free_slots == 0
-    assert (metrics["demote"], metrics["nvme_discard"]) == (4, 0)
+    assert len(slab_keys(engine)) == 4  # full
+    assert (metrics["demote_remote"], metrics["nvme_discard"]) == (4, 0)
 
-    # A third conversation finishes. Its demotion finds no free NVMe slot: the NVMe
-    # policy's least recently used cache entries (conversation 1's) are discarded,
-    # and forgotten (they had no other copy); conversation 3 takes their slots.
+    # A third conversation finishes. Its writes find the slab full: the slab's least
+    # recently used keys (conversation 1's) are evicted, and the store forgets those
+    # blocks at the next step (they had no other copy); conversation 3 takes their room.
     add_finished(swapper, engine, 3, first=200)
     assert nvme_tokens(swapper) == [100, 104, 200, 204]
-    assert (metrics["demote"], metrics["nvme_discard"]) == (6, 2)
+    assert (metrics["demote_remote"], metrics["nvme_discard"]) == (6, 2)
 
     # A later turn of the newest conversation finds its prefix on NVMe; the oldest
     # conversation's is gone.
+    newest = [b for b in swapper.store.blocks.values() if b.token_ids[0] in (200, 204)]
+    assert [list(b.copies) for b in newest] == [[Tier.NVME], [Tier.NVME]]
     assert hits_on(swapper, 10, first=200) == 2
-    assert swapper.metrics.prefix_hit_blocks_by_tier[Tier.NVME] == 2
     assert hits_on(swapper, 11, first=0) == 0
     swapper.check_integrity()
 
@@ -329,8 +341,9 @@ def test_a_paused_sequence_takes_nvme_room_from_cache_entries_and_is_never_dropp
     add_finished(swapper, engine, 2, first=100)
     assert nvme_tokens(swapper) == [0, 4, 100, 104]  # full, of unreferenced blocks only
 
-    # A paused sequence (300..) is swapped out and demoted: its blocks are referenced,
-    # so they may displace cache entries; the oldest (conversation 1's) leave.
+    # A paused sequence (300..) is swapped out and demoted: the slab holds its keys
+    # (the store asks it to), and its least recently used free keys (conversation 1's)
+    # leave.
     add_paused(swapper, 3, 2, first_token=300)
     settle(swapper, engine)
     assert nvme_tokens(swapper) == [100, 104, 300, 304]
@@ -338,8 +351,8 @@ def test_a_paused_sequence_takes_nvme_room_from_cache_entries_and_is_never_dropp
     assert [sorted(t.value for t in b.copies) for b in paused] == [["nvme"], ["nvme"]]
 
     # A newer conversation of 4 blocks finishes and demotes: only conversation 2's
-    # cache entries may leave NVMe. The paused sequence's blocks, whose NVMe copy is
-    # their only one, never do; the rest of the conversation stays on the CPU.
+    # cache entries and its own may leave the slab. The paused sequence's blocks,
+    # whose NVMe copy is their only one, are held there and never do.
     tokens = list(range(400, 400 + 4 * BT))
     swapper.open_sequence(4, tokens)
     swapper.set_running(4, True)
@@ -348,10 +361,9 @@ def test_a_paused_sequence_takes_nvme_room_from_cache_entries_and_is_never_dropp
     swapper.finish(4)
     settle(swapper, engine)
     # Its blocks landed on the CPU tail first (the head most recent), so its tail
-    # (408, 412) left the pinned pool first and took conversation 2's slots. Its head
-    # (400, 404) followed and displaced its own tail: a tail is found only through
-    # its head, so a chain leaves NVMe from its end, and a tail never displaces its
-    # own head.
+    # (408, 412) left the pinned pool first and took conversation 2's room. Its head
+    # (400, 404) followed and, the least recently used free keys then, displaced its
+    # own tail: the head, through which the tail is found, stays.
     assert nvme_tokens(swapper) == [300, 304, 400, 404]
     assert metrics["nvme_discard"] == 6
     assert [sorted(t.value for t in b.copies) for b in paused] == [["nvme"], ["nvme"]]

@@ -33,10 +33,13 @@ def test_every_direction_is_a_tier_and_the_one_it_moves_through() -> None:
 
 
 def test_addressing_decides_slots_and_keyed_chunks() -> None:
-    assert SLOT_TIERS == (Tier.GPU, Tier.CPU, Tier.NVME)
-    assert [t for t in BUILT_IN_TIERS if t.local] == list(SLOT_TIERS)
-    assert Tier.REMOTE.addressing is Addressing.KEYS
+    assert SLOT_TIERS == (Tier.GPU, Tier.CPU)
+    # The NVMe slab is addressed by key too, and this process's own.
+    assert [t for t in BUILT_IN_TIERS if t.local] == [*SLOT_TIERS, Tier.NVME]
+    assert Tier.NVME.addressing is Tier.REMOTE.addressing is Addressing.KEYS
     assert [d for d in BUILT_IN_DIRECTIONS if d.keyed] == [
+        Direction.CPU_TO_NVME,
+        Direction.NVME_TO_CPU,
         Direction.CPU_TO_REMOTE,
         Direction.REMOTE_TO_CPU,
     ]
@@ -69,7 +72,7 @@ def test_a_copy_below_is_one_on_a_slower_tier_and_local_ones_are_this_process() 
     assert block.has_ready_copy_below(Tier.GPU) and block.has_ready_copy_below(Tier.NVME)
     assert not block.has_ready_copy_below(Tier.GPU, local=True)
     assert not block.has_ready_copy_below(Tier.REMOTE)
-    block.copies[Tier.NVME] = Copy(slot=2, ready=False)  # being written: not yet a copy
+    block.copies[Tier.NVME] = Copy(slot=None, ready=False)  # being written: not yet a copy
     assert not block.has_ready_copy_below(Tier.CPU, local=True)
     block.copies[Tier.NVME].ready = True
     assert block.has_ready_copy_below(Tier.CPU, local=True)
@@ -89,13 +92,14 @@ def test_a_hit_is_served_from_the_fastest_ready_copy_else_the_one_on_its_way() -
 
 
 def test_a_list_of_keyed_tiers_names_a_local_one_nvme_and_the_rest_by_position() -> None:
-    """The NVMe slab by key (this process's own) is `Tier.KEYED_NVME`: named and ranked
-    as the slot NVMe, reported in its place; the others are `keyed_tier(i)` in order."""
-    assert keyed_tier_list([True, False, False]) == (Tier.KEYED_NVME, Tier.REMOTE, keyed_tier(1))
+    """The NVMe slab by key (this process's own) is `Tier.NVME`, ranked below the pinned
+    pool and above the shared ones; the others are `keyed_tier(i)` in order."""
+    assert keyed_tier_list([True, False, False]) == (Tier.NVME, Tier.REMOTE, keyed_tier(1))
     assert keyed_tier_list([False, False]) == (Tier.REMOTE, keyed_tier(1))
-    nvme = Tier.KEYED_NVME
-    assert (nvme.value, nvme.rank, nvme.keyed, nvme.local) == ("nvme", Tier.NVME.rank, True, True)
+    nvme = Tier.NVME
+    assert (nvme.value, nvme.rank, nvme.keyed, nvme.local) == ("nvme", 2, True, True)
     assert reported_tiers((nvme, Tier.REMOTE)) == (Tier.GPU, Tier.CPU, nvme, Tier.REMOTE)
+    assert reported_tiers((Tier.REMOTE, keyed_tier(1))) == (*BUILT_IN_TIERS, keyed_tier(1))
     assert reported_tiers(()) == BUILT_IN_TIERS
     for wrong in ([False, True], [True, True]):
         with pytest.raises(ValueError, match="allowed: at most one, first in the list"):
@@ -108,9 +112,9 @@ def test_a_copy_on_the_nvme_slab_by_key_is_a_clean_copy_below_the_pools() -> Non
     block = Block(block_id=1, parent_key=b"root", key=b"k" * 32)
     block.copies[Tier.GPU] = Copy(slot=0)
     block.copies[Tier.CPU] = Copy(slot=1)
-    block.copies[Tier.KEYED_NVME] = Copy(slot=None, ready=False)
-    gpu, cpu, _ = tier_facts(block)
+    block.copies[Tier.NVME] = Copy(slot=None, ready=False)
+    gpu, cpu = tier_facts(block)
     assert gpu is not None and cpu is not None and gpu.clean and not cpu.clean
-    block.copies[Tier.KEYED_NVME].ready = True
-    _, cpu, _ = tier_facts(block)
+    block.copies[Tier.NVME].ready = True
+    _, cpu = tier_facts(block)
     assert cpu is not None and cpu.clean and cpu.ready_above

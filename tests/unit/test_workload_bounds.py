@@ -76,7 +76,7 @@ def assert_one_line_usage_error(code: int, err: str, *needles: str) -> None:
 
 
 def scheduler_with_max_sequence(max_sequence_tokens: int | None) -> Scheduler:
-    layout = StoreLayout(block_tokens=4, num_gpu_blocks=64, num_cpu_blocks=0, num_nvme_blocks=0,
+    layout = StoreLayout(block_tokens=4, num_gpu_blocks=64, num_cpu_blocks=0,
                          protected_blocks=0)  # fmt: skip
     swap = SwapSettings(
         block_bytes=64, swap_out_high_watermark=1.0, swap_out_low_watermark=1.0,

@@ -8,7 +8,7 @@ anything (the swapper does) and never reads a `Block`: the store hands it a
 `BlockFacts` record with every call, computed at that moment.
 
 Who calls what, in which order. The `BlockStore` is the only caller; it owns
-one policy per tier (GPU, CPU, NVMe) and calls a tier's policy only for blocks that
+one policy per slot tier (GPU, CPU) and calls a tier's policy only for blocks that
 have a copy on that tier:
 
     advance(step)          once per decode step, first thing in the step

@@ -1,11 +1,11 @@
 """The tiers: where a copy of a block can live, each described once by its own facts.
 
-The built-in ones are `Tier.GPU`, `Tier.CPU` (the pinned pool), `Tier.NVME` (the
-slab) and `Tier.REMOTE` (the first keyed tier); the keyed tiers below the pinned
-pool are `keyed_tier(i)`, after `Tier.KEYED_NVME` (the slab addressed by key, a
-tier of this process) where one is configured. Everything the control plane
-treats differently per tier reads it off the tier; the directions between tiers
-are `kvswap.base.transfer.Direction`.
+The built-in ones are `Tier.GPU` and `Tier.CPU` (the pinned pool), the two tiers
+of slots this process hands out, and below the pinned pool the keyed tiers:
+`Tier.NVME` (the slab addressed by key, a tier of this process) where one is
+configured, then `keyed_tier(i)`, the first of them `Tier.REMOTE`. Everything
+the control plane treats differently per tier reads it off the tier; the
+directions between tiers are `kvswap.base.transfer.Direction`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import ClassVar
 class Addressing(enum.Enum):
     """How a tier's copies are found."""
 
-    SLOTS = "slots"  # fixed slots this process hands out (GPU, pinned CPU, NVMe slab)
-    KEYS = "keys"  # by block key, in a store shared between processes (no slots here)
+    SLOTS = "slots"  # fixed slots this process hands out (GPU, pinned CPU)
+    KEYS = "keys"  # by block key: the NVMe slab, a store shared between processes
 
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Tier:
     """Where a copy of a block can live: a tier is what the control plane treats
     differently about it, described here once (its capacity comes with the store's
-    layout). Tiers compare by identity; `Tier.GPU`, `Tier.CPU`, `Tier.NVME` and
-    `Tier.REMOTE` are the built-in ones (`BUILT_IN_TIERS`).
+    layout, or the keyed tier's own). Tiers compare by identity; `Tier.GPU`,
+    `Tier.CPU`, `Tier.NVME` and `Tier.REMOTE` are the built-in ones (`BUILT_IN_TIERS`).
 
         value          the tier's name, as metrics and summaries label it
         rank           its place in the order of speed, fastest (the GPU, 0) first:
@@ -57,7 +57,6 @@ class Tier:
     GPU: ClassVar[Tier]
     CPU: ClassVar[Tier]
     NVME: ClassVar[Tier]
-    KEYED_NVME: ClassVar[Tier]
     REMOTE: ClassVar[Tier]
 
     def __post_init__(self) -> None:
@@ -70,11 +69,10 @@ class Tier:
 _SLOTS, _KEYS = Addressing.SLOTS, Addressing.KEYS
 Tier.GPU = Tier("gpu", 0, _SLOTS, checked_reads=False, local=True, above=None)
 Tier.CPU = Tier("cpu", 1, _SLOTS, checked_reads=False, local=True, above=Tier.GPU)
-Tier.NVME = Tier("nvme", 2, _SLOTS, checked_reads=True, local=True, above=Tier.CPU)
 # The NVMe slab addressed by key (`kvswap.data.tiers.nvme_tier`): a keyed tier of
-# this process, evicting by its own policy and saying what it evicted. Named and
-# ranked as the slot NVMe is: never configured beside it, always the first keyed tier.
-Tier.KEYED_NVME = Tier("nvme", 2, _KEYS, checked_reads=True, local=True, above=Tier.CPU)
+# this process, evicting by its own policy and saying what it evicted; always the
+# first keyed tier.
+Tier.NVME = Tier("nvme", 2, _KEYS, checked_reads=True, local=True, above=Tier.CPU)
 # A store shared between processes (the Redis protocol), addressed by block key.
 Tier.REMOTE = Tier("remote", 3, _KEYS, checked_reads=True, local=False, above=Tier.CPU)
 #: A tier's rank: the key that orders tiers fastest first.
@@ -91,7 +89,7 @@ def keyed_tier(position: int) -> Tier:
     pool that are not of this process, fastest first: `Tier.REMOTE` (the list's first,
     the shared store when one is configured), then "remote2", "remote3", ... Made once
     for each position: every store of the process names the same tier by the same
-    object. (A tier of this process in front of them is `Tier.KEYED_NVME`.)"""
+    object. (A tier of this process in front of them is `Tier.NVME`.)"""
     if position < 0:
         raise ValueError(f"a keyed tier's position is >= 0, got {position}")
     while len(_KEYED_TIERS) <= position:
@@ -105,7 +103,7 @@ def keyed_tier(position: int) -> Tier:
 def keyed_tier_list(local: Sequence[bool]) -> tuple[Tier, ...]:
     """The tiers of a list of keyed tiers below the pinned pool, fastest first, where
     `local[i]` says whether the i-th is this process's own (`RemoteIndex.local`): that
-    one is `Tier.KEYED_NVME`, the others `keyed_tier(0)`, `keyed_tier(1)`, ... in order.
+    one is `Tier.NVME`, the others `keyed_tier(0)`, `keyed_tier(1)`, ... in order.
     ValueError unless at most one is local, and it comes first."""
     positions = [position for position, own in enumerate(local) if own]
     if positions not in ([], [0]):
@@ -114,18 +112,15 @@ def keyed_tier_list(local: Sequence[bool]) -> tuple[Tier, ...]:
             "of the keyed tiers; allowed: at most one, first in the list"
         )
     others = iter([keyed_tier(position) for position in range(len(local) - len(positions))])
-    return tuple(Tier.KEYED_NVME if own else next(others) for own in local)
+    return tuple(Tier.NVME if own else next(others) for own in local)
 
 
 # The tiers as module constants, for code that runs per block: a global read is
 # cheaper than a class attribute's.
-GPU_TIER, CPU_TIER, NVME_TIER, REMOTE_TIER = Tier.GPU, Tier.CPU, Tier.NVME, Tier.REMOTE
+GPU_TIER, CPU_TIER = Tier.GPU, Tier.CPU
 
 
 def reported_tiers(keyed: tuple[Tier, ...]) -> tuple[Tier, ...]:
     """The tiers a report lists, fastest first, where `keyed` are the keyed tiers in
-    use: the built-in ones, each replaced by the keyed tier of its name where one is in
-    use (`Tier.KEYED_NVME` for `Tier.NVME`), then the other keyed tiers."""
-    by_name = {tier.value: tier for tier in keyed}
-    listed = tuple(by_name.pop(tier.value, tier) for tier in BUILT_IN_TIERS)
-    return listed + tuple(by_name.values())
+    use: the built-in ones, then the other keyed tiers (remote2, ...)."""
+    return BUILT_IN_TIERS + tuple(tier for tier in keyed if tier not in BUILT_IN_TIERS)

@@ -6,14 +6,13 @@ evicting the upper copy later is a free drop, not another transfer. The last,
 partial block of a sequence changes on every append; appending invalidates
 its lower copies.
 
-    Block 7 --copies--> {GPU: slot 12 (ready), CPU: slot 40 (ready), NVMe: -, remote: key}
+    Block 7 --copies--> {GPU: slot 12 (ready), CPU: slot 40 (ready), NVMe: key, remote: key}
 
-A remote copy lives in a store shared by processes and is addressed by the
-block's key, not by a slot (its `slot` is None). It counts
-as a copy below like an NVMe copy: dropping the copies above it is free (the
-demoter still moves a copy to a local tier below with room first), and if the
-store lost the key after all, the fetch fails and the block is recomputed
-(lost), never read wrong.
+A copy on a keyed tier (the NVMe slab, a store shared by processes) is
+addressed by the block's key, not by a slot (its `slot` is None). It counts as
+a copy below: dropping the copies above it is free (the demoter still writes a
+copy to a faster keyed tier that lacks it first), and if the tier lost the key
+after all, the fetch fails and the block is recomputed (lost), never read wrong.
 """
 
 from __future__ import annotations

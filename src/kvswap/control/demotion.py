@@ -1,10 +1,10 @@
-"""Demotion: past a tier's high watermark its coldest copies move to the tier below.
+"""Demotion: past a tier's high watermark its coldest copies move to the tiers below.
 
-One demoter walks the pairs of adjacent tiers addressed by slots, fastest first
-(`tier_pairs`: each tier and the one its `Tier.above` names):
+One demoter walks the tiers addressed by slots, fastest first, each with what
+lies below it (`tier_pairs`):
 
-    GPU -> CPU    swap_out_high_watermark .. swap_out_low_watermark    (swap-out)
-    CPU -> NVMe   cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
+    GPU -> CPU          swap_out_high_watermark .. swap_out_low_watermark    (swap-out)
+    CPU -> keyed tiers  cpu_demote_high_watermark .. cpu_demote_low_watermark (demotion)
 
 Cheap directions first, ahead of need and on the LOW queue: nobody waits for
 them. A pass takes the upper tier's victims from the store (`store.victims`,
@@ -30,19 +30,18 @@ A GPU pass pops at most the tier's excess, victims that stay included (bounded
 work while the pinned pool is full); a pinned-pool pass looks past a victim
 that stays, since the next one may still leave for free (`TierPair.stayers_count`).
 
-The lower tier makes room as its own policy ranks it (`make_room`): NVMe takes
-a newer cache entry in place of an older one (the newest finished conversations
-reach it and the oldest leave), and so does the pinned pool for the GPU's
-victims when it holds at least half the GPU tier's blocks
-(`DISPLACING_POOL_FRACTION`; a smaller pool keeps what it holds); the only copy
-of a referenced block never leaves.
+The pinned pool makes room for the GPU's victims as its own policy ranks it
+(`make_room`): it takes a newer cache entry in place of an older one when it
+holds at least half the GPU tier's blocks (`DISPLACING_POOL_FRACTION`; a
+smaller pool keeps what it holds); the only copy of a referenced block never
+leaves.
 
-With keyed tiers written `on_demote`, every block the tier above them
-(`Tier.above` of a keyed tier: the pinned pool) lets go is written to each of
-them first, unless it has it: alongside its NVMe demotion, or instead of a free
-drop (the CPU copy then goes once every write succeeded). Without an NVMe tier
-the keyed tiers are where cold blocks go: written, then dropped; once their room
-for writes in flight is used up, nothing below has room and the pass stops (each
+Below the pinned pool every tier is keyed (the NVMe slab by key, the shared
+store, ...), each evicting by its own policy. With keyed tiers written
+`on_demote`, every block the pinned pool (`Tier.above` of a keyed tier) lets go
+is written to each of them first, unless it has it, then dropped (instead of a
+free drop: the CPU copy goes once every write succeeded). Once their room for
+writes in flight is used up, nothing below has room and the pass stops (each
 write that lands makes room for the next pass).
 """
 
@@ -52,8 +51,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvswap.base.tier import SLOT_TIERS, Tier
-from kvswap.base.transfer import Direction, Priority, direction_between
+from kvswap.base.tier import Tier
+from kvswap.base.transfer import Priority, direction_between
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.metrics import KVMetrics
 from kvswap.control.mover import Mover
@@ -65,10 +64,12 @@ from kvswap.control.store import BlockStore
 
 @dataclass(frozen=True)
 class TierPair:
-    """Two adjacent tiers: past `upper`'s high watermark its coldest copies go to `lower`."""
+    """A slot tier and what lies below it: past `upper`'s high watermark its coldest
+    copies go to `lower` (the slot tier below), or to the keyed tiers below it (`lower`
+    None: the pinned pool, whose victims are written to them)."""
 
     upper: Tier
-    lower: Tier
+    lower: Tier | None
     high_watermark: float  # fractions of the upper tier's slots
     low_watermark: float
     reason: str  # the metric label of a watermark pass ("watermark", "demote")
@@ -84,10 +85,6 @@ class TierPair:
     # pass looks past it (the pinned pool: the next one may still leave for free).
     stayers_count: bool
 
-    @property
-    def direction(self) -> Direction:
-        return direction_between(self.upper, self.lower)
-
 
 #: The pinned pool takes the GPU's victims in place of its older cache entries only
 #: when it holds at least this fraction of the GPU tier's blocks. A smaller pool would
@@ -100,30 +97,22 @@ DISPLACING_POOL_FRACTION = 0.5
 
 
 def tier_pairs(settings: SwapSettings, num_slots: Mapping[Tier, int]) -> tuple[TierPair, ...]:
-    """The pairs of adjacent slot tiers, fastest first, with their watermarks
-    (`num_slots`: each tier's size, which decides whether the pinned pool displaces)."""
-    watermarks = {
-        Tier.GPU: (settings.swap_out_high_watermark, settings.swap_out_low_watermark),
-        Tier.CPU: (settings.cpu_demote_high_watermark, settings.cpu_demote_low_watermark),
-    }
-    pairs: list[TierPair] = []
-    for lower in SLOT_TIERS:
-        upper = lower.above
-        if upper is None or upper not in SLOT_TIERS:
-            continue
-        gpu = upper is Tier.GPU
-        high, low = watermarks[upper]
-        pair = TierPair(
-            upper, lower, high, low,
-            reason="watermark" if gpu else "demote", moved_suffix="_swap_out" if gpu else "",
-            displace_cache=(
-                lower is not Tier.CPU
-                or num_slots[lower] >= DISPLACING_POOL_FRACTION * num_slots[upper]
-            ),
-            discard_when_full=gpu, stayers_count=gpu,
-        )  # fmt: skip
-        pairs.append(pair)
-    return tuple(pairs)
+    """The slot tiers' passes, fastest first, with their watermarks (`num_slots`: each
+    tier's size, which decides whether the pinned pool displaces): the GPU's into the
+    pinned pool, then the pinned pool's into the keyed tiers below it."""
+    displaces = num_slots[Tier.CPU] >= DISPLACING_POOL_FRACTION * num_slots[Tier.GPU]
+    return (
+        TierPair(
+            Tier.GPU, Tier.CPU, settings.swap_out_high_watermark, settings.swap_out_low_watermark,
+            reason="watermark", moved_suffix="_swap_out", displace_cache=displaces,
+            discard_when_full=True, stayers_count=True,
+        ),
+        TierPair(
+            Tier.CPU, None, settings.cpu_demote_high_watermark, settings.cpu_demote_low_watermark,
+            reason="demote", moved_suffix="", displace_cache=False,
+            discard_when_full=False, stayers_count=False,
+        ),
+    )  # fmt: skip
 
 
 class _Outcome(enum.Enum):
@@ -170,7 +159,7 @@ class Demoter:
                     continue
                 chosen.take(block)
                 self._place(pair, block, reason, moves, ())
-        self.mover.submit(pair.direction, priority, moves, evict=True)
+        self._submit_moves(pair, priority, moves)
 
     def make_room_now(self, tier: Tier, num_blocks: int) -> None:
         """Start moving `tier`'s coldest copies down now (HIGH queue), until `num_blocks`
@@ -191,7 +180,7 @@ class Demoter:
         past the high watermark, down to the low one)."""
         upper = self.store.tiers[pair.upper]
         writes = self._remote_writes(pair)
-        no_room_below = self.store.tiers[pair.lower].num_slots == 0 and not writes
+        no_room_below = self._slots_below(pair) == 0 and not writes
         if upper.num_slots == 0 or (no_room_below and not pair.discard_when_full):
             return  # nothing could leave but by a discard, which this pair never makes
         used = upper.num_used_slots - self._leaving(pair.upper)
@@ -210,10 +199,10 @@ class Demoter:
                     break
                 if outcome is _Outcome.LEFT or pair.stayers_count:
                     used -= 1
-        self.mover.submit(pair.direction, priority, moves, evict=True)
+        self._submit_moves(pair, priority, moves)
         for tier_writes in writes:
             # With evict every way: the copy is freed by whichever lands last, successfully.
-            tier_writes.remote.submit_writes(tier_writes.planned, evict=True)
+            tier_writes.remote.submit_writes(tier_writes.planned, evict=True, priority=priority)
 
     def _place(
         self,
@@ -244,7 +233,7 @@ class Demoter:
             self.store.drop_copy(block, pair.upper)
             self.metrics.evictions_by_reason[f"{reason}_drop"] += 1
             return _Outcome.LEFT
-        no_tier_below = bool(writes) and self.store.tiers[pair.lower].num_slots == 0
+        no_tier_below = bool(writes) and self._slots_below(pair) == 0
         if pair.lower in block.copies or no_tier_below:
             # A copy below still in flight (a stale one still read, an older one still
             # written): the block gets no second copy there and stays until it lands.
@@ -269,8 +258,8 @@ class Demoter:
         self, pair: TierPair, block: Block, reason: str, moves: list[tuple[Block, Copy]]
     ) -> bool:
         """Whether `block` is copied down to `pair.lower` (planned in `moves`): False
-        when that tier has a copy of it or neither has nor makes room."""
-        if pair.lower in block.copies or self.store.tiers[pair.lower].num_slots == 0:
+        when there is no such tier, it has a copy of it, or neither has nor makes room."""
+        if pair.lower is None or pair.lower in block.copies or self._slots_below(pair) == 0:
             return False
         copy = make_room(
             self.store, self.metrics, pair.lower, block, displace_cache=pair.displace_cache
@@ -280,6 +269,18 @@ class Demoter:
         moves.append(self.mover.reserve(block, pair.upper, copy))
         self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
         return True
+
+    def _slots_below(self, pair: TierPair) -> int:
+        """The slots of the slot tier below `pair.upper` (0: none)."""
+        return 0 if pair.lower is None else self.store.tiers[pair.lower].num_slots
+
+    def _submit_moves(
+        self, pair: TierPair, priority: Priority, moves: list[tuple[Block, Copy]]
+    ) -> None:
+        """Copy the moves planned into the slot tier below (none without one)."""
+        if pair.lower is not None:
+            direction = direction_between(pair.upper, pair.lower)
+            self.mover.submit(direction, priority, moves, evict=True)
 
     def _leaving(self, tier: Tier) -> int:
         """Copies of `tier` not counted as used: the GPU's evictions in flight (freed when

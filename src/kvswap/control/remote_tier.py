@@ -184,9 +184,16 @@ class RemoteTier:
         assert remote is not None, "a remote copy takes no slot"
         return self.mover.reserve(block, Tier.CPU, remote)
 
-    def submit_writes(self, pairs: Sequence[tuple[Block, Copy]], *, evict: bool) -> None:
-        """Send planned writes; `evict`: free each CPU copy once its write succeeded."""
-        self.mover.submit(self._down, Priority.LOW, pairs, evict=evict)
+    def submit_writes(
+        self,
+        pairs: Sequence[tuple[Block, Copy]],
+        *,
+        evict: bool,
+        priority: Priority = Priority.LOW,
+    ) -> None:
+        """Send planned writes; `evict`: free each CPU copy once its write succeeded
+        (`priority` HIGH: a caller waits for that room now)."""
+        self.mover.submit(self._down, priority, pairs, evict=evict)
 
     @property
     def num_queued_blocks(self) -> int:

@@ -1,9 +1,10 @@
-"""Room on a tier below the GPU: what leaves the pinned pool or NVMe for a newer copy.
+"""Room in the pinned pool: what leaves it for a newer copy.
 
-A lower tier full of KV is its normal state, so placing a copy there usually
+A pinned pool full of KV is its normal state, so placing a copy there usually
 means letting another go first. `make_room` is the one rule for it, used by
-every pair of tiers that moves copies down (`demotion.TierPair`) and by swap-in's
-first hop (NVMe or remote -> CPU).
+the GPU's demotion into the pool (`demotion.TierPair`) and by swap-in's first
+hop (a keyed tier -> CPU). (The keyed tiers below make room by their own
+policies.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from kvswap.control.store import BlockStore
 def make_room(
     store: BlockStore, metrics: KVMetrics, tier: Tier, block: Block, *, displace_cache: bool
 ) -> Copy | None:
-    """A copy of `block` placed on `tier` (CPU or NVMe) being written, or None.
+    """A copy of `block` placed on `tier` (a slot tier below the GPU: the pinned pool)
+    being written, or None.
 
     When `tier` has no free slot, its policy's cheapest droppable copies leave
     (`store.victims(tier, droppable_only=True)`) until one is free. A copy with a ready
@@ -26,9 +28,9 @@ def make_room(
     discarded, every copy of it (`{tier}_discard`). The only copy of a referenced
     block never leaves, and nothing busy does. With `displace_cache` False an
     unreferenced `block` never displaces another unreferenced one (one cache entry
-    for another is no gain); True (NVMe: the newer block leaves the tier above
-    either way) it does, least recently used first, but never a block of its own
-    prefix.
+    for another is no gain); True (a pool at least half the GPU tier's size:
+    `demotion.DISPLACING_POOL_FRACTION`) it does, least recently used first, but
+    never a block of its own prefix.
     """
     copy = store.place(block, tier, ready=False)
     if copy is not None:

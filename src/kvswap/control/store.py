@@ -2,8 +2,8 @@
 
 Bookkeeping only: the store never plans a transfer (the swapper does) and
 never touches bytes (the data plane does). It owns every `Block`, the slot
-accounting of each tier, the prefix index and one eviction policy per tier
-(GPU, CPU, NVMe; built by name, `kvswap.control.policy`), and keeps them consistent:
+accounting of each slot tier, the prefix index and one eviction policy per slot
+tier (GPU, CPU; built by name, `kvswap.control.policy`), and keeps them consistent:
 every change to a block's references or copies goes through here, and the
 store alone tells the policies, each call with the `BlockFacts` of that tier's
 copy. Only the tiers holding a copy hear of a change, and not those whose
@@ -76,9 +76,8 @@ class BlockStore:
         num_slots = {
             Tier.GPU: layout.num_gpu_blocks,
             Tier.CPU: layout.num_cpu_blocks,
-            Tier.NVME: layout.num_nvme_blocks,
         }
-        # Only the tiers addressed by slots have slots here (not the remote store).
+        # Only the tiers addressed by slots have slots here (not the keyed ones).
         self.tiers = {tier: TierSlots(tier, num_slots[tier]) for tier in SLOT_TIERS}
         self.blocks: dict[int, Block] = {}
         self.sequences: dict[int, SequenceState] = {}
@@ -398,7 +397,7 @@ class BlockStore:
         return dropped
 
     def invalidate_lower_copies(self, block: Block) -> None:
-        """The block's bytes changed on the GPU: its CPU/NVMe copies are out of date.
+        """The block's bytes changed on the GPU: its copies below are out of date.
         Idle copies go now; busy ones are marked stale and go when their transfer ends."""
         copies = block.copies
         if len(copies) == 1 and GPU_TIER in copies:  # most calls: on the GPU alone

@@ -5,7 +5,7 @@ it; nothing else calls a policy. A tier's policy hears of a block only while
 the block has a copy there, and only of changes that can alter the
 `BlockFacts` of that copy:
 
-    change                                  GPU policy        CPU, NVMe policies
+    change                                  GPU policy        CPU policy
     a sequence starts / stops running       update (*)        -
     a reference taken                       update (*)        update
     a reference dropped, still referenced   update (*)        -
@@ -20,9 +20,9 @@ the block has a copy there, and only of changes that can alter the
 
 (*) only when a count crosses zero (`referenced`, `running`, `sink`): kvswap's
 GPU policy ignores an update whose facts did not change, so the skips are
-exact. Its CPU and NVMe policy (one rank table for the tiers below the GPU)
-counts every update as a use (its recency is the last change), so those tiers
-hear every change above except one: a copy placed on another tier while being
+exact. Its CPU policy (the rank table for the tiers below the GPU) counts
+every update as a use (its recency is the last change), so that tier hears
+every change above except one: a copy placed on another tier while being
 written, which its callers follow at once with the reservation of the source
 (`BlockStore.reserve_source`: a re-rank, busy, not a candidate).
 """
@@ -32,59 +32,55 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvswap.base.eviction_policy import BlockFacts, BlockKey, EvictionPolicy, PolicyOptions
-from kvswap.base.tier import CPU_TIER, GPU_TIER, NVME_TIER, REMOTE_TIER, Tier
+from kvswap.base.tier import CPU_TIER, GPU_TIER, Tier
 from kvswap.control.blocks import Block, Copy
 from kvswap.control.policy import build_policy
 
-#: The tiers with an eviction policy (remote copies take no slot here: nothing to evict).
-POLICY_TIERS = (Tier.GPU, Tier.CPU, Tier.NVME)
+#: The tiers with an eviction policy here: the slot tiers (a keyed tier evicts by its
+#: own, and says what it evicted).
+POLICY_TIERS = (Tier.GPU, Tier.CPU)
 _POSITION = {tier: position for position, tier in enumerate(POLICY_TIERS)}
 # BlockFacts is a NamedTuple: built from a tuple without its Python-level __new__,
 # since the store makes one for every re-rank.
 _new_facts = tuple.__new__
 
 
-#: The facts of a block's GPU, CPU and NVMe copies (None: no copy on that tier).
-TierFacts = tuple[BlockFacts | None, BlockFacts | None, BlockFacts | None]
+#: The facts of a block's GPU and CPU copies (None: no copy on that tier).
+TierFacts = tuple[BlockFacts | None, BlockFacts | None]
 
 
 def tier_facts(
     block: Block, brought_back: bool = False, skip: Tier | None = None, only: Tier | None = None
 ) -> TierFacts:
-    """The facts of each of `block`'s copies, as each tier's policy sees it:
+    """The facts of each of `block`'s copies on a slot tier, as that tier's policy
+    sees it:
 
         tier   clean (a ready copy below)      ready_above
-        GPU    CPU, NVMe or a keyed tier        -
-        CPU    NVMe or a keyed tier             GPU
-        NVMe   a keyed tier                     CPU or GPU
+        GPU    CPU or a keyed tier              -
+        CPU    a keyed tier                     GPU
 
     `brought_back`: the GPU copy just arrived from a slower tier. `skip` / `only`:
     no facts (None) for that tier / for the others, when the caller needs none.
-    Written out in one body, no loops or calls: a re-rank is the store's most
-    frequent call, and each copy's readiness is read once for all tiers."""
+    Written out in one body, no loops but over the block's few copies: a re-rank is
+    the store's most frequent call, and each copy's readiness is read once for all
+    tiers."""
     copies = block.copies
     gpu = copies.get(GPU_TIER)
     cpu = copies.get(CPU_TIER)
-    nvme = copies.get(NVME_TIER)
     if len(copies) == 1:  # most blocks: no other copy, so nothing clean or above
-        on_gpu = on_cpu = below_cpu = below_nvme = False
+        on_gpu = on_cpu = below_cpu = False
     else:
-        remote = copies.get(REMOTE_TIER)
         on_gpu = gpu is not None and gpu.ready and not gpu.stale
         on_cpu = cpu is not None and cpu.ready and not cpu.stale
-        below_nvme = remote is not None and remote.ready and not remote.stale
-        below_cpu = below_nvme or (nvme is not None and nvme.ready and not nvme.stale)
-        if not below_nvme and len(copies) > (
-            (gpu is not None) + (cpu is not None) + (nvme is not None) + (remote is not None)
-        ):  # a copy on a keyed tier not named here (the NVMe slab by key, remote2, ...)
-            below_nvme = block.has_ready_copy_below(NVME_TIER)
-            below_cpu = below_cpu or block.has_ready_copy_below(CPU_TIER)
+        # A copy on a keyed tier (every tier but the two slot tiers is one, below both).
+        below_cpu = len(copies) > (gpu is not None) + (cpu is not None) and (
+            block.has_ready_copy_below(CPU_TIER)
+        )
     referenced = block.ref_count > 0
     lost = block.lost
     key = block.key
     want_gpu = skip is not GPU_TIER and (only is None or only is GPU_TIER)
     want_cpu = skip is not CPU_TIER and (only is None or only is CPU_TIER)
-    want_nvme = skip is not NVME_TIER and (only is None or only is NVME_TIER)
     return (
         None if gpu is None or not want_gpu else _new_facts(BlockFacts, (
             referenced, block.num_running_refs > 0, block.num_protected_refs > 0,
@@ -94,10 +90,6 @@ def tier_facts(
         None if cpu is None or not want_cpu else _new_facts(BlockFacts, (
             referenced, False, False, not cpu.ready or cpu.num_readers > 0,
             below_cpu, on_gpu, lost, False, key,
-        )),
-        None if nvme is None or not want_nvme else _new_facts(BlockFacts, (
-            referenced, False, False, not nvme.ready or nvme.num_readers > 0,
-            below_nvme, on_cpu or on_gpu, lost, False, key,
         )),
     )  # fmt: skip
 
@@ -121,7 +113,6 @@ class TierPolicies:
         }
         self._gpu = self.by_tier[GPU_TIER]
         self._cpu = self.by_tier[CPU_TIER]
-        self._nvme = self.by_tier[NVME_TIER]
         self._blocks = blocks  # the store's: a forgotten block is nobody's to rank
         # Victims handed out by a `VictimRound` and not ranked on their tier since:
         # block id -> that tier. A change ranks the block again there and ends its loan;
@@ -136,7 +127,7 @@ class TierPolicies:
     def _rerank(self, block: Block, skip: Tier | None, facts: TierFacts | None = None) -> None:
         """Every tier's policy but `skip`'s hears the facts of `block`'s copy there
         (`facts`: `tier_facts(block)`, when the caller has them)."""
-        gpu, cpu, nvme = tier_facts(block, skip=skip) if facts is None else facts
+        gpu, cpu = tier_facts(block, skip=skip) if facts is None else facts
         block_id = block.block_id
         if self.loans:
             loan = self.loans.get(block_id)
@@ -146,8 +137,6 @@ class TierPolicies:
             self._gpu.update(block_id, gpu)
         if cpu is not None and skip is not CPU_TIER:
             self._cpu.update(block_id, cpu)
-        if nvme is not None and skip is not NVME_TIER:
-            self._nvme.update(block_id, nvme)
 
     def changed_gpu(self, block: Block) -> None:
         """A change only a GPU copy's facts hold (`running`, `sink`)."""

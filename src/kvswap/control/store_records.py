@@ -15,7 +15,6 @@ class StoreLayout:
     block_tokens: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    num_nvme_blocks: int
     protected_blocks: int
     # None: a namespace of an unnamed model (enough while one store serves one model;
     # a tier shared between processes needs the real model fingerprint).

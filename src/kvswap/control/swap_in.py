@@ -1,9 +1,10 @@
 """Swap-in: prefetch ahead of need, and the wait a step makes for what is missing.
 
 Swap-in is the expensive direction (a decode step waits for it), so it runs
-on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on NVMe or on a
-keyed tier comes up in two hops: that tier -> CPU, then CPU -> GPU as soon as it
-arrives (`arrived`); the fastest tier that holds it is read (NVMe first).
+on the HIGH queue in `swap_in_chunk_blocks` chunks. A block on a keyed tier
+(the NVMe slab, the store, ...) comes up in two hops: that tier -> CPU, then
+CPU -> GPU as soon as it arrives (`arrived`); the fastest tier that holds it is
+read (NVMe first).
 Time spent in `wait_ready` is the step's swap wait.
 """
 
@@ -138,7 +139,7 @@ class SwapIn:
                 elif CPU_TIER in block.copies:
                     self._wanted_on_gpu.add(block.block_id)  # on its way up to the CPU
         self.mover.submit(CPU_TO_GPU, HIGH_PRIORITY, to_gpu, evict=False)
-        for source in sorted(to_cpu, key=tier_rank):  # NVMe's chunks first, as they were
+        for source in sorted(to_cpu, key=tier_rank):  # the fastest tier's chunks first
             direction = direction_between(source, CPU_TIER)
             self.mover.submit(direction, HIGH_PRIORITY, to_cpu[source], evict=False)
 

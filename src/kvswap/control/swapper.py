@@ -52,18 +52,6 @@ class TierOccupancy:
     peak_used_blocks: int
 
 
-def keyed_tiers(keyed: Sequence[KeyedTier], layout: StoreLayout) -> tuple[Tier, ...]:
-    """The tier each of `keyed` is, fastest first (`keyed_tier_list`); a local one (the
-    NVMe slab by key) is never beside the slot NVMe: ValueError."""
-    tiers = keyed_tier_list([each.index.local for each in keyed])
-    if Tier.KEYED_NVME in tiers and layout.num_nvme_blocks > 0:
-        raise ValueError(
-            f"the NVMe slab by key is among the keyed tiers beside {layout.num_nvme_blocks} "
-            "slot NVMe blocks; allowed: one NVMe tier (nvme_kv_capacity_blocks = 0 with it)"
-        )
-    return tiers
-
-
 class Swapper:
     def __init__(
         self,
@@ -78,13 +66,13 @@ class Swapper:
         on_submit: SubmitHook | None = None,
     ):
         """`keyed`: the tiers addressed by key below the pinned pool, fastest first
-        (`keyed_tiers` names them); none: no keyed tier. `on_submit`: sees each chunk
+        (`keyed_tier_list` names them); none: no keyed tier. `on_submit`: sees each chunk
         and its blocks as it is submitted."""
         self.settings = settings
         self.options = options
         self._clock_s = clock_s
         # Read-only to everyone but the swapper's parts (tests and exporters look).
-        tiers = keyed_tiers(keyed, layout)
+        tiers = keyed_tier_list([each.index.local for each in keyed])
         self.store = BlockStore(
             layout, options,
             keyed_indexes={tier: each.index for tier, each in zip(tiers, keyed, strict=True)},

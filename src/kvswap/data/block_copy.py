@@ -18,7 +18,6 @@ import torch
 
 from kvswap.base.transfer import Direction, TransferChunk, TransferResult
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.host_pool import HostPool
 
 # Directions with a device-pool end: on CUDA they run on copy streams.
@@ -29,7 +28,6 @@ GPU_DIRECTIONS = frozenset({Direction.GPU_TO_CPU, Direction.CPU_TO_GPU})
 class Pools:
     device: DevicePool
     host: HostPool | None
-    disk: DiskPool | None
 
 
 @dataclass(frozen=True)
@@ -50,9 +48,9 @@ def copy_block(
     non_blocking: bool = False,
     byte_range: tuple[int, int] | None = None,
 ) -> None:
-    """Copy one block (block_bytes) from `src_slot` to `dst_slot`; with `byte_range`
-    (start, stop), only those bytes of it (GPU legs with the device pool in host
-    memory only: the CPU path's LOW pieces).
+    """Copy one block (block_bytes) from `src_slot` to `dst_slot` between the device
+    and host pools; with `byte_range` (start, stop), only those bytes of it (the
+    device pool in host memory only: the CPU path's LOW pieces).
 
     GPU legs with the device pool in host memory (no GPU): one memcpy between
     numpy rows of the two pools, which releases the GIL, so copy threads run
@@ -63,39 +61,32 @@ def copy_block(
     pools: indexing two tensors and wrapping each for numpy cost ~8 us a block,
     this whole call ~2 us (measured with 64-byte blocks).
     Other GPU legs are tensor copies ([block_bytes] uint8 views); with
-    `non_blocking` on CUDA they are queued on the current stream. NVMe legs are
-    synchronous file I/O and raise `DiskSlotError` for a slot that failed."""
+    `non_blocking` on CUDA they are queued on the current stream. (The keyed
+    tiers below the pinned pool move their own bytes: `kvswap.data.tiers`.)"""
     host = _host(pools)
-    if byte_range is not None and direction not in GPU_DIRECTIONS:
-        raise ValueError(f"a byte range is for GPU legs only, not {direction.value}")
-    if direction in GPU_DIRECTIONS:
-        device_rows = pools.device.host_byte_rows()
-        if device_rows is not None:
-            host_rows = host.byte_rows()
-            if direction is Direction.GPU_TO_CPU:
-                np.copyto(
-                    _row(host_rows, dst_slot, "host", byte_range),
-                    _row(device_rows, src_slot, "device", byte_range),
-                )
-            else:
-                np.copyto(
-                    _row(device_rows, dst_slot, "device", byte_range),
-                    _row(host_rows, src_slot, "host", byte_range),
-                )
-        elif byte_range is not None:
-            raise ValueError("a byte range needs the device pool in host memory")
-        elif direction is Direction.GPU_TO_CPU:
-            src = pools.device.byte_view(src_slot)
-            host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+    if direction not in GPU_DIRECTIONS:
+        raise ValueError(f"{direction.value}: not a leg between the device and host pools")
+    device_rows = pools.device.host_byte_rows()
+    if device_rows is not None:
+        host_rows = host.byte_rows()
+        if direction is Direction.GPU_TO_CPU:
+            np.copyto(
+                _row(host_rows, dst_slot, "host", byte_range),
+                _row(device_rows, src_slot, "device", byte_range),
+            )
         else:
-            src = host.byte_view(src_slot)
-            pools.device.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
-    elif direction is Direction.CPU_TO_NVME:
-        _disk(pools).write_slot(dst_slot, host.byte_view(src_slot))
-    elif direction is Direction.NVME_TO_CPU:
-        _disk(pools).read_slot(src_slot, host.byte_view(dst_slot))
-    else:  # pragma: no cover - Direction is closed
-        raise ValueError(f"unknown direction {direction!r}")
+            np.copyto(
+                _row(device_rows, dst_slot, "device", byte_range),
+                _row(host_rows, src_slot, "host", byte_range),
+            )
+    elif byte_range is not None:
+        raise ValueError("a byte range needs the device pool in host memory")
+    elif direction is Direction.GPU_TO_CPU:
+        src = pools.device.byte_view(src_slot)
+        host.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
+    else:
+        src = host.byte_view(src_slot)
+        pools.device.byte_view(dst_slot).copy_(src, non_blocking=non_blocking)
 
 
 def _row(
@@ -119,12 +110,6 @@ def _host(pools: Pools) -> HostPool:
     if pools.host is None:
         raise ValueError("this copy engine has no host pool")
     return pools.host
-
-
-def _disk(pools: Pools) -> DiskPool:
-    if pools.disk is None:
-        raise ValueError("this copy engine has no NVMe pool")
-    return pools.disk
 
 
 def failed_result(chunk: TransferChunk, start_s: float, error: str) -> TransferResult:

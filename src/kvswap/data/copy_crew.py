@@ -29,9 +29,8 @@ given a `copy_piece` takes its blocks in pieces of at most `low_piece_bytes`
 (a block is copied once all its pieces are), so what a HIGH chunk waits for
 is a piece, not a block.
 
-Failures: a copy that returns an error text loses that block alone (an NVMe
-slot); a copy that raises stops the batch: that block and every one not yet
-copied are reported lost. Nothing raises out of `start` but a bug in the crew.
+Failures: a copy that raises stops the batch: that block and every one not
+yet copied are reported lost. Nothing raises out of `start` but a bug in the crew.
 """
 
 from __future__ import annotations
@@ -45,11 +44,11 @@ from kvswap.data.block_copy import error_text
 from kvswap.data.link_arbiter import LinkArbiter
 from kvswap.units import ceil_div
 
-# copy(src_slot, dst_slot) -> None, or why that one block is lost (the batch goes on).
-PairCopy = Callable[[int, int], "str | None"]
+# copy(src_slot, dst_slot): one block (raising stops the batch).
+PairCopy = Callable[[int, int], None]
 # copy_piece(src_slot, dst_slot, piece, num_pieces): bytes [piece / num_pieces,
 # (piece + 1) / num_pieces) of the block, the same contract as PairCopy.
-PieceCopy = Callable[[int, int, int, int], "str | None"]
+PieceCopy = Callable[[int, int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,6 @@ class Batch:
         self.stopped = False  # a copy raised: take nothing more
         self.pieces_copied = [0] * len(pairs)
         self.errors: list[str] = []
-        self.lost_alone: set[int] = set()
         self.num_helpers = 0  # helpers inside now
         self.helper_yielded = False  # a helper left for a HIGH chunk
 
@@ -109,7 +107,7 @@ class Batch:
         failed = tuple(
             dst
             for index, (_src, dst) in enumerate(self.pairs)
-            if self.pieces_copied[index] < self.num_pieces or index in self.lost_alone
+            if self.pieces_copied[index] < self.num_pieces
         )
         return BatchOutcome(failed, tuple(self.errors))
 
@@ -157,23 +155,21 @@ class CopyCrew:
         *,
         num_bytes: int,
         yield_to: LinkArbiter | None,
-        spread: bool = True,
         on_done: OnDone | None = None,
         copy_piece: PieceCopy | None = None,
     ) -> Batch:
-        """Copy pairs on the calling thread (and, if `spread` and the batch is big
-        enough, on the helpers) until none is left to take; return the batch, whose
+        """Copy pairs on the calling thread (and, if the batch is big enough, on the
+        helpers) until none is left to take; return the batch, whose
         last pairs may still be in a helper's hands. `on_done` runs once all are
         copied or lost, on whichever thread leaves last. `yield_to`: for a LOW
         batch, the arbiter whose HIGH chunks go first; with `copy_piece`, a LOW
-        batch that may be spread copies its blocks in pieces of at most
-        `low_piece_bytes`."""
+        batch copies its blocks in pieces of at most `low_piece_bytes`."""
         num_pieces = 1
         pieces = bool(self.low_piece_bytes and pairs and copy_piece is not None)
-        if pieces and yield_to is not None and spread:
+        if pieces and yield_to is not None:
             num_pieces = max(1, ceil_div(num_bytes // len(pairs), self.low_piece_bytes))
         batch = Batch(pairs, copy, yield_to, on_done, copy_piece, num_pieces)
-        shared = spread and bool(self._threads) and len(pairs) > 1
+        shared = bool(self._threads) and len(pairs) > 1
         shared = shared and num_bytes >= self.min_spread_bytes
         if shared:
             with self._lock:
@@ -198,7 +194,6 @@ class CopyCrew:
         *,
         num_bytes: int,
         yield_to: LinkArbiter | None,
-        spread: bool = True,
         copy_piece: PieceCopy | None = None,
     ) -> BatchOutcome:
         """`start`, then wait until no thread touches the batch."""
@@ -207,7 +202,6 @@ class CopyCrew:
             copy,
             num_bytes=num_bytes,
             yield_to=yield_to,
-            spread=spread,
             copy_piece=copy_piece,
         )
         return batch.wait()[0]
@@ -244,18 +238,14 @@ class CopyCrew:
             src_slot, dst_slot = batch.pairs[index]
             try:
                 if batch.copy_piece is not None and batch.num_pieces > 1:
-                    lost = batch.copy_piece(src_slot, dst_slot, piece, batch.num_pieces)
+                    batch.copy_piece(src_slot, dst_slot, piece, batch.num_pieces)
                 else:
-                    lost = batch.copy(src_slot, dst_slot)
+                    batch.copy(src_slot, dst_slot)
             except Exception as exc:
                 with self._lock:
                     batch.stopped = True
                     batch.errors.append(error_text(exc))
                 return
-            if lost is not None:
-                with self._lock:
-                    batch.lost_alone.add(index)
-                    batch.errors.append(lost)
             done_index = index
 
     @staticmethod

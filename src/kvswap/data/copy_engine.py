@@ -1,16 +1,17 @@
 """The real copy engine: executes the control plane's chunks between the pools.
 
-`LocalCopyEngine` implements `kvswap.base.transfer.CopyEngine` over a
-device pool, a pinned host pool and (optionally) an NVMe slab. It decides
+`LocalCopyEngine` implements `kvswap.base.transfer.CopyEngine` between a
+device pool and a pinned host pool (the keyed tiers below the pinned pool move
+their own bytes: `kvswap.data.tiers`, `kvswap.data.remote_copy`). It decides
 nothing: the swapper picks slots, directions and priorities; this engine moves
 the bytes and reports, for every chunk, its id, bytes, start/end times (wall
 clock, `time.perf_counter` seconds), success and the destination slots that
 must not be trusted.
 
 Two queues (see `copy_workers` for how they run):
-  HIGH  swap-in CPU_TO_GPU, NVME_TO_CPU restore, prefetch  - always goes first,
-        on `prefetch_streams` lanes (CUDA streams / CPU threads) in parallel
-  LOW   swap-out GPU_TO_CPU, CPU_TO_NVME demotion           - one lane, yields to HIGH
+  HIGH  swap-in CPU_TO_GPU, prefetch  - always goes first, on `prefetch_streams`
+        lanes (CUDA streams / CPU threads) in parallel
+  LOW   swap-out GPU_TO_CPU           - one lane, yields to HIGH
 
 A result's start_s is when its worker began the chunk (CPU path) or when the
 GPU began its first copy (CUDA path); a LOW chunk's duration includes the time
@@ -29,12 +30,11 @@ import time
 import torch
 
 from kvswap.base.tier import Tier
-from kvswap.base.transfer import CopyEngine, Direction, Priority, TransferChunk, TransferResult
+from kvswap.base.transfer import CopyEngine, Priority, TransferChunk, TransferResult
 from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, failed_result
 from kvswap.data.copy_crew import CopyCrew
 from kvswap.data.copy_workers import QueueWorker
 from kvswap.data.device_pool import DevicePool
-from kvswap.data.disk_pool import DiskPool
 from kvswap.data.future_results import FutureResults
 from kvswap.data.host_pool import HostPool
 from kvswap.data.link_arbiter import LinkArbiter
@@ -64,7 +64,7 @@ MAX_PREFETCH_STREAMS = 8
 
 class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
     """Two prioritised copy queues over real pools: CUDA streams + events when the
-    device pool is on a GPU, worker threads otherwise (and for every NVMe leg).
+    device pool is on a GPU, worker threads otherwise.
     The HIGH queue runs on `prefetch_streams` lanes at once. Its lanes complete one
     future per chunk (`FutureResults`)."""
 
@@ -74,7 +74,6 @@ class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
         self,
         device_pool: DevicePool,
         host_pool: HostPool | None,
-        disk_pool: DiskPool | None = None,
         *,
         prefetch_streams: int = 1,
         max_in_flight_high_chunks: int = 4,
@@ -118,13 +117,8 @@ class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
                 f"host pool blocks are {host_pool.layout.block_bytes} bytes, "
                 f"device pool blocks {block_bytes} bytes; they must match"
             )
-        if disk_pool is not None and disk_pool.block_bytes != block_bytes:
-            raise ValueError(
-                f"NVMe pool blocks are {disk_pool.block_bytes} bytes, "
-                f"device pool blocks {block_bytes} bytes; they must match"
-            )
         self.block_bytes = block_bytes
-        self._pools = Pools(device=device_pool, host=host_pool, disk=disk_pool)
+        self._pools = Pools(device=device_pool, host=host_pool)
         self._use_cuda = device_pool.is_cuda
         self._arbiter = LinkArbiter()
         self.prefetch_streams = prefetch_streams
@@ -169,7 +163,7 @@ class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
     def submit(self, chunk: TransferChunk) -> None:
         self._validate(chunk)
         ready_event: torch.cuda.Event | None = None
-        if self._use_cuda and chunk.direction in GPU_DIRECTIONS:
+        if self._use_cuda:
             # Mark "now" on the caller's stream: the copy starts after the kernels
             # that produced (or still read) the device blocks it touches.
             ready_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -223,8 +217,11 @@ class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
             raise ValueError(f"transfer {tid}: the copy engine is closed")
         if self._is_pending(tid):
             raise ValueError(f"transfer {tid}: id already in use by a pending chunk")
-        if not isinstance(chunk.priority, Priority) or not isinstance(chunk.direction, Direction):
-            raise ValueError(f"transfer {tid}: bad priority or direction")
+        if not isinstance(chunk.priority, Priority) or chunk.direction not in GPU_DIRECTIONS:
+            raise ValueError(
+                f"transfer {tid}: bad priority or direction ({chunk.direction!r}); allowed: a "
+                "move between the device and host pools (a keyed tier moves its own bytes)"
+            )
         if chunk.num_blocks < 1 or len(chunk.dst_slots) != chunk.num_blocks:
             raise ValueError(
                 f"transfer {tid}: needs >= 1 block and as many destination as source slots, got "
@@ -252,13 +249,9 @@ class LocalCopyEngine(FutureResults[TransferChunk, TransferResult], CopyEngine):
     def _num_slots(self, tier: Tier, tid: int) -> int:
         if tier is Tier.GPU:
             return self._pools.device.num_blocks
-        if tier is Tier.CPU:
-            if self._pools.host is None:
-                raise ValueError(f"transfer {tid}: CPU direction but the engine has no host pool")
-            return self._pools.host.num_slots
-        if self._pools.disk is None:
-            raise ValueError(f"transfer {tid}: NVMe direction but the engine has no NVMe pool")
-        return self._pools.disk.num_slots
+        if self._pools.host is None:  # a CPU direction (the only other tier here)
+            raise ValueError(f"transfer {tid}: CPU direction but the engine has no host pool")
+        return self._pools.host.num_slots
 
 
 def _check_prefetch_streams(prefetch_streams: int) -> None:

@@ -13,18 +13,16 @@ chunks move at once; LOW has one. The control plane never submits a chunk
 whose source is another pending chunk's destination (a source must be a
 ready copy), so HIGH chunks may finish in any order.
 
-CPU path (no GPU, and every NVMe leg): a lane runs its chunk as one batch on
-the engine's `CopyCrew` (`CpuChunk`, below). With the device pool on
-the CPU, the crew's helper threads take blocks of the same chunk too, each
-block one memcpy that releases the GIL, so a chunk moves on every core; NVMe
-legs stay on their lane. The lane moves on to its next chunk once nothing of
-this one is left to take, and whichever thread copies a chunk's last block
-reports it. A LOW copy thread, before each block (each 512 KiB piece of a GPU
-leg's block), yields while any HIGH chunk is pending or running, so on the
-shared memory bus / disk a swap-in waits for at most one LOW piece (an NVMe
-leg: one block) per copy thread.
+CPU path (no GPU): a lane runs its chunk as one batch on the engine's
+`CopyCrew` (`CpuChunk`, below). With the device pool on the CPU, the crew's
+helper threads take blocks of the same chunk too, each block one memcpy that
+releases the GIL, so a chunk moves on every core. The lane moves on to its
+next chunk once nothing of this one is left to take, and whichever thread
+copies a chunk's last block reports it. A LOW copy thread, before each 512 KiB
+piece of a block, yields while any HIGH chunk is pending or running, so on the
+shared memory bus a swap-in waits for at most one LOW piece per copy thread.
 
-CUDA path (GPU legs when the device pool is on a GPU): a lane issues a chunk
+CUDA path (the device pool on a GPU): a lane issues a chunk
 on its stream (`CudaChunk`) and keeps up to `max_in_flight` chunks queued
 there before waiting for the oldest. LOW runs with one in flight: its next
 chunk is issued only after the previous one finished, so a HIGH chunk never
@@ -51,9 +49,8 @@ import torch
 
 from kvswap.base.transfer import Priority, TransferResult
 from kvswap.data import block_copy
-from kvswap.data.block_copy import GPU_DIRECTIONS, Job, Pools, error_text, failed_result
+from kvswap.data.block_copy import Job, Pools, error_text, failed_result
 from kvswap.data.copy_crew import BatchOutcome, CopyCrew
-from kvswap.data.disk_pool import DiskSlotError
 from kvswap.data.link_arbiter import LinkArbiter
 
 _EXITED = "copy worker exited"
@@ -212,7 +209,7 @@ class QueueWorker:
                     self._finish(in_flight.popleft(), held)
                 return
             held.append(job)
-            if not _runs_on_stream(job, lane):
+            if lane is None:
                 # Report earlier stream chunks before a long synchronous one (a
                 # crew chunk has reported itself, or will when its last block lands).
                 while in_flight and not isinstance(in_flight[0], CpuChunk):
@@ -233,7 +230,7 @@ class QueueWorker:
     def _start(self, job: Job, lane: torch.cuda.Stream | None) -> _Started:
         start_s = time.perf_counter()
         try:
-            if lane is not None and _runs_on_stream(job, lane):
+            if lane is not None:
                 return CudaChunk(job, self._pools, lane)
             yield_to = self._arbiter if self.priority is Priority.LOW else None
             return CpuChunk(job, self._pools, self._crew, yield_to=yield_to, report=self._report)
@@ -247,10 +244,6 @@ class QueueWorker:
             # An asynchronous copy failed: no block of the chunk can be trusted.
             result = failed_result(started.job.chunk, time.perf_counter(), error_text(exc))
         self._settle(started.job, result, held)
-
-
-def _runs_on_stream(job: Job, lane: torch.cuda.Stream | None) -> bool:
-    return lane is not None and job.chunk.direction in GPU_DIRECTIONS
 
 
 class CpuChunk:
@@ -269,10 +262,9 @@ class CpuChunk:
     result is set by whichever thread copies last, at that moment, so it is reported
     as early as if the lane had waited. `wait()` is the lane's check that no thread
     touches the chunk any more (before it exits, or drops it from what it holds).
-    GPU legs (the device pool in host memory) spread over the crew (a LOW one's
-    blocks in pieces, see copy_crew); NVMe legs stay on the lane, block by block.
-    Errors are per block: `DiskSlotError` loses that block; anything else stops the
-    chunk (copy_crew)."""
+    Its blocks (the device pool in host memory) spread over the crew (a LOW one's
+    blocks in pieces, see copy_crew). A copy that raises stops the chunk: that block
+    and every one not yet copied are lost (copy_crew)."""
 
     def __init__(
         self,
@@ -288,32 +280,26 @@ class CpuChunk:
         chunk = job.chunk
         direction = chunk.direction
 
-        def copy(src_slot: int, dst_slot: int) -> str | None:
-            try:
-                # Looked up at call time: tests replace it to inject faults and hooks.
-                block_copy.copy_block(pools, direction, src_slot, dst_slot)
-            except DiskSlotError as exc:
-                return str(exc)  # one bad NVMe slot loses one block; the chunk goes on
-            return None
+        def copy(src_slot: int, dst_slot: int) -> None:
+            # Looked up at call time: tests replace it to inject faults and hooks.
+            block_copy.copy_block(pools, direction, src_slot, dst_slot)
 
         block_bytes = chunk.num_bytes // chunk.num_blocks
 
-        def copy_piece(src_slot: int, dst_slot: int, piece: int, num_pieces: int) -> str | None:
+        def copy_piece(src_slot: int, dst_slot: int, piece: int, num_pieces: int) -> None:
             start_byte = piece * block_bytes // num_pieces
             stop_byte = (piece + 1) * block_bytes // num_pieces
             block_copy.copy_block(
                 pools, direction, src_slot, dst_slot, byte_range=(start_byte, stop_byte)
             )
-            return None
 
         self._batch = crew.start(
             list(zip(chunk.src_slots, chunk.dst_slots, strict=True)),
             copy,
             num_bytes=chunk.num_bytes,
             yield_to=yield_to,
-            spread=direction in GPU_DIRECTIONS,
             on_done=lambda outcome, end_s: report(job, self._result(outcome, end_s)),
-            copy_piece=copy_piece,  # GPU legs only (spread): no NVMe slot is split
+            copy_piece=copy_piece,
         )
 
     @property

@@ -112,7 +112,6 @@ def control_settings(
         block_tokens=block_tokens,
         num_gpu_blocks=capacities.num_gpu_blocks,
         num_cpu_blocks=capacities.num_cpu_blocks,
-        num_nvme_blocks=0,  # the NVMe slab is a keyed tier (the engine's, the simulator's)
         protected_blocks=swap.protected_sink_blocks,
         namespace=KeyNamespace(model_fingerprint=model_fingerprint, block_tokens=block_tokens),
     )

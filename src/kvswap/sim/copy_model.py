@@ -3,13 +3,13 @@
     separate engines (shared_copy_engine False)   one engine (shared_copy_engine True)
     GPU_TO_CPU  --> "gpu_to_cpu" link             GPU_TO_CPU --+
     CPU_TO_GPU  --> "cpu_to_gpu" link             CPU_TO_GPU --+--> "pcie" link
-    CPU_TO_NVME --> "nvme" link (one drive: reads and writes queue together)
-    NVME_TO_CPU --> "nvme" link
-    CPU_TO_REMOTE --> "cpu_to_remote" link  } with a keyed tier only (the shared store:
-    REMOTE_TO_CPU --> "remote_to_cpu" link  } a NIC is full duplex, one link per
-                                              direction; a tier whose `KeyedLink` is not
-                                              duplex, one "<tier>" link both ways); each
-                                              keyed tier below has its own ("cpu_to_remote2")
+    CPU_TO_NVME --> "nvme" link             } with a keyed tier only: the NVMe slab's
+    NVME_TO_CPU --> "nvme" link             } link is one drive (reads and writes queue
+    CPU_TO_REMOTE --> "cpu_to_remote" link  } together); the shared store's a NIC, full
+    REMOTE_TO_CPU --> "remote_to_cpu" link  } duplex, one link per direction (a tier
+                                              whose `KeyedLink` is not duplex has one
+                                              "<tier>" link both ways); each keyed tier
+                                              below has its own ("cpu_to_remote2")
 
 Each link has the two priority queues of the real engine (see `link.py`). On
 one shared engine a swap-in (HIGH) that arrives while a swap-out chunk (LOW)
@@ -88,13 +88,7 @@ class ModelledCopyEngine(CopyEngine):
 
         d2h = link("pcie" if hardware.shared_copy_engine else "gpu_to_cpu")
         h2d = d2h if hardware.shared_copy_engine else link("cpu_to_gpu")
-        nvme = link("nvme")
-        self.links: dict[Direction, Link] = {
-            Direction.GPU_TO_CPU: d2h,
-            Direction.CPU_TO_GPU: h2d,
-            Direction.CPU_TO_NVME: nvme,
-            Direction.NVME_TO_CPU: nvme,
-        }
+        self.links: dict[Direction, Link] = {Direction.GPU_TO_CPU: d2h, Direction.CPU_TO_GPU: h2d}
         for tier, (view, keyed_link) in self.keyed.items():
             down, up = direction_between(CPU_TIER, tier), direction_between(tier, CPU_TIER)
             # Requests pipelined on the connection overlap their round trips with the
@@ -171,10 +165,6 @@ class ModelledCopyEngine(CopyEngine):
     def chunk_time_s(self, direction: Direction, num_bytes: int) -> tuple[float, float]:
         """(overhead, data time) of one chunk before jitter."""
         hw = self.hardware
-        if direction is Direction.CPU_TO_NVME:
-            return hw.nvme_latency_s, num_bytes / (hw.nvme_write_gb_per_s * GB)
-        if direction is Direction.NVME_TO_CPU:
-            return hw.nvme_latency_s, num_bytes / (hw.nvme_read_gb_per_s * GB)
         if direction.keyed:
             tier = direction.src_tier if direction.upward else direction.dst_tier
             return self.keyed[tier][1].chunk_time_s(num_bytes, load=direction.upward)

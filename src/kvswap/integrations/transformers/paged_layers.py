@@ -146,7 +146,6 @@ class PagedLayers:
                 block_tokens=settings.block_tokens,
                 num_gpu_blocks=settings.resident_blocks,
                 num_cpu_blocks=settings.cpu_blocks,
-                num_nvme_blocks=0,  # the NVMe slab is a keyed tier
                 protected_blocks=settings.protected_sink_blocks,
                 namespace=namespace,
             ),
