@@ -342,6 +342,15 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
     between_steps(a, engine, 10)
     assert blocks[2] not in {b.key for b in a.swapper.store.blocks.values()}
     assert a.swapper.metrics.evictions_by_reason["nvme_discard"] == 1
+    # A sequence that finds the first two blocks in the block table takes references
+    # to blocks the slab alone holds: the slab holds their keys until they are on the
+    # GPU again or nobody references them (it would evict them otherwise).
+    assert not slab.held
+    assert a.swapper.open_sequence(99, list(range(1, 10))) == 4
+    assert slab.held == {blocks[0]: 1, blocks[1]: 1}
+    a.swapper.check_integrity()
+    a.swapper.release(99)
+    assert not slab.held
     # The first prompt again: its first two blocks are found in the block table, on the
     # slab; the slab is asked only for what follows them, once.
     lookups = len(slab.lookups)
@@ -349,7 +358,8 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
     run_step(a)
     assert [keys[0] for keys in slab.lookups[lookups:]] == [blocks[2]]
     between_steps(a, engine, 11)
-    assert a.swapper.metrics.snapshot()["prefix_hit_blocks_by_tier"]["nvme"] == 2
+    # Two hits each, sequence 99's and request 3's.
+    assert a.swapper.metrics.snapshot()["prefix_hit_blocks_by_tier"]["nvme"] == 4
 
 
 def test_an_eviction_from_the_local_tier_reaches_every_block_with_that_key() -> None:

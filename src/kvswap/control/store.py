@@ -530,6 +530,8 @@ class BlockStore:
         first = block.ref_count == 1 or (protected and block.num_protected_refs == 1)
         running_now = state.running and block.num_running_refs == 1
         self._policies.changed(block, gpu=first or running_now)
+        if block.ref_count == 1:  # a prefix hit on a block a keyed tier alone holds
+            self._holds.sync(block)
 
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
