@@ -19,6 +19,9 @@ from kvswap.base.tier import Tier
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.base.write_policy import RemoteWritePolicy
 from kvswap.config_load import load_config
+from kvswap.control.policy import named_policy
+from kvswap.control.policy_arc import ArcPolicy
+from kvswap.control.policy_lru import LruPolicy
 from kvswap.errors import KvSwapError
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
@@ -29,9 +32,19 @@ from kvswap.sim.remote_store import SharedRemoteStore, StoreCounters
 from kvswap.sim.routing import Route, route_requests, split_workload
 from kvswap.sim.simulator import Simulator
 from kvswap.workload.request import FollowUp, Request, Workload
+from tests.unit.test_eviction_policies import FifoPolicy
 from tests.unit.test_sim_cli import SMALL_FLAGS, call
 
 BLOCK_BYTES = 2_000_000
+
+
+def slab_store(num_blocks: int, block_bytes: int, *, local: bool = False) -> SharedRemoteStore:
+    """kvswap's NVMe slab by key as the simulator models it: `num_blocks` blocks, an LRU
+    over their keys, holding keys (`local`: one engine's own)."""
+    policy = named_policy(Tier.NVME, "lru", capacity_blocks=num_blocks)
+    return SharedRemoteStore.holding(num_blocks, block_bytes, policy, local=local)
+
+
 RTT_S = 0.2e-3
 BLOCK_S = BLOCK_BYTES / 2.5e9  # 0.8 ms
 KEYS = tuple(bytes([i]) * 32 for i in range(8))
@@ -161,10 +174,10 @@ def test_keys_expire_after_the_ttl_and_a_rewrite_starts_it_again() -> None:
 
 
 def test_a_store_that_holds_keys_never_evicts_a_held_one() -> None:
-    """The keyed tier of this process (`holds_keys`): a held key leaves the LRU order
-    until its last release; with every key held a write fails. A plain store (Redis's
-    model) ignores holds."""
-    store, tally = SharedRemoteStore(capacity_bytes=2, holds_keys=True), StoreCounters()
+    """The NVMe slab's model (`holding`): a held key is never a victim until its last
+    release; with every key held a write fails. A plain store (Redis's model) ignores
+    holds."""
+    store, tally = slab_store(2, 1), StoreCounters()
     a, b, c, d = KEYS[:4]
     store.hold((a, b))
     store.hold((a,))
@@ -182,8 +195,6 @@ def test_a_store_that_holds_keys_never_evicts_a_held_one() -> None:
     plain.hold((a,))
     plain.write((a, b), 1, 0.0, tally)
     assert a not in plain and b in plain and plain.num_held_keys == 0
-    with pytest.raises(ValueError, match="no TTL"):
-        SharedRemoteStore(ttl_s=1.0, holds_keys=True)
 
 
 # --------------------------------------------------------------- the routing
@@ -264,9 +275,11 @@ def test_engines_each_with_a_slab_of_its_own_in_front_of_the_shared_store() -> N
     keyed NVMe slab); the second engine still finds the first one's prompt in the
     store, as the store's second keyed tier, and the tokens are the same."""
     slabs: list[SharedRemoteStore] = []
+    config = load_config(None, overrides=SMALL)
+    block_bytes = Simulator(config, hardware_preset("article-40gb")).setup.block_bytes
 
     def slab() -> list[ModelledKeyedTier]:
-        slabs.append(SharedRemoteStore(holds_keys=True))
+        slabs.append(slab_store(4096, block_bytes))
         link = KeyedLink.nvme(hardware_preset("article-40gb"))
         return [ModelledKeyedTier(slabs[-1], link, "on_demote")]
 
@@ -336,7 +349,7 @@ def paused_in_the_store(holds_keys: bool) -> tuple[dict[str, Any], SharedRemoteS
     config = load_config(None, overrides={**PAUSING, "remote_write_policy": "on_demote"})
     hardware = hardware_preset("article-40gb")
     block_bytes = Simulator(config, hardware).control.settings.swap.block_bytes
-    store = SharedRemoteStore(capacity_bytes=20 * block_bytes, holds_keys=holds_keys)
+    store = slab_store(20, block_bytes) if holds_keys else SharedRemoteStore(20 * block_bytes)
     simulator = Simulator(config, hardware, remote_store=store)
     out = simulator.run(Workload(paused_requests(), "paused", 32_000)).to_json()
     simulator.control.swapper.check_integrity()  # every hold in step with its block
@@ -357,6 +370,27 @@ def test_a_store_that_holds_keys_keeps_every_paused_sequences_blocks() -> None:
     assert held["lost_blocks"] == 0 and held["outputs_digest"] == plain["outputs_digest"]
 
 
+def test_the_simulated_slab_evicts_by_the_engines_nvme_eviction_policy() -> None:
+    """The simulator's NVMe slab is ranked as the engine's is: by `nvme_eviction_policy`
+    (built by name for the slab's size, a class of one's own included), over the slab's
+    own index. The tokens do not depend on it."""
+    workload = Workload(paused_requests(), "paused", 32_000)
+    fifo = "tests.unit.test_eviction_policies:FifoPolicy"
+    digests = set()
+    slab = {**PAUSING, "nvme_kv_capacity_blocks": 24, "nvme_dir": "/var/tmp/kvswap"}  # modelled
+    for name, cls in (("lru", LruPolicy), ("arc", ArcPolicy), (fifo, FifoPolicy)):
+        config = load_config(None, overrides={**slab, "nvme_eviction_policy": name})
+        simulator = Simulator(config, hardware_preset("article-40gb"))
+        store = simulator.views[0].store
+        policy = store.eviction_policy
+        assert type(policy) is cls and policy.options.capacity_blocks == 24
+        out = simulator.run(workload).to_json()
+        simulator.control.swapper.check_integrity()
+        assert out["nvme_slab"]["evictions"] > 0 and out["lost_blocks"] == 0
+        digests.add(out["outputs_digest"])
+    assert len(digests) == 1
+
+
 def test_a_list_of_keyed_tiers_each_reached_over_its_link_and_written_by_its_policy() -> None:
     """A keyed NVMe slab of the engine's own (on_demote, the drive's one link, holding
     paused sequences' keys) in front of a shared store (on_finish, the network's two):
@@ -369,7 +403,7 @@ def test_a_list_of_keyed_tiers_each_reached_over_its_link_and_written_by_its_pol
     plain = Simulator(config, hardware)
     block_bytes = plain.control.settings.swap.block_bytes
     reference = plain.run(workload).to_json()
-    slab = SharedRemoteStore(capacity_bytes=60 * block_bytes, holds_keys=True)
+    slab = slab_store(60, block_bytes)
     shared = SharedRemoteStore()
     keyed = (ModelledKeyedTier(slab, KeyedLink.nvme(hardware), "on_demote"),
              ModelledKeyedTier(shared, write_policy="on_finish"))  # fmt: skip
@@ -389,7 +423,7 @@ def test_a_list_of_keyed_tiers_each_reached_over_its_link_and_written_by_its_pol
     later = out["duration_s"]
     repeat = Workload(tuple(replace(r, arrival_s=later + r.arrival_s) for r in requests[:4]),
                       "again", 32_000)  # fmt: skip
-    fresh = SharedRemoteStore(capacity_bytes=60 * block_bytes, holds_keys=True)
+    fresh = slab_store(60, block_bytes)
     again = Simulator(config, hardware, keyed=(replace(keyed[0], store=fresh), keyed[1]))
     hits = again.run(repeat).to_json()["prefix_hit_rate_by_tier"]
     assert hits["remote2"] > 0.5 and hits["remote"] == 0.0
@@ -473,7 +507,7 @@ def test_a_local_slab_is_the_nvme_tier_and_its_evictions_are_forgotten() -> None
     plain = Simulator(config, hardware)
     block_bytes = plain.control.settings.swap.block_bytes
     reference = plain.run(workload).to_json()
-    slab = SharedRemoteStore(capacity_bytes=24 * block_bytes, holds_keys=True, local=True)
+    slab = slab_store(24, block_bytes, local=True)
     simulator = Simulator(
         config, hardware, keyed=(ModelledKeyedTier(slab, KeyedLink.nvme(hardware), "on_demote"),)
     )
@@ -491,5 +525,3 @@ def test_a_local_slab_is_the_nvme_tier_and_its_evictions_are_forgotten() -> None
     assert on_slab and all(block.key in slab for block in on_slab)
     with pytest.raises(ValueError, match="one view only"):
         slab.view(simulator.clock)
-    with pytest.raises(ValueError, match="give holds_keys=True"):
-        SharedRemoteStore(local=True)

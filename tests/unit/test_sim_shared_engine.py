@@ -14,8 +14,10 @@ import math
 
 import pytest
 
+from kvswap.base.tier import Tier
 from kvswap.base.transfer import Direction, Priority, TransferChunk
 from kvswap.bench.report import BenchReport, BenchResult
+from kvswap.control.policy import named_policy
 from kvswap.sim.clock import VirtualClock
 from kvswap.sim.copy_model import ModelledCopyEngine
 from kvswap.sim.hardware import (
@@ -43,7 +45,8 @@ def engine(*, shared: bool, nvme_slab: bool = False) -> ModelledCopyEngine:
         hardware_preset("article-40gb"), transfer_overhead_s=0.0, shared_copy_engine=shared
     )
     clock = VirtualClock()
-    slab = ModelledKeyedTier.slab(1024, BLOCK_BYTES, hw)
+    policy = named_policy(Tier.NVME, "lru", capacity_blocks=1024)
+    slab = ModelledKeyedTier.slab(1024, BLOCK_BYTES, hw, policy)
     keyed = [(slab.store.view(clock), slab.link)] if nvme_slab else []
     return ModelledCopyEngine(hw, clock, prefetch_streams=1, keyed=keyed)
 

@@ -3,8 +3,8 @@
 The control plane keeps a list of keyed tiers below the pinned pool, fastest
 first (`kvswap.control.remote_tier`); the simulator models each as
 
-    store          a `SharedRemoteStore` (shared by engines, or this engine's own:
-                   with `holds_keys`, kvswap's NVMe slab by key)
+    store          a `SharedRemoteStore` (shared by engines, or kvswap's NVMe slab by
+                   key: `SharedRemoteStore.holding`, this engine's own when `local`)
     link           how it is reached (`KeyedLink`): each way's rate, a chunk's
                    latency, a lookup's round trip, and whether reads and writes
                    each have a link (a NIC) or share one (a drive)
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvswap.base.eviction_policy import EvictionPolicy
 from kvswap.base.write_policy import WRITE_POLICIES
 from kvswap.sim.hardware import HardwareProfile
 from kvswap.sim.remote_store import SharedRemoteStore
@@ -74,13 +75,15 @@ class ModelledKeyedTier:
     write_policy: str | None = None  # None: as `tiers.remote_write_policy` says
 
     @classmethod
-    def slab(cls, num_blocks: int, block_bytes: int, profile: HardwareProfile) -> ModelledKeyedTier:
+    def slab(
+        cls, num_blocks: int, block_bytes: int, profile: HardwareProfile, policy: EvictionPolicy
+    ) -> ModelledKeyedTier:
         """An engine's own NVMe slab of `num_blocks` by key (kvswap's `NvmeTier` opened
-        `local`): an LRU over its keys passing over held ones, saying what it evicted,
-        reached over the profile's drive, written as blocks leave the pinned pool. (The
-        engine's slab evicts by `nvme_eviction_policy`; "kvswap" and "lru" there are this
-        LRU, the others are not modelled.)"""
-        store = SharedRemoteStore(num_blocks * block_bytes, holds_keys=True, local=True)
+        `local`, with its index): evicting by `policy` (the engine's
+        `nvme_eviction_policy`, built for `num_blocks`) and never a held key, saying
+        what it evicted, reached over the profile's drive, written as blocks leave the
+        pinned pool."""
+        store = SharedRemoteStore.holding(num_blocks, block_bytes, policy, local=True)
         return cls(store, KeyedLink.nvme(profile), "on_demote")
 
     def __post_init__(self) -> None:

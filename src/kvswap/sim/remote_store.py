@@ -29,13 +29,14 @@ has polled since. Evictions happen in the order the simulation processes the
 writes, which can be up to one step of the writing engine earlier in virtual
 time than a real store would evict; that is the one approximation.
 
-With `holds_keys` it models instead a keyed tier that evicts by its own LRU and
-can hold keys (kvswap's NVMe by key, `kvswap.data.tiers.nvme_tier`): a held key
-(`hold` / `release`, counted per key; a key may be held before its write lands)
-leaves the LRU order until its last release, is never evicted, and a write that
-finds every key held fails. Such a store has no TTL. With `local` too it is one
-engine's own (one view only) and says what it evicted (`RemoteIndex.evicted_keys`),
-so the engine forgets those copies as kvswap's NVMe by key lets it.
+`SharedRemoteStore.holding` models instead kvswap's NVMe slab by key
+(`kvswap.data.tiers.nvme_tier`) with the slab's own index, `KeySlots`: slots of
+one block by key, evicting by the slab's policy (`nvme_eviction_policy`), a held
+key (`hold` / `release`, counted per key; a key may be held before its write
+lands) never a victim, a write that finds every key held failing. Such a store
+has no TTL. With `local` too it is one engine's own (one view only) and says
+what it evicted (`RemoteIndex.evicted_keys`), so the engine forgets those copies
+as kvswap's NVMe by key lets it.
 
 Counters are kept for the whole store and for each engine's view: keys found
 and missed by lookups and reads, keys written, evictions, expirations, bytes.
@@ -44,10 +45,12 @@ and missed by lookups and reads, keys written, evictions, expirations, bytes.
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvswap.base.eviction_policy import EvictionPolicy
+from kvswap.base.key_slots import KeySlots, NoSlot
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.sim.clock import VirtualClock
 
@@ -91,24 +94,15 @@ Settle = Callable[[float], None]
 class SharedRemoteStore:
     """Block keys -> presence, shared by every simulated engine (see the module)."""
 
-    def __init__(
-        self,
-        capacity_bytes: int | None = None,
-        *,
-        ttl_s: float = 0.0,
-        holds_keys: bool = False,
-        local: bool = False,
-    ):
+    def __init__(self, capacity_bytes: int | None = None, *, ttl_s: float = 0.0):
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or capacity_bytes < 1):
             raise ValueError(f"capacity_bytes must be >= 1 or None, got {capacity_bytes!r}")
         if not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"ttl_s must be a finite number >= 0, got {ttl_s!r}")
-        if holds_keys and ttl_s > 0:
-            raise ValueError(f"a store that holds keys has no TTL, got ttl_s={ttl_s!r}")
-        if local and not holds_keys:
-            raise ValueError("a local store (one engine's own) holds keys: give holds_keys=True")
-        self.holds_keys = holds_keys
-        self.local = local
+        self.local = False
+        # The NVMe slab's index (`holding`); None: Redis's model (an LRU, a TTL).
+        self._slots: KeySlots | None = None
+        self._block_bytes = 0  # `holding`: every value's size
         self._evicted: list[bytes] = []  # local: keys evicted since the view last asked
         self._num_views = 0
         self.capacity_bytes = capacity_bytes  # None: unbounded
@@ -116,47 +110,57 @@ class SharedRemoteStore:
         self.counters = StoreCounters()
         self.used_bytes = 0
         self.peak_used_bytes = 0
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recent first
-        self._held_entries: dict[bytes, _Entry] = {}  # stored and held: out of the LRU order
-        self._holds: Counter[bytes] = Counter()  # key -> holds not yet released
+        # Redis's model: least recent first. The slab's: the keys it holds, each visible
+        # from when its write ended (which key leaves is the index's to say).
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._settlers: list[Settle] = []
 
+    @classmethod
+    def holding(
+        cls, num_blocks: int, block_bytes: int, policy: EvictionPolicy, *, local: bool = False
+    ) -> SharedRemoteStore:
+        """kvswap's NVMe slab by key (module docstring): `num_blocks` blocks of
+        `block_bytes`, evicting by `policy` (built for `num_blocks`), holding keys;
+        `local`: one engine's own (`NvmeTier(local=True)`)."""
+        store = cls(num_blocks * block_bytes)
+        store._slots = KeySlots(num_blocks, policy, keep_evicted=True)
+        store._block_bytes = block_bytes
+        store.local = local
+        return store
+
+    @property
+    def holds_keys(self) -> bool:
+        """Whether it is the NVMe slab's model, which holds keys (`holding`)."""
+        return self._slots is not None
+
+    @property
+    def eviction_policy(self) -> EvictionPolicy | None:
+        """The slab's policy (`holding`); None for Redis's model (an LRU)."""
+        return None if self._slots is None else self._slots.policy
+
     def __len__(self) -> int:
-        return len(self._entries) + len(self._held_entries)
+        return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries or key in self._held_entries
+        return key in self._entries
 
     # ------------------------------------------------------------------ holds
 
     def hold(self, keys: Sequence[bytes]) -> None:
-        """Keep `keys` from eviction until as many `release`s (module docstring)."""
-        if not self.holds_keys:
-            return
-        for key in keys:
-            self._holds[key] += 1
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._held_entries[key] = entry
+        """Keep `keys` from eviction until as many `release`s (module docstring); a
+        store that cannot hold keys ignores it."""
+        if self._slots is not None:
+            self._slots.hold(keys)
 
     def release(self, keys: Sequence[bytes]) -> None:
-        """End one `hold` of each of `keys`; a key left unheld is the most recently used."""
-        if not self.holds_keys:
-            return
-        for key in keys:
-            if self._holds[key] < 1:
-                raise ValueError("release of a key not held")
-            self._holds[key] -= 1
-            if self._holds[key] == 0:
-                del self._holds[key]
-                entry = self._held_entries.pop(key, None)
-                if entry is not None:
-                    self._entries[key] = entry
+        """End one `hold` of each of `keys` (ValueError for a key not held)."""
+        if self._slots is not None:
+            self._slots.release(keys)
 
     @property
     def num_held_keys(self) -> int:
         """Keys held now (stored or not yet)."""
-        return len(self._holds)
+        return 0 if self._slots is None else self._slots.num_held_keys
 
     def attach(self, settle: Settle) -> None:
         """Register an engine's copy engine: `settle(t_s)` records the writes it
@@ -198,13 +202,17 @@ class SharedRemoteStore:
         self._settle(now_s)
         missing: list[int] = []
         num_bytes = 0
+        slots = self._slots
         for index, key in enumerate(keys):
             entry = self._present(key, now_s)
             if entry is None:
                 missing.append(index)
                 continue
-            if key in self._entries:  # a held key is out of the LRU order
+            if slots is None:
                 self._entries.move_to_end(key)
+            else:  # read at once: the slab's most recently used
+                slots.begin_read(key)
+                slots.end_read(key, good=True)
             num_bytes += entry.num_bytes
         for tally in (self.counters, counters):
             tally.read_hit_keys += len(keys) - len(missing)
@@ -222,8 +230,11 @@ class SharedRemoteStore:
         counters: StoreCounters,
     ) -> list[int]:
         """Store `keys` (each `value_bytes`), visible from `visible_s`, evicting the
-        least recently used keys past the capacity; returns the positions that
-        could not be stored (a value larger than the whole store)."""
+        least recently used keys past the capacity (the slab: its policy's victims);
+        returns the positions that could not be stored (a value larger than the
+        whole store, or with the slab every key held)."""
+        if self._slots is not None:
+            return self._write_slots(keys, value_bytes, visible_s, counters)
         failed: list[int] = []
         expires_s = visible_s + self.ttl_s if self.ttl_s > 0 else math.inf
         for index, key in enumerate(keys):
@@ -231,8 +242,6 @@ class SharedRemoteStore:
                 failed.append(index)
                 continue
             old = self._entries.pop(key, None)
-            if old is None:
-                old = self._held_entries.pop(key, None)
             visible_s_of_key = visible_s
             if old is not None:
                 self.used_bytes -= old.num_bytes
@@ -241,22 +250,55 @@ class SharedRemoteStore:
                     visible_s_of_key = min(old.visible_s, visible_s)
                     for tally in (self.counters, counters):
                         tally.already_present += 1
-            if not self._make_room(value_bytes, counters):
-                failed.append(index)  # every key left is held
-                continue
-            entry = _Entry(value_bytes, visible_s_of_key, expires_s)
-            if key in self._holds:
-                self._held_entries[key] = entry
-            else:
-                self._entries[key] = entry
+            self._make_room(value_bytes, counters)
+            self._entries[key] = _Entry(value_bytes, visible_s_of_key, expires_s)
             self.used_bytes += value_bytes
+        self._wrote(len(keys), failed, value_bytes, counters)
+        return failed
+
+    def _write_slots(
+        self, keys: Sequence[bytes], value_bytes: int, visible_s: float, counters: StoreCounters
+    ) -> list[int]:
+        """`write` to the slab's model: each key claims a slot of the index (a victim's
+        when none is free), its write landing at once; a key held already stays as it
+        is (a block never changes), a key with no victim fails."""
+        slots = self._slots
+        assert slots is not None
+        if value_bytes != self._block_bytes:
+            raise ValueError(f"a {value_bytes}-byte value in a slab of {self._block_bytes}")
+        failed: list[int] = []
+        for index, key in enumerate(keys):
+            slot = slots.claim(key)
+            if slot is NoSlot.PRESENT:
+                for tally in (self.counters, counters):
+                    tally.already_present += 1
+                continue
+            if isinstance(slot, NoSlot):
+                failed.append(index)  # every key is held
+                continue
+            slots.written(key)
+            for evicted in slots.take_evicted():
+                victim = self._entries.pop(evicted)
+                self.used_bytes -= victim.num_bytes
+                if self.local:
+                    self._evicted.append(evicted)
+                for tally in (self.counters, counters):
+                    tally.evictions += 1
+                    tally.evicted_bytes += victim.num_bytes
+            self._entries[key] = _Entry(value_bytes, visible_s, math.inf)
+            self.used_bytes += value_bytes
+        self._wrote(len(keys), failed, value_bytes, counters)
+        return failed
+
+    def _wrote(
+        self, num_keys: int, failed: list[int], value_bytes: int, counters: StoreCounters
+    ) -> None:
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
-        stored = len(keys) - len(failed)
+        stored = num_keys - len(failed)
         for tally in (self.counters, counters):
             tally.written_keys += stored
             tally.write_failed_keys += len(failed)
             tally.bytes_written += stored * value_bytes
-        return failed
 
     def to_json(self) -> dict[str, object]:
         """The store's state and counters (the `remote_store` key of a summary)."""
@@ -278,8 +320,7 @@ class SharedRemoteStore:
     def _present(self, key: bytes, now_s: float) -> _Entry | None:
         entry = self._entries.get(key)
         if entry is None:
-            held = self._held_entries.get(key)  # never expires: no TTL with holds
-            return held if held is not None and held.visible_s <= now_s else None
+            return None
         if entry.expires_s <= now_s:
             del self._entries[key]  # lazy expiry, as Redis does on access
             self.used_bytes -= entry.num_bytes
@@ -287,21 +328,18 @@ class SharedRemoteStore:
             return None
         return entry if entry.visible_s <= now_s else None
 
-    def _make_room(self, num_bytes: int, counters: StoreCounters) -> bool:
-        """Evict the least recently used unheld keys until `num_bytes` fit; False when
-        they do not even then (every key left is held)."""
+    def _make_room(self, num_bytes: int, counters: StoreCounters) -> None:
+        """Evict the least recently used keys until `num_bytes` fit (Redis's model; the
+        caller checked the value fits the whole store)."""
         capacity = self.capacity_bytes
         if capacity is None:
-            return True
+            return
         while self._entries and self.used_bytes + num_bytes > capacity:
-            key, victim = self._entries.popitem(last=False)
+            _key, victim = self._entries.popitem(last=False)
             self.used_bytes -= victim.num_bytes
-            if self.local:
-                self._evicted.append(key)
             for tally in (self.counters, counters):
                 tally.evictions += 1
                 tally.evicted_bytes += victim.num_bytes
-        return self.used_bytes + num_bytes <= capacity
 
 
 class RemoteStoreView(RemoteIndex):

@@ -30,16 +30,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvswap.base.tier import Tier
 from kvswap.base.transfer import Direction, TransferChunk
 from kvswap.config import KvSwapConfig
 from kvswap.control.blocks import Block
-from kvswap.control.policy import PolicyOptions
+from kvswap.control.policy import PolicyOptions, named_policy
 from kvswap.control.scheduler import Scheduler
 from kvswap.control.scheduler_records import StepPlan
 from kvswap.drive.assembly import build_control_plane, keyed_tiers
 from kvswap.drive.backend import Backend, StepOutput
 from kvswap.drive.loop import Driver, drive
-from kvswap.drive.settings import control_settings
+from kvswap.drive.settings import control_settings, policy_options
 from kvswap.drive.summary import RunSummary
 from kvswap.model.description import ModelDescription
 from kvswap.model.kv_identity import kvswap_identity
@@ -159,9 +160,13 @@ class Simulator(Backend):
             if keyed:
                 raise ValueError("give remote_store or keyed tiers, not both")
             keyed = (ModelledKeyedTier(remote_store),)
-        if setup.capacities.num_nvme_blocks:
-            slab = ModelledKeyedTier.slab(setup.capacities.num_nvme_blocks, setup.block_bytes,
-                                          hardware)  # fmt: skip
+        policy = options.policy if options.policy is not None else policy_options(config)
+        num_nvme_blocks = setup.capacities.num_nvme_blocks
+        if num_nvme_blocks:  # ranked as the engine's slab is, by nvme_eviction_policy
+            slab_policy = named_policy(
+                Tier.NVME, policy.policy_name(Tier.NVME), capacity_blocks=num_nvme_blocks
+            )
+            slab = ModelledKeyedTier.slab(num_nvme_blocks, setup.block_bytes, hardware, slab_policy)
             keyed = (slab, *keyed)
         links = [each.link or KeyedLink.remote(hardware) for each in keyed]
         # Each keyed tier's view of its store, on this engine's clock.
@@ -184,7 +189,7 @@ class Simulator(Backend):
         ).fingerprint()  # fmt: skip
         settings = control_settings(
             config, setup.capacities, block_bytes=setup.block_bytes,
-            model_fingerprint=fingerprint, policy=options.policy,
+            model_fingerprint=fingerprint, policy=policy,
             shared_store=bool(self.views),
         )  # fmt: skip
         self.control = build_control_plane(

@@ -1,14 +1,11 @@
 """The NVMe slab as a keyed secondary tier: `DiskPool` slots by block key, evicting by policy.
 
-    index    key -> (slot, state, readers)      WRITING: being stored, not yet found
-                                                READY:   written; found by lookup and loads
-                                                BAD:     failed a read; dropped with its
-                                                         last reader
-    free     slots no key takes
-    holds    key -> holds not yet released (a key may be held before its store lands)
-    policy   the eviction policy the caller built for the NVMe tier (the adapters:
-             `kvswap.control.policy.named_policy`) over the keys stored; one lock
-             guards all four, and the copies run outside it
+Which key has which slot, which keys are held and which one leaves for a new
+one is the slab's index, `kvswap.base.key_slots.KeySlots` (the simulator models
+the slab with the same index): key -> (slot, WRITING / READY / BAD, readers),
+the free slots, the holds and the eviction policy the caller built for the
+NVMe tier (the adapters: `kvswap.control.policy.named_policy`). One lock guards
+it, and the copies run outside it.
 
 A store job (on a store lane), key by key:
     stored already (READY, WRITING)    succeeds without a copy: a block never changes
@@ -29,16 +26,13 @@ with it (`DiskPool.read_slot`): a mismatch (or a read error) fails the key and
 drops the entry (`corrupt_blocks`), so a corrupt value is a miss, never bytes
 served. A good read makes the key the most recently used.
 
-The policy sees each key as a cache entry whose only copy is here
-(`BlockFacts`), busy while it is written or read, referenced and busy while
-held; under "kvswap" and "lru" alike the least recently stored or loaded key
-leaves first. The tier owns the `DiskPool`: `close()` closes it (the slab file
-is removed unless persisted).
+The policy sees each key as `KeySlots` describes (under "kvswap" and "lru"
+alike the least recently stored or loaded key leaves first). The tier owns the
+`DiskPool`: `close()` closes it (the slab file is removed unless persisted).
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import Counter
@@ -46,36 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvswap.base.eviction_policy import BlockFacts, EvictionPolicy
+from kvswap.base.eviction_policy import EvictionPolicy
+from kvswap.base.key_slots import KeySlots, NoSlot
 from kvswap.data.disk_pool import DiskPool, DiskSlotError
 from kvswap.data.tiers.base import HostSlots, JobResult, TransferJob, as_host_slots, job_result
 from kvswap.data.tiers.lanes import LaneTier, Totals
-
-
-class _State(enum.Enum):
-    WRITING = "writing"
-    READY = "ready"
-    BAD = "bad"
-
-
-class _NoSlot(enum.Enum):
-    """Why `_claim` hands out no slot."""
-
-    PRESENT = "present"  # the key is stored already: nothing to write
-    FULL = "full: every key is being read, written or held"  # no victim
-    DROPPING = "its old value failed a read and is being dropped"
-
-
-@dataclass
-class _Entry:
-    slot: int
-    state: _State = _State.WRITING
-    num_readers: int = 0
-
-    def facts(self, held: bool) -> BlockFacts:
-        busy = held or self.state is not _State.READY or self.num_readers > 0
-        return BlockFacts(referenced=held, running=False, sink=False, busy=busy,
-                          clean=False, ready_above=False, lost=False)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,13 +84,9 @@ class NvmeTier(LaneTier):
                 "they must match"
             )
         self.disk = disk
-        self._policy = policy
-        self._lock = threading.Lock()  # guards the index, the free slots and the policy
-        self._index: dict[bytes, _Entry] = {}
-        self._holds: Counter[bytes] = Counter()  # key -> holds not yet released
+        self._lock = threading.Lock()  # guards the index
+        self._slots = KeySlots(disk.num_slots, policy, keep_evicted=local)
         self._local = local
-        self._evicted: list[bytes] = []  # local: victims' keys not yet taken
-        self._free = list(range(disk.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._totals = Totals(NvmeTierStats())
         super().__init__(
             slots, name="nvme", num_load_lanes=num_read_lanes, num_store_lanes=num_write_lanes,
@@ -132,11 +97,7 @@ class NvmeTier(LaneTier):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         with self._lock:
-            for count, key in enumerate(keys):
-                entry = self._index.get(key)
-                if entry is None or entry.state is not _State.READY:
-                    return count
-        return len(keys)
+            return self._slots.lookup(keys)
 
     @property
     def local(self) -> bool:
@@ -144,8 +105,7 @@ class NvmeTier(LaneTier):
 
     def evicted_keys(self) -> Sequence[bytes]:
         with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
+            return self._slots.take_evicted()
 
     @property
     def write_policy(self) -> str | None:
@@ -158,31 +118,17 @@ class NvmeTier(LaneTier):
 
     def hold(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            for key in keys:
-                self._holds[key] += 1
-                entry = self._index.get(key)
-                if entry is not None and entry.state is not _State.BAD and self._holds[key] == 1:
-                    self._policy.update(key, entry.facts(held=True))
+            self._slots.hold(keys)
 
     def release(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            absent = [key for key, n in Counter(keys).items() if self._holds[key] < n]
-            if absent:
-                raise ValueError(f"release of {len(absent)} NVMe key(s) not held")
-            for key in keys:
-                self._holds[key] -= 1
-                if self._holds[key] > 0:
-                    continue
-                del self._holds[key]
-                entry = self._index.get(key)
-                if entry is not None and entry.state is not _State.BAD:
-                    self._policy.update(key, entry.facts(held=False))
+            self._slots.release(keys)
 
     @property
     def num_held_keys(self) -> int:
         """Keys held now (stored or not yet)."""
         with self._lock:
-            return len(self._holds)
+            return self._slots.num_held_keys
 
     def counters(self) -> Mapping[str, int]:
         return asdict(self.stats())
@@ -194,22 +140,17 @@ class NvmeTier(LaneTier):
     def num_keys(self) -> int:
         """Keys held (being written included)."""
         with self._lock:
-            return len(self._index)
+            return len(self._slots)
 
     def slot_of(self, key: bytes) -> int | None:
         """The slab slot holding `key`; None when it is not held."""
         with self._lock:
-            entry = self._index.get(key)
-            return None if entry is None else entry.slot
+            return self._slots.slot_of(key)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot is either free or held by one key."""
         with self._lock:
-            held = [entry.slot for entry in self._index.values()]
-            assert len(set(held)) == len(held), "two keys share a slot"
-            assert not set(held) & set(self._free), "a held slot is also free"
-            assert len(held) + len(self._free) == self.disk.num_slots, "a slot went missing"
-            self._policy.check_integrity(self._index.keys())
+            self._slots.check_integrity()
         self.disk.check_integrity()
 
     # --- stores -------------------------------------------------------------------------
@@ -222,10 +163,10 @@ class NvmeTier(LaneTier):
         for key, host_slot in zip(job.keys, job.host_slots, strict=True):
             self._yield_to_loads()
             slot = self._claim(key)
-            if slot is _NoSlot.PRESENT:
+            if slot is NoSlot.PRESENT:
                 num_present += 1
                 continue
-            if isinstance(slot, _NoSlot):
+            if isinstance(slot, NoSlot):
                 failed.add(key)
                 errors[slot.value] += 1
                 continue
@@ -236,12 +177,13 @@ class NvmeTier(LaneTier):
                 failed.add(key)
                 errors[exc.reason] += 1
                 continue
-            self._written(key)
+            with self._lock:
+                self._slots.written(key)
             num_written += 1
         end_s = self._clock()
         self._totals.add(
             written_blocks=num_written, already_present=num_present,
-            no_room_blocks=errors[_NoSlot.FULL.value],
+            no_room_blocks=errors[NoSlot.FULL.value],
             failed_writes=len(failed), cpu_to_nvme_bytes=num_written * self.block_bytes,
         )  # fmt: skip
         return job_result(
@@ -249,38 +191,13 @@ class NvmeTier(LaneTier):
             start_s=start_s, end_s=end_s, error=_describe(errors),
         )  # fmt: skip
 
-    def _claim(self, key: bytes) -> int | _NoSlot:
+    def _claim(self, key: bytes) -> int | NoSlot:
         """A slot for `key`, now WRITING: a free one, or the policy's victim's."""
         with self._lock:
-            present = self._index.get(key)
-            if present is not None:
-                return _NoSlot.DROPPING if present.state is _State.BAD else _NoSlot.PRESENT
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victims = self._policy.evict(1)
-                if victims is None:
-                    return _NoSlot.FULL
-                victim_key = victims[0]
-                assert isinstance(victim_key, bytes), f"the policy evicted {victim_key!r}"
-                victim = self._index.pop(victim_key)
-                ready = victim.state is _State.READY and victim.num_readers == 0
-                assert ready and victim_key not in self._holds, (
-                    f"the NVMe tier's policy evicted a busy or held key ({victim})"
-                )
-                slot = victim.slot
-                self._totals.add(evicted_blocks=1)
-                if self._local:
-                    self._evicted.append(victim_key)
-            entry = self._index[key] = _Entry(slot)
-            self._policy.insert(key, entry.facts(key in self._holds))
+            evicted_before = self._slots.num_evicted
+            slot = self._slots.claim(key)
+            self._totals.add(evicted_blocks=self._slots.num_evicted - evicted_before)
             return slot
-
-    def _written(self, key: bytes) -> None:
-        with self._lock:
-            entry = self._index[key]
-            entry.state = _State.READY
-            self._policy.update(key, entry.facts(key in self._holds))
 
     # --- loads --------------------------------------------------------------------------
 
@@ -317,34 +234,15 @@ class NvmeTier(LaneTier):
     def _begin_read(self, key: bytes) -> int | None:
         """`key`'s slot, now read (busy: never a victim); None unless it is READY."""
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None or entry.state is not _State.READY:
-                return None
-            entry.num_readers += 1
-            self._policy.update(key, entry.facts(key in self._holds))
-            return entry.slot
+            return self._slots.begin_read(key)
 
     def _end_read(self, key: bytes, *, good: bool) -> None:
         with self._lock:
-            entry = self._index[key]
-            entry.num_readers -= 1
-            if not good:
-                entry.state = _State.BAD  # no lookup or load finds it from now on
-            if entry.state is _State.BAD:
-                if entry.num_readers == 0:
-                    self._drop_locked(key)
-                return
-            self._policy.update(key, entry.facts(key in self._holds))
-            self._policy.touch((key,))  # the most recently used, whatever the policy
+            self._slots.end_read(key, good=good)
 
     def _drop(self, key: bytes) -> None:
         with self._lock:
-            self._drop_locked(key)
-
-    def _drop_locked(self, key: bytes) -> None:
-        entry = self._index.pop(key)
-        self._policy.remove(key)
-        self._free.append(entry.slot)
+            self._slots.drop(key)
 
     def _release(self) -> None:
         self.disk.close()
