@@ -107,6 +107,9 @@ def test_with_an_nvme_tier_the_outputs_are_the_same(
     taken = slab["written_blocks"] + slab["already_present"]  # a key two blocks share
     assert taken * summary["block_bytes"] == summary["bytes_cpu_to_nvme"]
     assert remote["enabled"] is False and remote["writes"] == remote["lookups"] == 0
+    # Reported with its size and the most keys the engine placed there at once.
+    assert summary["capacity_blocks_by_tier"]["nvme"] == 64
+    assert 0 < summary["peak_blocks_by_tier"]["nvme"] <= 64
 
 
 def later_turn_workload() -> Workload:

@@ -269,18 +269,31 @@ class _NvmeTierWithoutHolds(NvmeTier):
         return False
 
 
+class _NvmeTierOfNoSize(NvmeTier):
+    """The same slab, saying it holds no block at all."""
+
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+
 def paused_run(
-    directory: Path, *, holds: bool, local: bool = False, **settings: object
+    directory: Path,
+    *,
+    holds: bool,
+    local: bool = False,
+    kind: type[NvmeTier] | None = None,
+    **settings: object,
 ) -> tuple[dict[str, Any], NvmeTier]:
     """Eight requests in a 30-block device pool and a 6-block pinned pool: preempted
     sequences' blocks are demoted on to a 6-slot NVMe slab by key (on_demote); `local`:
-    the engine's own (`SecondaryTier.local`)."""
+    the engine's own (`SecondaryTier.local`); `kind`: a slab of that class."""
     tiers: list[NvmeTier] = []
 
     def slab(host_slots: HostSlots, _layout: KVLayout) -> SecondaryTier:
-        kind = NvmeTier if holds else _NvmeTierWithoutHolds
+        cls = kind or (NvmeTier if holds else _NvmeTierWithoutHolds)
         disk = DiskPool(directory, host_slots.shape[1], 6)
-        tier = kind(host_slots, disk, policy=named_policy(Tier.NVME, "lru"), local=local)
+        tier = cls(host_slots, disk, policy=named_policy(Tier.NVME, "lru"), local=local)
         tiers.append(tier)
         return tier
 
@@ -312,8 +325,9 @@ def test_a_tier_that_holds_keys_keeps_every_paused_sequences_blocks(tmp_path: Pa
 
 def test_the_engines_own_slab_by_key_is_its_nvme_tier(tmp_path: Path) -> None:
     """The slab opened `local` (the engine's own): the engine reports it as its `nvme`
-    tier, remembers the blocks only it holds, and drops the copies it says it evicted;
-    outputs as without it. Beside slot NVMe blocks it is refused in one line."""
+    tier (its size and occupancy too), remembers the blocks only it holds, and drops the
+    copies it says it evicted; outputs as without it. Beside the NVMe slab the engine
+    opens itself it is refused in one line, as is a size it cannot have."""
     held, _ = paused_run(tmp_path, holds=True)
     own, tier = paused_run(tmp_path, holds=True, local=True)
     assert own["outputs_digest"] == held["outputs_digest"] and own["lost_blocks"] == 0
@@ -322,12 +336,19 @@ def test_the_engines_own_slab_by_key_is_its_nvme_tier(tmp_path: Path) -> None:
     assert own["bytes_nvme_to_cpu"] == stats.hits_blocks * tier.block_bytes > 0
     assert own["bytes_cpu_to_remote"] == 0 and own["prefix_hit_tokens"].get("remote", 0) == 0
     assert 0 < own["evictions_by_reason"]["nvme_discard"] <= stats.evicted_blocks
+    assert own["capacity_blocks_by_tier"]["nvme"] == own["peak_blocks_by_tier"]["nvme"] == 6
     with pytest.raises(KvSwapError) as refused:
         paused_run(tmp_path, holds=True, local=True, nvme_kv_capacity_blocks=8,
                    nvme_dir=str(tmp_path))  # fmt: skip
     assert str(refused.value) == (
         "secondary_tiers[0]: a second tier of this process (local) beside the NVMe slab "
         "(nvme_kv_capacity_blocks > 0); allowed: one, the NVMe slab by key"
+    )
+    with pytest.raises(KvSwapError) as refused:
+        paused_run(tmp_path, holds=True, local=True, kind=_NvmeTierOfNoSize)
+    assert str(refused.value) == (
+        "secondary_tiers[0] (_NvmeTierOfNoSize).capacity_blocks = 0; allowed: None (not "
+        "known) or an integer >= 1"
     )
     assert list(tmp_path.iterdir()) == []
 

@@ -83,7 +83,7 @@ class LocalSlab(FakeStore):
 
     def __init__(self, capacity_blocks: int | None = None) -> None:
         super().__init__()
-        self.capacity_blocks = capacity_blocks
+        self._capacity_blocks = capacity_blocks
         self.evicted: list[bytes] = []
         self.recency: dict[bytes, None] = {}  # the keys, least recently used first
         self.held: Counter[bytes] = Counter()
@@ -91,6 +91,10 @@ class LocalSlab(FakeStore):
     @property
     def local(self) -> bool:
         return True
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        return self._capacity_blocks
 
     @property
     def holds_keys(self) -> bool:
@@ -130,9 +134,9 @@ class LocalSlab(FakeStore):
                 self.recency[key] = None
 
     def _room_for(self, key: bytes) -> bool:
-        if self.capacity_blocks is None or key in self.keys:
+        if self._capacity_blocks is None or key in self.keys:
             return True
-        if len(self.keys) < self.capacity_blocks:
+        if len(self.keys) < self._capacity_blocks:
             return True
         victim = next((each for each in self.recency if not self.held[each]), None)
         if victim is None:

@@ -517,6 +517,8 @@ def test_a_local_slab_is_the_nvme_tier_and_its_evictions_are_forgotten() -> None
     assert out["outputs_digest"] == reference["outputs_digest"] and out["lost_blocks"] == 0
     assert slab.counters.written_keys * block_bytes == out["bytes_cpu_to_nvme"] > 0
     assert out["bytes_nvme_to_cpu"] > 0 and "bytes_cpu_to_remote" in out
+    # Reported with its size, and full at its peak (it evicted).
+    assert out["capacity_blocks_by_tier"]["nvme"] == out["peak_blocks_by_tier"]["nvme"] == 24
     # The next step boundary hears of the evictions since the last one: then every
     # copy the engine keeps is in the slab.
     swapper.begin_step(out["num_steps"] + 1)

@@ -7,7 +7,7 @@ from kvswap.base.transfer import Direction, Priority
 from kvswap.control.policy import PolicyOptions
 from kvswap.control.settings import SwapSettings
 from kvswap.control.store_records import StoreLayout
-from kvswap.control.swapper import Swapper
+from kvswap.control.swapper import Swapper, TierOccupancy
 from tests.manual_engine import ManualCopyEngine
 from tests.unit.remote_control_support import RemoteEngine, slab_tier
 
@@ -316,6 +316,7 @@ def test_a_full_nvme_tier_evicts_its_oldest_cache_entries_for_newer_demotions() 
     add_finished(swapper, engine, 2, first=100)
     assert nvme_tokens(swapper) == [0, 4, 100, 104]
     assert len(slab_keys(engine)) == 4  # full
+    assert swapper.occupancy()[Tier.NVME] == TierOccupancy(4, 4, 4)  # reported as a tier
     assert (metrics["demote_remote"], metrics["nvme_discard"]) == (4, 0)
 
     # A third conversation finishes. Its writes find the slab full: the slab's least

@@ -63,3 +63,9 @@ class RemoteIndex(ABC):
         """The keys a local tier evicted since the last call, oldest first (each once).
         Default: none."""
         return ()
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """The blocks the tier holds at most, where it knows (the NVMe slab: its slots):
+        a local tier with one is reported with its occupancy. Default: None."""
+        return None

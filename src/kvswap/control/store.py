@@ -91,6 +91,7 @@ class BlockStore:
         self.num_remote_copies = 0  # copies known (or being written) in the remote store
         # Blocks with a copy on the local keyed tier, by key (`drop_evicted`).
         self._on_local_tier: dict[bytes, dict[int, Block]] = {}
+        self.peak_local_keys = 0  # the most keys on the local keyed tier at once (`num_local_keys`)
         self._holds = key_holds(keyed_indexes or {})
 
     # ----------------------------------------------------------------- sequences
@@ -352,6 +353,7 @@ class BlockStore:
             self.num_remote_copies += 1
             if tier.local:  # more than one block may hold a key: each hears its eviction
                 self._on_local_tier.setdefault(block.key, {})[block.block_id] = block
+                self.peak_local_keys = max(self.peak_local_keys, len(self._on_local_tier))
             copy = Copy(slot=None, ready=ready)
         else:
             slot = self.tiers[tier].allocate(block.block_id)
@@ -395,6 +397,12 @@ class BlockStore:
                     self.drop_copy(block, tier)
                     dropped += 1
         return dropped
+
+    @property
+    def num_local_keys(self) -> int:
+        """Keys with a copy on the local keyed tier (the NVMe slab), being written
+        included; a key it evicted counts until the step that hears of it."""
+        return len(self._on_local_tier)
 
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its copies below are out of date.

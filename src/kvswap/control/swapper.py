@@ -88,6 +88,12 @@ class Swapper:
             RemoteTier(self.store, self.mover, self.metrics, each, tier)
             for tier, each in zip(tiers, keyed, strict=True)
         )
+        # The local keyed tier's size where it says it (`occupancy`), asked once.
+        self._local_capacity = {
+            remote.tier: capacity
+            for remote in self.remotes
+            if remote.tier.local and (capacity := remote.index.capacity_blocks) is not None
+        }
         self.demoter = Demoter(self.store, self.mover, self.metrics, settings, self.remotes)
         self.evictor = Evictor(self.store, self.mover, self.metrics, self.demoter, clock_s)
         self.swap_in = SwapIn(self.store, self.mover, self.evictor, self.metrics, clock_s)
@@ -358,10 +364,19 @@ class Swapper:
         return self.store.gpu_block_table(seq_id)
 
     def occupancy(self) -> Mapping[Tier, TierOccupancy]:
-        return {
+        """Each slot tier's slots in use, and the local keyed tier's (the NVMe slab)
+        where it says its size: the keys the store placed there (`num_local_keys`; at
+        most its size: a key it evicted for a newer one counts until the next step)."""
+        occupancy = {
             tier: TierOccupancy(slots.num_slots, slots.num_used_slots, slots.peak_used_slots)
             for tier, slots in self.store.tiers.items()
         }
+        store = self.store
+        for tier, capacity in self._local_capacity.items():
+            occupancy[tier] = TierOccupancy(
+                capacity, min(store.num_local_keys, capacity), min(store.peak_local_keys, capacity)
+            )
+        return occupancy
 
     # ------------------------------------------------------------- plumbing
 

@@ -322,7 +322,8 @@ def build_summary(
         evictions_by_reason=dict(metrics.evictions_by_reason),
         failed_transfers=metrics.failed_transfers,
         lost_blocks=metrics.lost_blocks,
-        # The tiers with slots: a keyed store's capacity is not the control plane's to know.
+        # The tiers with slots and the NVMe slab (a shared store's capacity is not the
+        # control plane's to know).
         peak_blocks_by_tier={t: o.peak_used_blocks for t, o in occupancy.items()},
         capacity_blocks_by_tier={t: o.num_blocks for t, o in occupancy.items()},
         outputs_digest=outputs_digest([(r.seq_id, r.output_ids) for r in completed]),

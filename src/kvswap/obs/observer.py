@@ -75,6 +75,7 @@ def sample_step(
     """Build the sample for the step `plan` that just completed at `t_s`."""
     metrics = scheduler.swapper.metrics
     store = scheduler.swapper.store  # the swapper owns it; the scheduler need not re-export it
+    occupancy = scheduler.swapper.occupancy()
     latencies: list[float] = []
     ttfts: list[float] = []
     for item in plan.seqs:
@@ -97,8 +98,8 @@ def sample_step(
         requests_finished=len(scheduler.finished),
         tokens_generated=scheduler.tokens_generated,
         recomputed_tokens=scheduler.recomputed_tokens,
-        used_blocks_by_tier={t.value: slots.num_used_slots for t, slots in store.tiers.items()},
-        capacity_blocks_by_tier={t.value: slots.num_slots for t, slots in store.tiers.items()},
+        used_blocks_by_tier={t.value: o.num_used_blocks for t, o in occupancy.items()},
+        capacity_blocks_by_tier={t.value: o.num_blocks for t, o in occupancy.items()},
         bytes_by_direction={d.value: metrics.bytes_by_direction[d] for d in metrics.directions},
         seconds_by_direction={
             d.value: metrics.seconds_by_direction.get(d, 0.0) for d in metrics.directions

@@ -134,6 +134,11 @@ class SharedRemoteStore:
         return self._slots is not None
 
     @property
+    def capacity_blocks(self) -> int | None:
+        """The slab's blocks (`holding`); None for Redis's model (sized in bytes)."""
+        return None if self._slots is None else self._slots.num_slots
+
+    @property
     def eviction_policy(self) -> EvictionPolicy | None:
         """The slab's policy (`holding`); None for Redis's model (an LRU)."""
         return None if self._slots is None else self._slots.policy
@@ -385,6 +390,10 @@ class RemoteStoreView(RemoteIndex):
 
     def evicted_keys(self) -> Sequence[bytes]:
         return self.store.take_evicted()
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        return self.store.capacity_blocks
 
     def attach(self, settle: Settle) -> None:
         self.store.attach(settle)

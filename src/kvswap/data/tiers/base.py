@@ -227,6 +227,12 @@ class SecondaryTier(ABC):
         return ()
 
     @property
+    def capacity_blocks(self) -> int | None:
+        """The blocks the tier holds at most, where it knows (the NVMe slab: its slots);
+        kvswap's engine reports a local tier's occupancy against it. Default: None."""
+        return None
+
+    @property
     def write_policy(self) -> str | None:
         """When kvswap's engine writes blocks to this tier: "on_finish" (a finished
         sequence's full blocks, early: what other processes may ask for), "on_demote"

@@ -74,6 +74,10 @@ class TierCopyEngine(CopyEngine, RemoteIndex):
     def evicted_keys(self) -> Sequence[bytes]:
         return self.tier.evicted_keys()
 
+    @property
+    def capacity_blocks(self) -> int | None:
+        return self.tier.capacity_blocks
+
     # --- CopyEngine -------------------------------------------------------------------
 
     def submit(self, chunk: TransferChunk) -> None:

@@ -108,6 +108,10 @@ class NvmeTier(LaneTier):
             return self._slots.take_evicted()
 
     @property
+    def capacity_blocks(self) -> int:
+        return self.disk.num_slots
+
+    @property
     def write_policy(self) -> str | None:
         """The engine's own slab extends the pinned pool: written as blocks leave it."""
         return "on_demote" if self._local else None

@@ -75,6 +75,18 @@ class UserTier(SecondaryTier):
         return self._call("evicted_keys", self.tier.evicted_keys)
 
     @property
+    def capacity_blocks(self) -> int | None:
+        capacity = self._call("capacity_blocks", lambda: self.tier.capacity_blocks)
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
+            raise KvSwapError(
+                f"{self.name} ({type(self.tier).__name__}).capacity_blocks = {capacity!r}; "
+                "allowed: None (not known) or an integer >= 1"
+            )
+        return capacity
+
+    @property
     def write_policy(self) -> str | None:
         policy = self._call("write_policy", lambda: self.tier.write_policy)
         if policy is not None and policy not in WRITE_POLICIES:
