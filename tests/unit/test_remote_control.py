@@ -336,6 +336,7 @@ def test_a_local_keyed_tier_is_the_nvme_slab_its_blocks_remembered_until_it_evic
     assert set(blocks) <= set(slab.written) and len(slab.written) == len(set(slab.written))
     snapshot = a.swapper.metrics.snapshot()
     assert snapshot["bytes_cpu_to_nvme"] == 64 * len(slab.written)  # reported as nvme
+    assert a.swapper.store.num_remote_copies == 0  # its copies are not a shared store's
     assert a.swapper.metrics.bytes_by_direction[Direction.CPU_TO_NVME] == 64 * len(slab.written)
     # The slab evicts the third block: its copy goes, and the block with it.
     slab.evict(blocks[2])

@@ -88,7 +88,9 @@ class BlockStore:
         # Blocks marked lost while referenced: lets the scheduler skip its per-step
         # scan of every table when (as almost always) none is.
         self._lost_referenced: set[int] = set()
-        self.num_remote_copies = 0  # copies known (or being written) in the remote store
+        # Copies known (or being written) on the shared keyed tiers (the store, ...; the
+        # local one's are listed by key below).
+        self.num_remote_copies = 0
         # Blocks with a copy on the local keyed tier, by key (`drop_evicted`).
         self._on_local_tier: dict[bytes, dict[int, Block]] = {}
         self.peak_local_keys = 0  # the most keys on the local keyed tier at once (`num_local_keys`)
@@ -349,11 +351,12 @@ class BlockStore:
         plane knows."""
         assert tier not in block.copies, f"block {block.block_id} already has a {tier.value} copy"
         if tier.keyed:
-            assert block.key is not None, "only full (keyed) blocks go to the remote store"
-            self.num_remote_copies += 1
+            assert block.key is not None, "only full (keyed) blocks go to a keyed tier"
             if tier.local:  # more than one block may hold a key: each hears its eviction
                 self._on_local_tier.setdefault(block.key, {})[block.block_id] = block
                 self.peak_local_keys = max(self.peak_local_keys, len(self._on_local_tier))
+            else:
+                self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
         else:
             slot = self.tiers[tier].allocate(block.block_id)
@@ -499,15 +502,17 @@ class BlockStore:
     # ------------------------------------------------------------------ internal
 
     def _release(self, block: Block, tier: Tier, copy: Copy) -> None:
-        """Give back what a copy held: its slot, or its place in the remote count."""
+        """Give back what a copy held: its slot, its place among the local keyed tier's
+        blocks, or its place in the remote count."""
         if copy.slot is None:
-            self.num_remote_copies -= 1
             if tier.local:
                 assert block.key is not None, "a keyed copy is a full block's"
                 holders = self._on_local_tier[block.key]
                 del holders[block.block_id]
                 if not holders:
                     del self._on_local_tier[block.key]
+            else:
+                self.num_remote_copies -= 1
         else:
             self.tiers[tier].release(copy.slot, block.block_id)
 

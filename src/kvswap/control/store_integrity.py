@@ -31,12 +31,13 @@ def check_store_integrity(
         )
         for tier, copy in block.copies.items():
             if copy.slot is None:
-                num_remote += 1
                 if tier.local:
                     assert (block.key, block.block_id) in on_local, (
                         f"block {block.block_id}: a {tier.value} copy not listed by its key"
                     )
                     on_local.discard((block.key, block.block_id))
+                else:
+                    num_remote += 1
                 continue
             owner = tiers[tier].owner(copy.slot)
             assert owner == block.block_id, (

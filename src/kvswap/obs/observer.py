@@ -43,7 +43,8 @@ class StepSample:
     # sharing the step with the decodes (whose latency they stretch). A default keeps
     # samples built by hand valid; `sample_step` always fills it.
     num_prefill_tokens: int = 0
-    # The remote tier (cumulative; all 0 and `remote_enabled` False without one).
+    # The shared keyed tiers (cumulative; all 0 and `remote_enabled` False without one:
+    # the NVMe slab is not one, its bytes are the link's nvme directions).
     remote_enabled: bool = False
     remote_hit_tokens: int = 0  # prompt tokens found in the remote store
     remote_misses: int = 0  # lookups that found nothing + fetches that failed
@@ -111,7 +112,7 @@ def sample_step(
         token_latencies_s=tuple(latencies),
         ttfts_s=tuple(ttfts),
         num_prefill_tokens=sum(len(item.token_ids) - int(item.samples) for item in plan.seqs),
-        remote_enabled=bool(scheduler.swapper.remotes),
+        remote_enabled=any(not remote.tier.local for remote in scheduler.swapper.remotes),
         remote_hit_tokens=metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] * store.block_tokens,
         remote_misses=metrics.remote_lookup_misses + metrics.remote_fetch_failures,
         remote_writes=metrics.remote_writes,

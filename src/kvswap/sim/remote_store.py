@@ -265,8 +265,8 @@ class SharedRemoteStore:
         self, keys: Sequence[bytes], value_bytes: int, visible_s: float, counters: StoreCounters
     ) -> list[int]:
         """`write` to the slab's model: each key claims a slot of the index (a victim's
-        when none is free), its write landing at once; a key held already stays as it
-        is (a block never changes), a key with no victim fails."""
+        when none is free), its write landing at once; a key stored already stays as
+        it is (a block never changes), a key with no victim fails."""
         slots = self._slots
         assert slots is not None
         if value_bytes != self._block_bytes:
