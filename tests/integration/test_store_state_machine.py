@@ -375,6 +375,12 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def evict_now(self, num_blocks: int) -> None:
         self.swapper.ensure_gpu_slots(num_blocks)
 
+    @rule(num_blocks=st.integers(1, 4))
+    def cpu_room_now(self, num_blocks: int) -> None:
+        """The pinned pool's coldest copies go below now (the transformers cache's call),
+        to the NVMe slab or the store where there is one."""
+        self.swapper.make_cpu_room(num_blocks)
+
     @rule(count=st.integers(1, 3))
     def transfers_finish(self, count: int) -> None:
         self.engine.release(count)
@@ -458,7 +464,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
 
 
 TieredStoreMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
