@@ -19,7 +19,8 @@ each victim meets the same rule (`Demoter.move_down`):
                                      pass stops (as for a full tier below)
     a copy below still in flight  -> stays for a later pass
     room below (`room.make_room`) -> copied down; the upper copy is freed when it
-                                     lands (`{reason}{moved_suffix}`)
+                                     lands (`{reason}_swap_out`: only the GPU's
+                                     victims have a slot tier below)
     no room below                 -> the pair decides (`TierPair.discard_when_full`):
                                      the GPU discards an unreferenced victim (a cache
                                      entry nobody needs; `{reason}_discard`) and keeps
@@ -73,7 +74,6 @@ class TierPair:
     high_watermark: float  # fractions of the upper tier's slots
     low_watermark: float
     reason: str  # the metric label of a watermark pass ("watermark", "demote")
-    moved_suffix: str  # appended to a reason for a copy moved down ("_swap_out", "")
     # An unreferenced victim may displace an unreferenced copy on `lower` (a cache
     # entry for an older one: `make_room`).
     displace_cache: bool
@@ -104,12 +104,12 @@ def tier_pairs(settings: SwapSettings, num_slots: Mapping[Tier, int]) -> tuple[T
     return (
         TierPair(
             Tier.GPU, Tier.CPU, settings.swap_out_high_watermark, settings.swap_out_low_watermark,
-            reason="watermark", moved_suffix="_swap_out", displace_cache=displaces,
+            reason="watermark", displace_cache=displaces,
             discard_when_full=True, stayers_count=True,
         ),
         TierPair(
             Tier.CPU, None, settings.cpu_demote_high_watermark, settings.cpu_demote_low_watermark,
-            reason="demote", moved_suffix="", displace_cache=False,
+            reason="demote", displace_cache=False,
             discard_when_full=False, stayers_count=False,
         ),
     )  # fmt: skip
@@ -267,7 +267,7 @@ class Demoter:
         if copy is None:
             return False
         moves.append(self.mover.reserve(block, pair.upper, copy))
-        self.metrics.evictions_by_reason[f"{reason}{pair.moved_suffix}"] += 1
+        self.metrics.evictions_by_reason[f"{reason}_swap_out"] += 1  # into the pinned pool
         return True
 
     def _slots_below(self, pair: TierPair) -> int:

@@ -70,7 +70,7 @@ OURS = ("kvswap", "reuse")
 SPILL_BLOCKS = 64
 #: Evictions from the host tier, by the metrics' reasons: what makes it replace
 #: ("demote_remote": written to a keyed tier on its way out, the NVMe spill by key).
-HOST_EVICTION_REASONS = ("demote", "demote_remote", "demote_drop", "cpu_drop", "cpu_discard")
+HOST_EVICTION_REASONS = ("demote_remote", "demote_drop", "cpu_drop", "cpu_discard")
 
 
 @dataclass(frozen=True)
