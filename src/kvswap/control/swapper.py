@@ -88,6 +88,9 @@ class Swapper:
             RemoteTier(self.store, self.mover, self.metrics, each, tier)
             for tier, each in zip(tiers, keyed, strict=True)
         )
+        # A keyed tier shared with others (the store, ...; not the NVMe slab): what the
+        # remote figures are about.
+        self.has_shared_tier = any(not remote.tier.local for remote in self.remotes)
         # The local keyed tier's size where it says it (`occupancy`), asked once.
         self._local_capacity = {
             remote.tier: capacity

@@ -284,7 +284,7 @@ def build_summary(
     remote_counters = extras.pop("remote", None)
     remote = RemoteSummary.from_metrics(
         metrics,
-        enabled=any(not remote.tier.local for remote in scheduler.swapper.remotes),
+        enabled=scheduler.swapper.has_shared_tier,
         block_tokens=block_tokens,
         data_plane=remote_counters if isinstance(remote_counters, Mapping) else None,
     )

@@ -112,7 +112,7 @@ def sample_step(
         token_latencies_s=tuple(latencies),
         ttfts_s=tuple(ttfts),
         num_prefill_tokens=sum(len(item.token_ids) - int(item.samples) for item in plan.seqs),
-        remote_enabled=any(not remote.tier.local for remote in scheduler.swapper.remotes),
+        remote_enabled=scheduler.swapper.has_shared_tier,
         remote_hit_tokens=metrics.prefix_hit_blocks_by_tier[Tier.REMOTE] * store.block_tokens,
         remote_misses=metrics.remote_lookup_misses + metrics.remote_fetch_failures,
         remote_writes=metrics.remote_writes,
