@@ -42,6 +42,7 @@ from kvswap.base.eviction_policy import EvictionPolicy, PolicyOptions
 from kvswap.base.remote_index import RemoteIndex
 from kvswap.base.tier import GPU_TIER, SLOT_TIERS, Tier, tier_rank
 from kvswap.control.blocks import Block, Copy
+from kvswap.control.local_keys import LocalKeys
 from kvswap.control.prefix_index import PrefixIndex
 from kvswap.control.store_holds import key_holds
 from kvswap.control.store_integrity import check_store_integrity
@@ -92,8 +93,7 @@ class BlockStore:
         # local one's are listed by key below).
         self.num_remote_copies = 0
         # Blocks with a copy on the local keyed tier, by key (`drop_evicted`).
-        self._on_local_tier: dict[bytes, dict[int, Block]] = {}
-        self.peak_local_keys = 0  # the most keys on the local keyed tier at once (`num_local_keys`)
+        self.local_keys = LocalKeys()
         self._holds = key_holds(keyed_indexes or {})
 
     # ----------------------------------------------------------------- sequences
@@ -353,8 +353,7 @@ class BlockStore:
         if tier.keyed:
             assert block.key is not None, "only full (keyed) blocks go to a keyed tier"
             if tier.local:  # more than one block may hold a key: each hears its eviction
-                self._on_local_tier.setdefault(block.key, {})[block.block_id] = block
-                self.peak_local_keys = max(self.peak_local_keys, len(self._on_local_tier))
+                self.local_keys.add(block)
             else:
                 self.num_remote_copies += 1
             copy = Copy(slot=None, ready=ready)
@@ -395,17 +394,11 @@ class BlockStore:
         written or read stays: a read of a key gone fails, and its block is recomputed."""
         dropped = 0
         for key in keys:
-            for block in list(self._on_local_tier.get(key, {}).values()):
+            for block in self.local_keys.blocks(key):
                 if not block.copies[tier].is_busy:
                     self.drop_copy(block, tier)
                     dropped += 1
         return dropped
-
-    @property
-    def num_local_keys(self) -> int:
-        """Keys with a copy on the local keyed tier (the NVMe slab), being written
-        included; a key it evicted counts until the step that hears of it."""
-        return len(self._on_local_tier)
 
     def invalidate_lower_copies(self, block: Block) -> None:
         """The block's bytes changed on the GPU: its copies below are out of date.
@@ -506,11 +499,7 @@ class BlockStore:
         blocks, or its place in the remote count."""
         if copy.slot is None:
             if tier.local:
-                assert block.key is not None, "a keyed copy is a full block's"
-                holders = self._on_local_tier[block.key]
-                del holders[block.block_id]
-                if not holders:
-                    del self._on_local_tier[block.key]
+                self.local_keys.remove(block)
             else:
                 self.num_remote_copies -= 1
         else:
@@ -549,8 +538,7 @@ class BlockStore:
     def check_integrity(self) -> None:
         """Every slot has one owner, each tier's occupancy equals the copies on it,
         references equal the tables that hold each block (`store_integrity`)."""
-        check_store_integrity(
-            self.tiers, self.blocks, self.sequences, self.num_remote_copies, self._on_local_tier
-        )
+        check_store_integrity(self.tiers, self.blocks, self.sequences, self.num_remote_copies)
+        self.local_keys.check(self.blocks.values())
         self._policies.check_integrity()
         self._holds.check(self.blocks.values())

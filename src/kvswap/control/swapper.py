@@ -368,7 +368,7 @@ class Swapper:
 
     def occupancy(self) -> Mapping[Tier, TierOccupancy]:
         """Each slot tier's slots in use, and the local keyed tier's (the NVMe slab)
-        where it says its size: the keys the store placed there (`num_local_keys`; at
+        where it says its size: the keys the store placed there (`LocalKeys`; at
         most its size: a key it evicted for a newer one counts until the next step)."""
         occupancy = {
             tier: TierOccupancy(slots.num_slots, slots.num_used_slots, slots.peak_used_slots)
@@ -376,8 +376,9 @@ class Swapper:
         }
         store = self.store
         for tier, capacity in self._local_capacity.items():
+            local = store.local_keys
             occupancy[tier] = TierOccupancy(
-                capacity, min(store.num_local_keys, capacity), min(store.peak_local_keys, capacity)
+                capacity, min(len(local), capacity), min(local.peak_keys, capacity)
             )
         return occupancy
 
