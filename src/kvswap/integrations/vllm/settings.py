@@ -126,18 +126,22 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
     nothing) and for a value of the wrong type ("8" for a count)."""
     _check_keys(extra_config)
     _both_or_neither(extra_config, "nvme_dir", "nvme_kv_capacity_bytes")
-    values = {key: extra_config[key] for key in ADAPTER_FIELDS if key in extra_config}
-    config = config_from_values(values, SOURCE)
+    sync_load_budget_bytes(extra_config)  # the connector's key, checked with the rest
     policy_name = extra_config.get(POLICY_KEY, DEFAULT_HOST_POLICY)
     if not isinstance(policy_name, str):
         raise ConfigError(
             f"{POLICY_KEY} = {policy_name!r} ({SOURCE}): not a name; allowed: 'reuse', "
             "'kvswap', 'lru', 'arc', or an import path 'package.module:ClassName'"
         )
-    policy_class(POLICY_KEY, policy_name, top=True)  # a bad name or import: one line, now
-    sync_load_budget_bytes(extra_config)  # the connector's key, checked with the rest
+    vllm_tiers = _vllm_tiers(extra_config)
+    tier_poll_interval_s = _poll_interval(extra_config.get("tier_poll_interval_s"))
+    values = {key: extra_config[key] for key in ADAPTER_FIELDS if key in extra_config}
+    config = config_from_values(values, SOURCE)
     swap, tiers, cache = config.swap, config.tiers, config.cache
+    # Both policy names resolved now: a bad name or import is one line before anything runs.
+    policy_class(POLICY_KEY, policy_name, top=True)
     policy_class("nvme_eviction_policy", swap.nvme_eviction_policy, top=False)
+    nvme_bytes = int(cache.nvme_kv_capacity_bytes or 0)  # the slab: a directory and a size > 0
     return AdapterSettings(
         policy_name=policy_name,
         policy=PolicyOptions(
@@ -148,7 +152,9 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
         swap_in_chunk_blocks=swap.swap_in_chunk_blocks,
         swap_out_chunk_blocks=swap.swap_out_chunk_blocks,
         prefetch_stream_count=swap.prefetch_stream_count,
-        nvme=_nvme(tiers.nvme_dir, cache.nvme_kv_capacity_bytes, swap.nvme_eviction_policy),
+        nvme=None
+        if tiers.nvme_dir is None or nvme_bytes == 0
+        else NvmeSettings(Path(tiers.nvme_dir), nvme_bytes, swap.nvme_eviction_policy),
         remote=None
         if tiers.remote_url is None
         else RemoteSettings(
@@ -159,8 +165,8 @@ def adapter_settings(extra_config: Mapping[str, Any]) -> AdapterSettings:
             max_inflight_chunks=tiers.remote_max_inflight_chunks,
             required=tiers.remote_required,
         ),
-        vllm_tiers=_vllm_tiers(extra_config),
-        tier_poll_interval_s=_poll_interval(extra_config.get("tier_poll_interval_s")),
+        vllm_tiers=vllm_tiers,
+        tier_poll_interval_s=tier_poll_interval_s,
     )
 
 
@@ -252,11 +258,3 @@ def _both_or_neither(extra_config: Mapping[str, Any], first: str, second: str) -
             f"{SOURCE}: {given} is set but {missing} is not; allowed: both (an NVMe tier "
             "below the host tier) or neither"
         )
-
-
-def _nvme(directory: str | None, capacity: int | str | None, policy: str) -> NvmeSettings | None:
-    """The NVMe tier, when the (checked) directory and a size > 0 are both given."""
-    capacity_bytes = int(capacity) if capacity is not None else 0
-    if directory is None or capacity_bytes == 0:
-        return None
-    return NvmeSettings(Path(directory), capacity_bytes, policy)
