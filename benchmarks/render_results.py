@@ -215,12 +215,23 @@ FIGURED: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
+#: Goals an issue set for a figure of a kept benchmark: the goal as shown, and its test.
+FIGURE_GOALS: dict[str, dict[str, tuple[str, Callable[[Any], bool]]]] = {
+    "sim_scale": {"simulate_wall_s": ("< 180 s", lambda wall_s: float(wall_s) < 180)},
+}
+
+
 def figured(result: dict[str, Any]) -> list[str]:
     """A benchmark kept with machine.keep_result: its figures as one table."""
     name = result["benchmark"]
     title, what, left_out = FIGURED[name]
     figures = {key: value for key, value in result["figures"].items() if key not in left_out}
     findings = figures.pop("findings", None)
+    goals = {
+        key: {"goal": goal, "met": met(figures[key])}
+        for key, (goal, met) in FIGURE_GOALS.get(name, {}).items()
+        if key in figures
+    }
     lines = [f"### {title} (`{name}.py`)", "", f"`python {result['command']}`: {what}.", "",
              machine_line(result), ""]  # fmt: skip
     if findings:
@@ -233,7 +244,7 @@ def figured(result: dict[str, Any]) -> list[str]:
             for f in findings
         ]
         lines.append("")
-    return lines + _figure_rows(figures, {})
+    return lines + _figure_rows(figures, goals)
 
 
 def _sync_loads_sentence(shapes: dict[str, Any]) -> str:
