@@ -10,9 +10,10 @@
                                       frame is in one of these modules
 
 Sampling, not tracing: a deterministic profiler (cProfile) charges every call
-the same overhead, which inflates code made of many small calls (the control
-plane is) by 2-3x. A sample costs one stack walk every 5 ms; the run slows by
-well under 1 %. Shares of a few thousand samples are good to about a percent.
+the same overhead, so code made of many small calls (the control plane is) runs
+2-3x slower under it (sim_scale's 1,500 requests: 141 s against 47 s), each
+function by how many calls it makes, not by its time. A sample is one stack walk
+every 5 ms. Shares of a few thousand samples are good to about a percent.
 """
 
 from __future__ import annotations
