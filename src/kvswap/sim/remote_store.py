@@ -283,13 +283,9 @@ class SharedRemoteStore:
                 continue
             slots.written(key)
             for evicted in slots.take_evicted():
-                victim = self._entries.pop(evicted)
-                self.used_bytes -= victim.num_bytes
+                self._evict(self._entries.pop(evicted), counters)
                 if self.local:
                     self._evicted.append(evicted)
-                for tally in (self.counters, counters):
-                    tally.evictions += 1
-                    tally.evicted_bytes += victim.num_bytes
             self._entries[key] = _Entry(value_bytes, visible_s, math.inf)
             self.used_bytes += value_bytes
         self._wrote(len(keys), failed, value_bytes, counters)
@@ -340,11 +336,14 @@ class SharedRemoteStore:
         if capacity is None:
             return
         while self._entries and self.used_bytes + num_bytes > capacity:
-            _key, victim = self._entries.popitem(last=False)
-            self.used_bytes -= victim.num_bytes
-            for tally in (self.counters, counters):
-                tally.evictions += 1
-                tally.evicted_bytes += victim.num_bytes
+            self._evict(self._entries.popitem(last=False)[1], counters)
+
+    def _evict(self, victim: _Entry, counters: StoreCounters) -> None:
+        """`victim` (out of the entries now) is evicted: its bytes freed and counted."""
+        self.used_bytes -= victim.num_bytes
+        for tally in (self.counters, counters):
+            tally.evictions += 1
+            tally.evicted_bytes += victim.num_bytes
 
 
 class RemoteStoreView(RemoteIndex):
