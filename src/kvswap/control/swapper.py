@@ -374,9 +374,8 @@ class Swapper:
             tier: TierOccupancy(slots.num_slots, slots.num_used_slots, slots.peak_used_slots)
             for tier, slots in self.store.tiers.items()
         }
-        store = self.store
+        local = self.store.local_keys
         for tier, capacity in self._local_capacity.items():
-            local = store.local_keys
             occupancy[tier] = TierOccupancy(
                 capacity, min(len(local), capacity), min(local.peak_keys, capacity)
             )
